@@ -1,0 +1,39 @@
+# snaketune: oasst1-format conversations -> DeepSpeed fine-tuning of DeepSeek-architecture models.
+#
+# results/
+# ├── data/raw/                    messages.parquet, SHA256SUMS, source.json         (rule download)
+# ├── data/conversations/          train.parquet, validation.parquet, stats.json     (rule conversations)
+# ├── tokenizer/<tokenizer id>/    HF tokenizer with chat template              (rules train_tokenizer, fetch_tokenizer)
+# ├── tokenized/<data key>/        train/, validation/ (Arrow, save_to_disk), stats.json (rule tokenize)
+# └── train/<experiment>/          model/ (HF safetensors), metrics.csv, tb/, summary.json (rule train)
+#     checkpoints/<experiment>/    resumable DeepSpeed checkpoints (not an output: survives failures)
+# logs/ and benchmarks/ mirror the rules.
+
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+report: "workflow/report/workflow.rst"
+
+
+include: "workflow/rules/common.smk"
+
+
+wildcard_constraints:
+    experiment="|".join(EXPERIMENTS),
+    key="[0-9a-f]{16}",
+    tokenizer="[A-Za-z0-9-]+",
+
+
+include: "workflow/rules/data.smk"
+include: "workflow/rules/train.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        all_targets(),

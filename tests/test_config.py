@@ -1,0 +1,150 @@
+"""Config: shipped files validate against the schema; bad values fail naming the key and allowed values."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from snaketune.config import ConfigError, TrainConfig, load_config
+from snaketune.dsconfig import build_ds_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
+SHIPPED = sorted((ROOT / "config").glob("*.yaml")) + sorted((ROOT / "tests/configs").glob("*.yaml"))
+
+
+def default_config() -> dict:
+    return yaml.safe_load((ROOT / "config/config.yaml").read_text())
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    raw = yaml.safe_load(path.read_text())
+    jsonschema.validate(raw, SCHEMA)
+    cfg = load_config(raw)
+    assert cfg.experiments
+
+
+def test_defaults_match_config_yaml():
+    """config.yaml spells out the dataclass defaults, so reading it or omitting it gives the same run."""
+    from_file = load_config(default_config()).experiments["default"]
+    from_defaults = load_config({}).experiments["default"]
+    assert from_file == from_defaults
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expected"),
+    [
+        (
+            ("dataset", "paths"),
+            "best",
+            "config key 'dataset.paths': 'best' is not allowed; allowed: top1, all",
+        ),
+        (("dataset", "source"), "data.csv", "allowed: builtin | hub:<dataset id>"),
+        (("dataset", "validation_fraction"), 1.5, "dataset.validation_fraction"),
+        (("dataset", "languages"), ["English"], "'English' is not a language code"),
+        (("tokenize", "chat_template"), "chatml", "allowed: deepseek, model"),
+        (("tokenize", "max_length"), 4, "tokenize.max_length"),
+        (("train", "precision"), "fp16", "allowed: auto, bf16, fp32"),
+        (("train", "global_batch_size"), 10, "not a multiple of train.micro_batch_size 4"),
+        (("model", "base"), "arch:llama-70b", "allowed arch: models: arch:deepseek-llm-7b"),
+    ],
+)
+def test_bad_values_name_key_and_allowed(path, value, expected):
+    raw = default_config()
+    raw[path[0]][path[1]] = value
+    with pytest.raises(ConfigError, match=None) as e:
+        load_config(raw)
+    assert expected in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (
+            lambda c: c["train"].update(learning_rat=1e-3),
+            "'train.learning_rat': unknown key; did you mean 'learning_rate'?",
+        ),
+        (lambda c: c.update(trian={}), "'trian': unknown key; did you mean 'train'?"),
+        (lambda c: c["train"]["lora"].update(rnak=8), "'train.lora.rnak': unknown key; did you mean 'rank'?"),
+        (lambda c: c["experiments"].update(x={"tokenise": {}}), "unknown key; did you mean 'tokenize'?"),
+        (lambda c: c["train"].update(epochs=2), "set exactly one of train.max_steps and train.epochs"),
+    ],
+)
+def test_typos_and_contradictions(mutate, expected):
+    raw = default_config()
+    mutate(raw)
+    with pytest.raises(ConfigError) as e:
+        load_config(raw)
+    assert expected in str(e.value)
+
+
+def test_schema_rejects_typos_too():
+    raw = default_config()
+    raw["train"]["learning_rat"] = 1e-3
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(raw, SCHEMA)
+
+
+def test_experiment_overrides_merge_deeply():
+    raw = default_config()
+    raw["experiments"] = {"a": {}, "b": {"train": {"learning_rate": 1e-4, "lora": {"enabled": True}}}}
+    cfg = load_config(raw)
+    a, b = cfg.experiments["a"], cfg.experiments["b"]
+    assert a.train.learning_rate == 3e-3 and b.train.learning_rate == 1e-4
+    assert b.train.lora.enabled and b.train.lora.rank == a.train.lora.rank
+    assert a.tokenize == b.tokenize
+
+
+@pytest.mark.parametrize(("world", "gas"), [(1, 6), (2, 3), (3, 2)])
+def test_accumulation_follows_world_size(world, gas):
+    assert TrainConfig().accumulation_steps(world) == gas
+
+
+def test_accumulation_error_names_the_fix():
+    with pytest.raises(ConfigError, match="choose a multiple of 16"):
+        TrainConfig().accumulation_steps(4)
+
+
+@pytest.mark.parametrize("name", ["zero0", "zero2", "zero3", "zero3_offload"])
+def test_shipped_deepspeed_configs(name):
+    path = ROOT / f"config/deepspeed/{name}.json"
+    ds = build_ds_config(
+        json.loads(path.read_text()), TrainConfig(), world_size=3, bf16=False, source=str(path)
+    )
+    assert ds["train_batch_size"] == 24 and ds["gradient_accumulation_steps"] == 2
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["bf16"] == {"enabled": False}
+
+
+@pytest.mark.parametrize(
+    ("file_cfg", "expected"),
+    [
+        (
+            {"zero_optimisation": {"stage": 2}},
+            "unknown key 'zero_optimisation'; did you mean 'zero_optimization'?",
+        ),
+        ({"train_batch_size": 32}, "key 'train_batch_size' is set by the workflow"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "key 'fp16' is set by the workflow"),
+        ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage 4; allowed: 0, 1, 2, 3"),
+    ],
+)
+def test_bad_deepspeed_configs(file_cfg, expected):
+    with pytest.raises(ConfigError) as e:
+        build_ds_config(copy.deepcopy(file_cfg), TrainConfig(), world_size=1, bf16=False, source="x.json")
+    assert expected in str(e.value) and "x.json" in str(e.value)
+
+
+def test_auto_values_are_accepted():
+    ds = build_ds_config(
+        {"train_batch_size": "auto", "bf16": {"enabled": "auto"}},
+        TrainConfig(),
+        world_size=2,
+        bf16=True,
+        source="x.json",
+    )
+    assert ds["train_batch_size"] == 24 and ds["bf16"] == {"enabled": True}

@@ -1,0 +1,706 @@
+"""Unit tests for snaketune.conversations on small hand-made oasst1-format trees."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from snaketune.conversations import (
+    OUTPUT_COLUMNS,
+    REQUIRED_COLUMNS,
+    Conversations,
+    DataError,
+    build_conversations,
+    read_messages,
+    split_hash,
+    write_conversations,
+)
+
+
+def msg(message_id: str, parent_id: str | None, role: str, text: str | None = None, **extra: Any) -> dict:
+    """One message row; text defaults to something non-empty derived from the id."""
+    return {
+        "message_id": message_id,
+        "parent_id": parent_id,
+        "role": role,
+        "text": f"text of {message_id}" if text is None else text,
+        **extra,
+    }
+
+
+def frame(*rows: dict) -> pd.DataFrame:
+    return pd.DataFrame(list(rows))
+
+
+def all_rows(result: Conversations) -> pd.DataFrame:
+    return pd.concat([result.train, result.validation], ignore_index=True)
+
+
+def ids(result: Conversations) -> list[str]:
+    return sorted(all_rows(result)["conversation_id"])
+
+
+def by_id(result: Conversations) -> dict[str, list[dict]]:
+    rows = all_rows(result)
+    return dict(zip(rows["conversation_id"], rows["messages"], strict=True))
+
+
+def expected_hash(tree_id: str) -> float:
+    # The documented formula, spelled out here independently of the module.
+    return int(hashlib.sha256(tree_id.encode()).hexdigest()[:16], 16) / 2**64
+
+
+def pair(root: str, lang: str = "en", **root_extra: Any) -> list[dict]:
+    """A minimal trainable tree: a question and one answer."""
+    return [
+        msg(root, None, "prompter", lang=lang, **root_extra),
+        msg(f"{root}-a", root, "assistant", lang=lang),
+    ]
+
+
+# The rich fixture: every drop reason at least once.
+#   t1 (prompter, en)
+#   ├── a1 rank 0, deleted            -> deleted
+#   │   └── p1                        -> under_dropped_parent
+#   ├── a2 rank 1                     (top1 follows this: a1 is dropped)
+#   │   ├── p2 rank 0, review failed  -> review_failed
+#   │   │   └── a3                    -> under_dropped_parent
+#   │   ├── p3 rank 1, blank text     -> empty_text
+#   │   ├── p4 unranked
+#   │   │   └── a4
+#   │   └── p5 rank 2 (leaf)          (top1 follows this: numbered rank before unranked)
+#   └── a5 unranked (leaf)
+#   t2 (de): t2 -> t2-a ; t3: assistant root (non_alternating) ; t4: lone prompter (no_exchange)
+#   o1 -> "missing", o2 -> o1 (orphan x2) ; l1 <-> l2, l3 -> l3, l4 -> l1 (loop x4)
+RICH = [
+    msg("t1", None, "prompter", lang="en"),
+    msg("a1", "t1", "assistant", rank=0, deleted=True),
+    msg("p1", "a1", "prompter"),
+    msg("a2", "t1", "assistant", rank=1),
+    msg("p2", "a2", "prompter", rank=0, review_result=False),
+    msg("a3", "p2", "assistant"),
+    msg("p3", "a2", "prompter", text="  \n\t", rank=1),
+    msg("p4", "a2", "prompter"),
+    msg("a4", "p4", "assistant"),
+    msg("p5", "a2", "prompter", rank=2),
+    msg("a5", "t1", "assistant"),
+    *pair("t2", lang="de"),
+    msg("t3", None, "assistant", lang="en"),
+    msg("t3-p", "t3", "prompter"),
+    msg("t4", None, "prompter", lang="en"),
+    msg("o1", "missing", "prompter"),
+    msg("o2", "o1", "assistant"),
+    msg("l1", "l2", "prompter"),
+    msg("l2", "l1", "assistant"),
+    msg("l3", "l3", "prompter"),
+    msg("l4", "l1", "assistant"),
+]
+
+
+def rich(**kwargs: Any) -> Conversations:
+    return build_conversations(frame(*RICH), **kwargs)
+
+
+# ---- path selection -----------------------------------------------------------------------------------
+
+
+def test_top1_follows_best_surviving_child_and_trims_trailing_prompter():
+    result = rich(paths="top1")
+    convs = by_id(result)
+    # t1 -> a2 (a1 deleted) -> p5 (rank 2 beats unranked p4) -> leaf; p5 is then trimmed.
+    assert convs["a2"] == [
+        {"role": "user", "content": "text of t1"},
+        {"role": "assistant", "content": "text of a2"},
+    ]
+    assert ids(result) == ["a2", "t2-a"]
+    assert result.stats["paths_trimmed_prompter"] == 1
+
+
+def test_all_paths_yields_every_root_to_leaf_path():
+    result = rich(paths="all")
+    convs = by_id(result)
+    assert ids(result) == ["a2", "a4", "a5", "t2-a"]
+    assert [m["content"] for m in convs["a4"]] == ["text of t1", "text of a2", "text of p4", "text of a4"]
+    assert [m["role"] for m in convs["a4"]] == ["user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in convs["a5"]] == ["text of t1", "text of a5"]
+
+
+def test_top1_rank_ties_break_by_created_date_then_message_id():
+    rows = [
+        msg("r", None, "prompter"),
+        msg("c", "r", "assistant", rank=0, created_date="2023-02-02"),
+        msg("b", "r", "assistant", rank=0, created_date="2023-02-01"),
+        msg("a", "r", "assistant", rank=1, created_date="2023-01-01"),
+    ]
+    assert ids(build_conversations(frame(*rows))) == ["b"]
+    rows[1]["created_date"] = "2023-02-01"  # now c and b tie on rank and date: the smaller id wins
+    assert ids(build_conversations(frame(*rows))) == ["b"]
+    rows[2]["message_id"] = "d"
+    assert ids(build_conversations(frame(*rows))) == ["c"]
+
+
+def test_top1_unranked_children_ordered_by_date():
+    rows = [
+        msg("r", None, "prompter"),
+        msg("late", "r", "assistant", created_date="2023-03-01T00:00:00+00:00"),
+        msg("early", "r", "assistant", created_date="2023-01-01T00:00:00+00:00"),
+    ]
+    assert ids(build_conversations(frame(*rows))) == ["early"]
+    assert ids(build_conversations(frame(*rows), paths="all")) == ["early", "late"]
+
+
+def test_top1_goes_to_leaf_through_many_turns():
+    rows = [msg("m0", None, "prompter")]
+    for i in range(1, 6):
+        rows.append(msg(f"m{i}", f"m{i - 1}", "assistant" if i % 2 else "prompter", rank=0))
+        rows.append(msg(f"x{i}", f"m{i - 1}", "assistant" if i % 2 else "prompter", rank=1))
+    result = build_conversations(frame(*rows))
+    assert ids(result) == ["m5"]
+    assert len(by_id(result)["m5"]) == 6
+
+
+def test_all_mode_dedupes_prompter_leaves_that_trim_to_the_same_conversation():
+    rows = [
+        msg("r", None, "prompter"),
+        msg("a", "r", "assistant"),
+        msg("q1", "a", "prompter"),
+        msg("q2", "a", "prompter"),
+    ]
+    result = build_conversations(frame(*rows), paths="all")
+    assert ids(result) == ["a"]
+    assert result.stats["paths_dropped"]["duplicate"] == 1
+
+
+def test_deep_thread_needs_no_recursion():
+    depth = 5000  # deeper than Python's default recursion limit
+    rows = [msg("m0", None, "prompter")]
+    rows += [msg(f"m{i}", f"m{i - 1}", "assistant" if i % 2 else "prompter") for i in range(1, depth)]
+    for paths in ("top1", "all"):
+        result = build_conversations(frame(*rows), paths=paths)
+        assert len(by_id(result)[f"m{depth - 1}"]) == depth
+
+
+# ---- dropping -----------------------------------------------------------------------------------------
+
+
+def test_drop_counts_by_reason():
+    stats = rich().stats
+    assert stats["dropped"] == {
+        "orphan": 2,
+        "loop": 4,
+        "language": 0,
+        "deleted": 1,
+        "review_failed": 1,
+        "empty_text": 1,
+        "under_dropped_parent": 2,
+    }
+    assert stats["messages"] == len(RICH) == 22
+    assert stats["messages_kept"] == 11
+    assert stats["trees"] == 4
+
+
+def test_deleted_drops_subtree():
+    rows = [*pair("r"), msg("r-a2", "r", "assistant", deleted=True), msg("r-p", "r-a2", "prompter")]
+    result = build_conversations(frame(*rows), paths="all")
+    assert ids(result) == ["r-a"]
+    assert result.stats["dropped"]["deleted"] == 1
+    assert result.stats["dropped"]["under_dropped_parent"] == 1
+
+
+def test_review_failed_drops_subtree_and_null_review_counts_as_passed():
+    rows = [
+        msg("r", None, "prompter", review_result=None),
+        msg("good", "r", "assistant", review_result=True),
+        msg("bad", "r", "assistant", review_result=False),
+        msg("bad-p", "bad", "prompter", review_result=True),
+        msg("bad-a", "bad-p", "assistant"),
+    ]
+    result = build_conversations(frame(*rows), paths="all")
+    assert ids(result) == ["good"]
+    assert result.stats["dropped"]["review_failed"] == 1
+    assert result.stats["dropped"]["under_dropped_parent"] == 2
+
+
+def test_empty_or_blank_text_drops_subtree_without_failing():
+    rows = [
+        *pair("r"),
+        msg("blank", "r", "assistant", text=" \n "),
+        msg("blank-p", "blank", "prompter"),
+        msg("empty", "r", "assistant", text=""),
+        msg("none", "r", "assistant", text=None),
+    ]
+    rows[-1]["text"] = None  # msg() fills in a default text; force a null one
+    result = build_conversations(frame(*rows), paths="all")
+    assert ids(result) == ["r-a"]
+    assert result.stats["dropped"]["empty_text"] == 3
+    assert result.stats["dropped"]["under_dropped_parent"] == 1
+
+
+def test_dropped_root_drops_whole_tree():
+    rows = [*pair("r", deleted=True), *pair("s")]
+    result = build_conversations(frame(*rows))
+    assert ids(result) == ["s-a"]
+    assert result.stats["dropped"]["deleted"] == 1
+    assert result.stats["dropped"]["under_dropped_parent"] == 1
+
+
+def test_orphans_and_loops_are_skipped_and_counted():
+    rows = [
+        *pair("r"),
+        msg("o1", "gone", "prompter"),
+        msg("o2", "o1", "assistant"),
+        msg("o3", "o2", "prompter"),
+        msg("self", "self", "prompter"),
+        msg("x", "y", "prompter"),
+        msg("y", "z", "assistant"),
+        msg("z", "x", "prompter"),
+        msg("hang", "z", "assistant"),
+    ]
+    result = build_conversations(frame(*rows))
+    assert ids(result) == ["r-a"]
+    assert result.stats["dropped"]["orphan"] == 3
+    assert result.stats["dropped"]["loop"] == 5
+    assert result.stats["trees"] == 1
+
+
+def test_language_filter_uses_root_language():
+    rows = [
+        *pair("en1", lang="en"),
+        msg("de1", None, "prompter", lang="de"),
+        msg("de1-a", "de1", "assistant", lang="en"),  # a reply's own lang does not matter
+        msg("de1-b", "de1", "assistant", lang="en"),
+        msg("nolang", None, "prompter", lang=None),
+        msg("nolang-a", "nolang", "assistant", lang=None),
+    ]
+    result = build_conversations(frame(*rows), languages=["en"], paths="all")
+    assert ids(result) == ["en1-a"]
+    assert result.stats["dropped"]["language"] == 5
+    assert result.stats["trees_dropped"] == {"language": 2}
+    assert result.stats["languages"] == ["en"]
+    unknown = build_conversations(frame(*rows), languages=["unknown"])
+    assert ids(unknown) == ["nolang-a"]
+    assert set(all_rows(unknown)["lang"]) == {"unknown"}
+
+
+def test_language_absent_column_defaults_to_unknown():
+    df = frame(*pair("r"), *pair("s")).drop(columns=["lang"])
+    result = build_conversations(df)
+    assert set(all_rows(result)["lang"]) == {"unknown"}
+    assert result.stats["by_language"]["train"] == {"unknown": len(result.train)}
+
+
+# ---- conversation shape -------------------------------------------------------------------------------
+
+
+def test_no_exchange_and_non_alternating_paths_are_counted():
+    rows = [
+        *pair("ok"),
+        msg("lone", None, "prompter"),  # nothing left after trimming the unanswered question
+        msg("arootq", None, "assistant"),  # starts with the assistant
+        msg("arootq-p", "arootq", "prompter"),
+        msg("twice", None, "prompter"),  # two questions in a row
+        msg("twice-p", "twice", "prompter"),
+        msg("twice-a", "twice-p", "assistant"),
+        msg("doublea", None, "prompter"),  # two answers in a row
+        msg("doublea-a", "doublea", "assistant"),
+        msg("doublea-b", "doublea-a", "assistant"),
+    ]
+    result = build_conversations(frame(*rows), paths="all")
+    assert ids(result) == ["ok-a"]
+    assert result.stats["paths_dropped"] == {"non_alternating": 3, "no_exchange": 1, "duplicate": 0}
+
+
+def test_trailing_prompter_removed_and_roles_mapped():
+    rows = [*pair("r"), msg("r-q", "r-a", "prompter")]
+    result = build_conversations(frame(*rows))
+    conv = by_id(result)["r-a"]
+    assert [m["role"] for m in conv] == ["user", "assistant"]
+    assert result.stats["paths_trimmed_prompter"] == 1
+
+
+def test_output_columns_types_and_order():
+    rows = [*pair("b"), *pair("a"), msg("a-a2", "a", "assistant", rank=1)]
+    result = build_conversations(frame(*rows), paths="all", validation_fraction=0.0)
+    for part in (result.train, result.validation):
+        assert tuple(part.columns) == OUTPUT_COLUMNS
+        keys = list(zip(part["message_tree_id"], part["conversation_id"], strict=True))
+        assert keys == sorted(keys)
+        assert list(part.index) == list(range(len(part)))
+    rows_all = all_rows(result)
+    assert rows_all["conversation_id"].is_unique
+    assert all(isinstance(v, str) for v in rows_all["message_tree_id"])
+
+
+def test_message_tree_id_column_is_taken_from_root():
+    rows = [*pair("r", message_tree_id="tree-r"), *pair("s")]
+    rows[1]["message_tree_id"] = "tree-r"
+    result = build_conversations(frame(*rows))
+    assert sorted(all_rows(result)["message_tree_id"]) == ["s", "tree-r"]
+
+
+def test_extra_columns_ignored():
+    rows = [{**r, "user_id": "u", "emojis": {"+1": 3}, "synthetic": False} for r in pair("r") + pair("s")]
+    assert ids(build_conversations(frame(*rows))) == ["r-a", "s-a"]
+
+
+# ---- input validation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("column", REQUIRED_COLUMNS)
+def test_missing_required_column(column):
+    df = frame(*pair("r")).drop(columns=[column])
+    with pytest.raises(DataError, match=rf"data\.jsonl: missing required column\(s\) {column}"):
+        build_conversations(df, source_name="data.jsonl")
+
+
+def test_empty_dataframe():
+    df = pd.DataFrame(columns=list(REQUIRED_COLUMNS))
+    with pytest.raises(DataError, match="x.parquet: no messages"):
+        build_conversations(df, source_name="x.parquet")
+
+
+def test_bad_role_names_value_row_and_allowed():
+    rows = [*pair("r"), msg("bad", "r", "user")]
+    with pytest.raises(DataError) as err:
+        build_conversations(frame(*rows), source_name="m.jsonl")
+    text = str(err.value)
+    for part in ("m.jsonl", "'role'", "row 2", "'bad'", "'user'", "prompter, assistant"):
+        assert part in text
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "allowed"),
+    [
+        ("text", 5, "a string or null"),
+        ("deleted", "yes", "true, false or null"),
+        ("deleted", 1, "true, false or null"),
+        ("review_result", "false", "true, false or null"),
+        ("rank", "first", "a number or null"),
+        ("rank", True, "a number or null"),
+        ("parent_id", 7, "a string or null"),
+        ("message_id", 3, "a string"),
+        ("lang", ["en"], "a string or null"),
+        ("created_date", 20230101, "an ISO date string, a timestamp or null"),
+    ],
+)
+def test_wrong_column_type(column, value, allowed):
+    rows = [*pair("r"), msg("x", "r", "assistant")]
+    rows[2][column] = value
+    with pytest.raises(DataError) as err:
+        build_conversations(pd.DataFrame(rows, dtype=object), source_name="m.jsonl")
+    text = str(err.value)
+    assert "m.jsonl" in text and f"'{column}'" in text and "row 2" in text and allowed in text
+
+
+def test_null_message_id_is_an_error():
+    rows = [*pair("r"), msg(None, "r", "assistant")]  # type: ignore[arg-type]
+    with pytest.raises(DataError, match="'message_id', row 2.*a non-null string"):
+        build_conversations(frame(*rows))
+
+
+def test_duplicate_message_id():
+    rows = [*pair("r"), msg("r-a", "r", "assistant")]
+    with pytest.raises(DataError, match=r"m\.jsonl.*row 2.*duplicate message_id 'r-a'.*first seen in row 1"):
+        build_conversations(frame(*rows), source_name="m.jsonl")
+
+
+def test_nothing_left_names_filters_and_counts():
+    with pytest.raises(
+        DataError, match=r"left no conversations \(languages=\['fr'\], paths='top1'.*'language': 6"
+    ):
+        build_conversations(frame(*pair("r"), *pair("s"), *pair("t")), languages=["fr"])
+    with pytest.raises(DataError, match="no_exchange"):
+        build_conversations(frame(msg("r", None, "prompter")))
+
+
+def test_bad_arguments():
+    df = frame(*pair("r"))
+    with pytest.raises(ValueError, match="allowed: top1, all"):
+        build_conversations(df, paths="best")
+    with pytest.raises(ValueError, match="validation_fraction"):
+        build_conversations(df, validation_fraction=1.0)
+    with pytest.raises(TypeError):
+        build_conversations(df, languages="en")
+
+
+# ---- oasst1 column types ------------------------------------------------------------------------------
+
+
+def test_oasst1_types_nan_rank_timestamps_nullable_bools():
+    df = frame(
+        msg("r", None, "prompter", lang="en"),
+        msg("late", "r", "assistant", lang="en"),
+        msg("early", "r", "assistant", lang="en"),
+        msg("ranked", "r", "assistant", lang="en"),
+    )
+    df["rank"] = pd.Series([np.nan, np.nan, np.nan, 0.0], dtype="float64")
+    df["created_date"] = pd.to_datetime(
+        ["2023-01-01T00:00:00Z", "2023-03-01T00:00:00Z", "2023-02-01T00:00:00Z", "2023-04-01T00:00:00Z"]
+    )
+    df["deleted"] = pd.array([False, False, pd.NA, False], dtype="boolean")
+    df["review_result"] = pd.array([True, pd.NA, True, False], dtype="boolean")
+    result = build_conversations(df, paths="top1")
+    assert ids(result) == ["early"]  # ranked is review-failed; among unranked, the earlier wins
+    assert result.stats["dropped"]["review_failed"] == 1
+    assert ids(build_conversations(df, paths="all")) == ["early", "late"]
+
+
+# ---- splits -------------------------------------------------------------------------------------------
+
+
+def test_split_by_hash_matches_formula():
+    rows = [r for i in range(200) for r in pair(f"tree{i:03d}")]
+    result = build_conversations(frame(*rows), validation_fraction=0.3)
+    assert result.stats["split_source"] == "hash"
+    assert result.stats["split_fallback"] is None
+    for tree_id in result.train["message_tree_id"]:
+        assert expected_hash(tree_id) >= 0.3
+    for tree_id in result.validation["message_tree_id"]:
+        assert expected_hash(tree_id) < 0.3
+    assert len(result.train) + len(result.validation) == 200
+    assert 20 < len(result.validation) < 100
+    assert split_hash("tree000") == expected_hash("tree000")
+
+
+def test_split_keeps_each_tree_in_one_split():
+    rows = [msg(f"t{i}", None, "prompter") for i in range(50)]
+    rows += [msg(f"t{i}-{j}", f"t{i}", "assistant") for i in range(50) for j in range(3)]
+    result = build_conversations(frame(*rows), paths="all", validation_fraction=0.3)
+    assert not set(result.train["message_tree_id"]) & set(result.validation["message_tree_id"])
+    assert len(result.train) + len(result.validation) == 150
+
+
+def test_tiny_dataset_still_gets_a_validation_tree():
+    result = build_conversations(frame(*pair("r"), *pair("s"), *pair("t")), validation_fraction=0.0)
+    smallest = min(["r", "s", "t"], key=expected_hash)
+    assert list(result.validation["message_tree_id"]) == [smallest]
+    assert result.stats["split_fallback"] == {"message_tree_id": smallest, "moved_to": "validation"}
+    assert result.stats["conversations"] == {"train": 2, "validation": 1}
+
+
+def test_single_tree_is_not_moved():
+    result = build_conversations(frame(*pair("r")), validation_fraction=0.0)
+    assert len(result.train) == 1 and len(result.validation) == 0
+    assert result.stats["split_fallback"] is None
+
+
+def test_split_column_decides_by_root():
+    rows = [
+        *pair("r", split="train"),
+        *pair("s", split="validation"),
+        *pair("t", split="train"),
+    ]
+    rows[3]["split"] = "train"  # a reply's split does not matter: its root's does
+    result = build_conversations(frame(*rows), validation_fraction=0.99)
+    assert list(result.train["message_tree_id"]) == ["r", "t"]
+    assert list(result.validation["message_tree_id"]) == ["s"]
+    assert result.stats["split_source"] == "source"
+    assert result.stats["split_fallback"] is None
+
+
+def test_split_column_all_null_falls_back_to_hash():
+    rows = [{**r, "split": None} for r in pair("r") + pair("s")]
+    assert build_conversations(frame(*rows)).stats["split_source"] == "hash"
+
+
+def test_split_column_bad_value():
+    rows = [*pair("r", split="train"), *pair("s", split="test")]
+    with pytest.raises(
+        DataError, match=r"m\.parquet: column 'split', row 2.*'test'.*allowed: train, validation"
+    ):
+        build_conversations(frame(*rows), source_name="m.parquet")
+
+
+def test_split_column_null_on_a_root_while_others_have_one():
+    rows = [*pair("r", split="train"), *pair("s")]
+    with pytest.raises(DataError, match=r"'split', row 2.*root of tree 's' has no split"):
+        build_conversations(frame(*rows))
+
+
+def test_split_column_without_validation_moves_one_tree():
+    rows = [*pair("r", split="train"), *pair("s", split="train")]
+    result = build_conversations(frame(*rows))
+    smallest = min(["r", "s"], key=expected_hash)
+    assert list(result.validation["message_tree_id"]) == [smallest]
+    assert result.stats["split_source"] == "source"
+
+
+# ---- stats --------------------------------------------------------------------------------------------
+
+
+def test_stats_full():
+    result = rich(paths="all", validation_fraction=0.0)
+    smallest = min(["t1", "t2"], key=expected_hash)
+    moved_lang = "en" if smallest == "t1" else "de"
+    other_lang = "de" if smallest == "t1" else "en"
+    n_moved = 3 if smallest == "t1" else 1
+    turns = {"t1": (2 + 4 + 2) / 3, "t2": 2.0}
+    expected = {
+        "paths": "all",
+        "languages": [],
+        "validation_fraction": 0.0,
+        "trees": 4,
+        "messages": 22,
+        "messages_kept": 11,
+        "dropped": {
+            "orphan": 2,
+            "loop": 4,
+            "language": 0,
+            "deleted": 1,
+            "review_failed": 1,
+            "empty_text": 1,
+            "under_dropped_parent": 2,
+        },
+        "trees_dropped": {"language": 0},
+        "paths_dropped": {"non_alternating": 1, "no_exchange": 1, "duplicate": 0},
+        "paths_trimmed_prompter": 1,
+        "split_source": "hash",
+        "split_fallback": {"message_tree_id": smallest, "moved_to": "validation"},
+        "trees_by_split": {"train": 1, "validation": 1},
+        "conversations": {"train": 4 - n_moved, "validation": n_moved},
+        "by_language": {"train": {other_lang: 4 - n_moved}, "validation": {moved_lang: n_moved}},
+        "turns_mean": {
+            "train": round(turns["t2" if smallest == "t1" else "t1"], 4),
+            "validation": round(turns[smallest], 4),
+        },
+    }
+    assert result.stats == expected
+    json.dumps(result.stats)  # JSON-able
+
+
+# ---- files --------------------------------------------------------------------------------------------
+
+
+def test_write_is_byte_identical_and_independent_of_row_order(tmp_path):
+    df = frame(*RICH)
+    first = build_conversations(df, paths="all")
+    shuffled = build_conversations(df.sample(frac=1.0, random_state=7).reset_index(drop=True), paths="all")
+    write_conversations(first, tmp_path / "a")
+    write_conversations(shuffled, tmp_path / "b")
+    write_conversations(first, tmp_path / "a")  # overwriting gives the same bytes again
+    for name in ("train.parquet", "validation.parquet", "stats.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+        "stats.json",
+        "train.parquet",
+        "validation.parquet",
+    ]
+
+
+def test_written_files_round_trip(tmp_path):
+    result = build_conversations(frame(*pair("r"), *pair("s")), validation_fraction=0.0)
+    write_conversations(result, tmp_path)
+    train = pq.read_table(tmp_path / "train.parquet")
+    assert train.schema.names == list(OUTPUT_COLUMNS)
+    assert train.schema.field("messages").type == pa.list_(
+        pa.struct([("role", pa.string()), ("content", pa.string())])
+    )
+    assert train.to_pylist() == result.train.to_dict("records")
+    assert json.loads((tmp_path / "stats.json").read_text()) == result.stats
+    text = (tmp_path / "stats.json").read_text()
+    assert text == json.dumps(result.stats, sort_keys=True, indent=2) + "\n"
+
+
+def test_empty_split_written_with_schema(tmp_path):
+    result = build_conversations(frame(*pair("r")), validation_fraction=0.0)
+    write_conversations(result, tmp_path)
+    validation = pq.read_table(tmp_path / "validation.parquet")
+    assert validation.num_rows == 0
+    assert validation.schema == pq.read_table(tmp_path / "train.parquet").schema
+
+
+def write_lines(path: Path, lines: list[bytes]) -> Path:
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_read_messages_jsonl(tmp_path):
+    lines = [json.dumps(r).encode() for r in pair("r") + pair("s")]
+    path = write_lines(tmp_path / "m.jsonl", [lines[0], b"", *lines[1:]])
+    df = read_messages(path)
+    assert list(df["message_id"]) == ["r", "r-a", "s", "s-a"]
+    assert ids(build_conversations(df, source_name=str(path))) == ["r-a", "s-a"]
+
+
+def test_read_messages_jsonl_malformed_line(tmp_path):
+    lines = [json.dumps(r).encode() for r in pair("r")]
+    path = write_lines(tmp_path / "m.jsonl", [lines[0], lines[1], b'{"message_id": "x", '])
+    with pytest.raises(DataError, match=r"m\.jsonl: line 3: malformed JSON"):
+        read_messages(path)
+
+
+def test_read_messages_jsonl_invalid_utf8(tmp_path):
+    lines = [json.dumps(r).encode() for r in pair("r")]
+    path = write_lines(tmp_path / "m.jsonl", [lines[0], b'{"text": "caf\xe9"}', lines[1]])
+    with pytest.raises(DataError, match=r"m\.jsonl: line 2: invalid UTF-8"):
+        read_messages(path)
+
+
+def test_read_messages_jsonl_line_not_an_object(tmp_path):
+    path = write_lines(tmp_path / "m.jsonl", [json.dumps(pair("r")[0]).encode(), b"[1, 2]"])
+    with pytest.raises(DataError, match=r"m\.jsonl: line 2: expected a JSON object"):
+        read_messages(path)
+
+
+def test_read_messages_parquet_with_oasst1_types(tmp_path):
+    table = pa.table(
+        {
+            "message_id": ["r", "a0", "a1"],
+            "parent_id": [None, "r", "r"],
+            "role": ["prompter", "assistant", "assistant"],
+            "text": ["q", "best", "second"],
+            "lang": ["en", "en", "en"],
+            "rank": pa.array([None, 1.0, 0.0], pa.float64()),
+            "created_date": pa.array([1, 2, 3], pa.timestamp("us", tz="UTC")),
+            "deleted": [False, False, False],
+            "review_result": pa.array([True, None, True], pa.bool_()),
+        }
+    )
+    pq.write_table(table, tmp_path / "m.parquet")
+    df = read_messages(tmp_path / "m.parquet")
+    assert ids(build_conversations(df)) == ["a1"]
+
+
+def test_read_messages_bad_files(tmp_path):
+    with pytest.raises(DataError, match=r"unsupported file type '\.csv'; allowed: \.parquet, \.jsonl"):
+        read_messages(tmp_path / "m.csv")
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataError, match="bad.parquet: not a readable Parquet file"):
+        read_messages(tmp_path / "bad.parquet")
+
+
+# ---- scale --------------------------------------------------------------------------------------------
+
+
+def test_oasst1_sized_input_is_fast():
+    # ~90k messages like oasst1: 10k trees of a question, 3 ranked answers, 2 follow-ups, 2 answers.
+    rows: list[dict] = []
+    for t in range(10_000):
+        root = f"t{t}"
+        rows.append(msg(root, None, "prompter", lang="en" if t % 3 else "de"))
+        for a in range(3):
+            rows.append(msg(f"{root}a{a}", root, "assistant", rank=float(a)))
+        for p in range(2):
+            rows.append(msg(f"{root}p{p}", f"{root}a0", "prompter", rank=float(p)))
+            rows.append(msg(f"{root}p{p}a", f"{root}p{p}", "assistant"))
+    df = frame(*rows)
+    start = time.perf_counter()
+    result = build_conversations(df, paths="all")
+    elapsed = time.perf_counter() - start
+    assert len(result.train) + len(result.validation) == 10_000 * 4
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+
+
+def test_read_messages_jsonl_with_bom(tmp_path):
+    lines = [json.dumps(r).encode() for r in pair("r")]
+    path = write_lines(tmp_path / "m.jsonl", [b"\xef\xbb\xbf" + lines[0], lines[1]])
+    assert list(read_messages(path)["message_id"]) == ["r", "r-a"]

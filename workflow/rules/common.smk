@@ -1,0 +1,133 @@
+# Config validation and the helpers that the rule files use. Validation runs first, so a bad config stops
+# the workflow before any job starts, with the key and the allowed values in the message.
+
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
+
+from snaketune import keys  # noqa: E402
+from snaketune.config import ConfigError, load_config, to_dict  # noqa: E402
+
+try:
+    CFG = load_config(config)
+except ConfigError as e:
+    raise WorkflowError(f"Invalid configuration: {e}") from None
+# Defaults live in the typed config (snaketune.config), not in the schema.
+validate(config, schema="../schemas/config.schema.yaml", set_default=False)
+
+EXPERIMENTS = CFG.experiments
+# Several experiments may share one tokenized cache (same data, tokenizer and settings).
+DATA_KEYS = {keys.data_key(exp): exp for exp in EXPERIMENTS.values()}
+TOKENIZERS = {keys.tokenizer_id(exp.model): exp.model for exp in EXPERIMENTS.values()}
+
+
+def all_targets():
+    return [f"results/train/{name}/summary.json" for name in EXPERIMENTS]
+
+
+def experiment(wildcards):
+    return EXPERIMENTS[wildcards.experiment]
+
+
+def exp_for_key(wildcards):
+    return DATA_KEYS[wildcards.key]
+
+
+# ---- download / conversations ------------------------------------------------------------------
+
+
+def download_params():
+    ds = CFG.dataset
+    return {
+        "source": ds.source,
+        "builtin_trees": ds.builtin_trees,
+        "builtin_seed": ds.builtin_seed,
+        "code": keys.code_hash("download"),
+    }
+
+
+def download_input():
+    """A local source file is an input, so editing it reruns the workflow; builtin and hub have none."""
+    src = CFG.dataset.source
+    return [] if src == "builtin" or src.startswith("hub:") else [src]
+
+
+def conversations_params():
+    ds = CFG.dataset
+    return {
+        "languages": list(ds.languages),
+        "paths": ds.paths,
+        "validation_fraction": ds.validation_fraction,
+        "code": keys.code_hash("conversations"),
+    }
+
+
+# ---- tokenizer / tokenize ------------------------------------------------------------------------
+
+
+def tokenizer_dir(exp):
+    return f"results/tokenizer/{keys.tokenizer_id(exp.model)}"
+
+
+def fetch_tokenizer_params(wildcards):
+    model = TOKENIZERS[wildcards.tokenizer]
+    name = model.base if model.tokenizer == "auto" else model.tokenizer
+    return {
+        "name": name,
+        "revision": model.revision,
+        "trust_remote_code": model.trust_remote_code,
+        "code": keys.code_hash("tokenizer"),
+    }
+
+
+def tokenize_input(wildcards):
+    exp = exp_for_key(wildcards)
+    return {
+        "train": "results/data/conversations/train.parquet",
+        "validation": "results/data/conversations/validation.parquet",
+        "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
+    }
+
+
+def tokenize_params(wildcards):
+    exp = exp_for_key(wildcards)
+    return {**keys.tokenize_settings(exp.tokenize), "code": keys.code_hash("tokenize")}
+
+
+def tokenized_dir(exp):
+    return f"results/tokenized/{keys.data_key(exp)}"
+
+
+# ---- train ---------------------------------------------------------------------------------------
+
+
+def train_input(wildcards):
+    exp = experiment(wildcards)
+    return {
+        "data": tokenized_dir(exp),
+        "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
+        "deepspeed": exp.train.deepspeed,
+    }
+
+
+def train_params(wildcards):
+    """Everything that changes the trained model; its hash names the checkpoint directory, so a changed
+    setting never resumes a stale run."""
+    exp = experiment(wildcards)
+    spec = {
+        "model": to_dict(exp.model),
+        "train": to_dict(exp.train),
+        "max_length": exp.tokenize.max_length,
+        "data_key": keys.data_key(exp),
+        "deepspeed_sha256": keys.file_hash(exp.train.deepspeed),
+        "code": keys.code_hash("train"),
+    }
+    return {**spec, "run_key": keys.short_hash(spec)}
+
+
+def train_gpus(wildcards):
+    return experiment(wildcards).train.gpus

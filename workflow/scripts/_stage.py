@@ -1,0 +1,34 @@
+"""Shared shell of every Snakemake script: put the snaketune package on sys.path, log to the rule's log.
+
+Snakemake adds this directory to sys.path before running a script, so scripts `import _stage` first.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def run(snakemake, main: Callable[[object], None]) -> None:
+    """Send stderr and logging to the rule's log, run main(snakemake), log a clean error on failure."""
+    log_path = snakemake.log[0] if snakemake.log else None
+    stream = open(log_path, "a", buffering=1, encoding="utf-8") if log_path else sys.stderr  # noqa: SIM115
+    sys.stderr = stream
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=stream,
+        force=True,
+    )
+    try:
+        main(snakemake)
+    except Exception as e:
+        traceback.print_exc(file=stream)
+        # The one-line reason also reaches the terminal through Snakemake's error report.
+        print(f"ERROR in rule {snakemake.rule}: {type(e).__name__}: {e}", file=sys.__stderr__)
+        raise SystemExit(1) from None

@@ -1,0 +1,19 @@
+import _stage
+
+from pathlib import Path
+
+from snaketune.tokenization import tokenize_conversations
+
+
+def main(smk):
+    spec = dict(smk.params.spec)
+    spec.pop("code")
+    tokenize_conversations(
+        Path(smk.input.train).parent,
+        Path(smk.input.tokenizer).parent,
+        smk.output[0],
+        **spec,
+    )
+
+
+_stage.run(snakemake, main)

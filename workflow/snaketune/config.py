@@ -1,0 +1,339 @@
+"""Typed configuration: one dataclass per config section, checked on construction.
+
+The workflow validates the YAML against workflow/schemas/config.schema.yaml and then builds these
+dataclasses (``load_config``), which add what a JSON schema cannot say well: "did you mean" for typos,
+cross-field checks and derived values. Every error names the key and the allowed values.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUILTIN_MODELS = ("builtin-tiny", "arch:deepseek-llm-7b")
+PATHS_MODES = ("top1", "all")
+CHAT_TEMPLATES = ("deepseek", "model")
+PRECISIONS = ("auto", "bf16", "fp32")
+EXPERIMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# ISO 639-1 codes plus the regional variants oasst1 uses (pt-BR, zh, ...): shape check only.
+LANG_CODE = re.compile(r"^[a-z]{2,3}(-[A-Za-z]{2,4})?$")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key and what is allowed."""
+
+
+def _fail(key: str, message: str) -> None:
+    raise ConfigError(f"config key '{key}': {message}")
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    source: str = "builtin"
+    """`builtin` | `hub:<dataset id>` | path to a local .jsonl or .parquet file in the oasst1 message schema."""
+    builtin_trees: int = 600
+    """Number of message trees the builtin generator makes (only for source `builtin`)."""
+    builtin_seed: int = 0
+    """Seed of the builtin generator."""
+    languages: tuple[str, ...] = ()
+    """Language codes to keep, matched against each tree's root message; empty keeps all."""
+    paths: str = "top1"
+    """`top1`: the best-ranked path per tree; `all`: every root-to-leaf path."""
+    validation_fraction: float = 0.05
+    """Share of trees held out for validation when the source has no split of its own."""
+
+    def __post_init__(self) -> None:
+        src = self.source
+        if not src:
+            _fail("dataset.source", "is empty; allowed: builtin | hub:<dataset id> | a .jsonl/.parquet file")
+        if src != "builtin" and not src.startswith("hub:") and not src.endswith((".jsonl", ".parquet")):
+            _fail(
+                "dataset.source",
+                f"{src!r} is not allowed; allowed: builtin | hub:<dataset id> | a path ending in .jsonl or .parquet",
+            )
+        if src.startswith("hub:") and not re.match(r"^hub:[\w.-]+(/[\w.-]+)?$", src):
+            _fail("dataset.source", f"{src!r} is not a hub dataset id (expected hub:<owner>/<name>)")
+        if self.paths not in PATHS_MODES:
+            _fail("dataset.paths", f"{self.paths!r} is not allowed; allowed: {', '.join(PATHS_MODES)}")
+        if not 0.0 < self.validation_fraction < 1.0:
+            _fail("dataset.validation_fraction", f"{self.validation_fraction} must be > 0 and < 1")
+        if self.builtin_trees < 10:
+            _fail("dataset.builtin_trees", f"{self.builtin_trees} must be >= 10")
+        for code in self.languages:
+            if not isinstance(code, str) or not LANG_CODE.match(code):
+                _fail("dataset.languages", f"{code!r} is not a language code (e.g. en, de, pt-BR)")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    base: str = "builtin-tiny"
+    """`builtin-tiny` | `arch:deepseek-llm-7b` | a hub model id | a local model directory."""
+    tokenizer: str = "auto"
+    """`auto` (the model's own; the builtin BPE for builtin-tiny and arch:*) | a hub id | a local directory."""
+    revision: str = "main"
+    """Hub revision (branch, tag or commit) for hub models and tokenizers."""
+    trust_remote_code: bool = False
+    """Allow code shipped with a hub model to run. Off unless you trust the model's authors."""
+    num_layers: int | None = None
+    """For arch:* models only: cut the architecture to this many layers (benchmarks); None keeps all."""
+
+    def __post_init__(self) -> None:
+        if not self.base:
+            _fail(
+                "model.base",
+                "is empty; allowed: builtin-tiny | arch:deepseek-llm-7b | a hub id | a local directory",
+            )
+        if self.base.startswith("arch:") and self.base not in BUILTIN_MODELS:
+            _fail("model.base", f"{self.base!r} is unknown; allowed arch: models: arch:deepseek-llm-7b")
+        if self.num_layers is not None and (self.num_layers < 1 or not self.base.startswith("arch:")):
+            _fail("model.num_layers", "must be >= 1 and is only allowed with an arch: model")
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.base in BUILTIN_MODELS
+
+    @property
+    def uses_builtin_tokenizer(self) -> bool:
+        return self.tokenizer == "auto" and self.is_builtin
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    max_length: int = 256
+    """Tokens per training sequence: longer conversations are truncated; packed blocks have this size."""
+    packing: bool = True
+    """Pack several conversations into each max_length block (position ids restart per conversation)."""
+    assistant_only_loss: bool = True
+    """Train only on assistant turns (their text and end-of-turn token); False trains on every token."""
+    chat_template: str = "deepseek"
+    """`deepseek`: the DeepSeek-LLM chat format (bos, `User: ..\\n\\n`, `Assistant: ..<eos>`); `model`: the tokenizer's own."""
+
+    def __post_init__(self) -> None:
+        if not 16 <= self.max_length <= 131072:
+            _fail("tokenize.max_length", f"{self.max_length} must be between 16 and 131072")
+        if self.chat_template not in CHAT_TEMPLATES:
+            _fail(
+                "tokenize.chat_template",
+                f"{self.chat_template!r} is not allowed; allowed: {', '.join(CHAT_TEMPLATES)}",
+            )
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    enabled: bool = False
+    """Train LoRA adapters instead of all weights (peft); the final model is also saved merged."""
+    rank: int = 16
+    """LoRA rank r."""
+    alpha: int = 32
+    """LoRA alpha (scale = alpha / rank)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA branch."""
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Module names that get adapters."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            _fail("train.lora.rank", f"{self.rank} must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            _fail("train.lora.dropout", f"{self.dropout} must be in [0, 1)")
+        if not self.targets:
+            _fail("train.lora.targets", "must name at least one module")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    gpus: int = 3
+    """GPUs (ranks) to ask Snakemake for; on a machine without CUDA, CPU ranks over gloo."""
+    deepspeed: str = "config/deepspeed/zero2.json"
+    """DeepSpeed JSON (ZeRO stage, offload, buckets); batch sizes, optimizer and precision come from here, not it."""
+    learning_rate: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at learning_rate * min_lr_ratio."""
+    warmup_steps: int = 10
+    """Linear warmup, in optimizer steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (not applied to norms and biases)."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+    max_steps: int | None = 120
+    """Optimizer steps to train; set this or `epochs`, not both."""
+    epochs: float | None = None
+    """Passes over the training split (alternative to max_steps)."""
+    global_batch_size: int = 24
+    """Sequences per optimizer step across all ranks (= micro_batch_size x world size x accumulation)."""
+    micro_batch_size: int = 4
+    """Sequences per rank per forward/backward."""
+    precision: str = "auto"
+    """`auto` (bf16 on GPU, fp32 on CPU) | `bf16` | `fp32`."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (costs ~30% speed)."""
+    seed: int = 1234
+    """Seed for model init (builtin models), data order and dropout."""
+    checkpoint_every: int = 40
+    """Write a resumable DeepSpeed checkpoint every this many optimizer steps (0 = never)."""
+    keep_checkpoints: int = 2
+    """How many of the newest complete checkpoints to keep."""
+    log_every: int = 5
+    """Log metrics every this many optimizer steps."""
+    eval_every: int = 40
+    """Compute validation loss every this many optimizer steps (0 = only at the end)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA settings."""
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            _fail("train.gpus", f"{self.gpus} must be >= 1")
+        if (self.max_steps is None) == (self.epochs is None):
+            _fail("train.max_steps", "set exactly one of train.max_steps and train.epochs")
+        if self.max_steps is not None and self.max_steps < 1:
+            _fail("train.max_steps", f"{self.max_steps} must be >= 1")
+        if self.epochs is not None and self.epochs <= 0:
+            _fail("train.epochs", f"{self.epochs} must be > 0")
+        if self.learning_rate <= 0:
+            _fail("train.learning_rate", f"{self.learning_rate} must be > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail("train.min_lr_ratio", f"{self.min_lr_ratio} must be in [0, 1]")
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            _fail("train.global_batch_size", "global_batch_size and micro_batch_size must be >= 1")
+        if self.global_batch_size % self.micro_batch_size:
+            _fail(
+                "train.global_batch_size",
+                f"{self.global_batch_size} is not a multiple of train.micro_batch_size {self.micro_batch_size}",
+            )
+        if self.precision not in PRECISIONS:
+            _fail("train.precision", f"{self.precision!r} is not allowed; allowed: {', '.join(PRECISIONS)}")
+        if self.keep_checkpoints < 1:
+            _fail("train.keep_checkpoints", f"{self.keep_checkpoints} must be >= 1")
+        if not self.deepspeed.endswith(".json"):
+            _fail(
+                "train.deepspeed",
+                f"{self.deepspeed!r} must be a .json file (e.g. config/deepspeed/zero2.json)",
+            )
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per rank per optimizer step, so that the global batch is the same for any world size."""
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            _fail(
+                "train.global_batch_size",
+                f"{self.global_batch_size} is not divisible by micro_batch_size x world size "
+                f"= {self.micro_batch_size} x {world_size}; choose a multiple of {per_step}",
+            )
+        return self.global_batch_size // per_step
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """Everything one experiment depends on: the shared dataset plus its own model/tokenize/train."""
+
+    name: str
+    dataset: DatasetConfig
+    model: ModelConfig
+    tokenize: TokenizeConfig
+    train: TrainConfig
+
+
+@dataclass(frozen=True)
+class Config:
+    dataset: DatasetConfig
+    experiments: dict[str, ExperimentConfig]
+    raw: dict[str, Any]
+    """The config as given (after experiment merging it is still the user's mapping)."""
+
+
+_SECTIONS = {"dataset": DatasetConfig, "model": ModelConfig, "tokenize": TokenizeConfig, "train": TrainConfig}
+_EXPERIMENT_SECTIONS = ("model", "tokenize", "train")
+# Top-level keys that are not dataclass sections; other issues' stages add theirs here.
+_OTHER_TOP_LEVEL = ("experiments", "eval", "report", "gpu_memory_gib")
+
+
+def _check_keys(mapping: dict, allowed: list[str], where: str) -> None:
+    for key in mapping:
+        if key not in allowed:
+            guess = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"; did you mean '{guess[0]}'?" if guess else ""
+            _fail(f"{where}{key}", f"unknown key{hint} allowed: {', '.join(allowed)}")
+
+
+def _build(cls: type, values: dict | None, where: str) -> Any:
+    values = dict(values or {})
+    names = [f.name for f in dataclasses.fields(cls)]
+    _check_keys(values, names, where)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        v = values[f.name]
+        if f.name == "lora":
+            v = _build(LoraConfig, v, f"{where}lora.")
+        elif isinstance(v, list):
+            v = tuple(v)
+        kwargs[f.name] = v
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - guarded by _check_keys
+        raise ConfigError(f"config section '{where.rstrip('.')}': {e}") from e
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in (override or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_config(raw: dict[str, Any]) -> Config:
+    """Build and check the typed config from the YAML mapping (snakemake's ``config``)."""
+    raw = dict(raw or {})
+    _check_keys(raw, list(_SECTIONS) + list(_OTHER_TOP_LEVEL), "")
+    dataset = _build(DatasetConfig, raw.get("dataset"), "dataset.")
+    experiments_raw = raw.get("experiments") or {"default": {}}
+    if not isinstance(experiments_raw, dict):
+        _fail("experiments", "must map experiment names to overrides (e.g. default: {})")
+    experiments = {}
+    for name, override in experiments_raw.items():
+        if not isinstance(name, str) or not EXPERIMENT_NAME.match(name):
+            _fail(f"experiments.{name}", "experiment names use letters, digits, '_', '-', '.' (max 64)")
+        override = override or {}
+        if not isinstance(override, dict):
+            _fail(f"experiments.{name}", "must be a mapping of overrides of model/tokenize/train")
+        _check_keys(override, list(_EXPERIMENT_SECTIONS), f"experiments.{name}.")
+        sections = {}
+        for section in _EXPERIMENT_SECTIONS:
+            merged = _deep_merge(raw.get(section) or {}, override.get(section) or {})
+            where = f"experiments.{name}.{section}." if section in override else f"{section}."
+            sections[section] = _build(_SECTIONS[section], merged, where)
+        experiments[name] = ExperimentConfig(name=name, dataset=dataset, **sections)
+    return Config(dataset=dataset, experiments=experiments, raw=raw)
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass as plain JSON-able data (tuples become lists)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def resolve_in_workdir(path: str, key: str, workdir: Path | None = None) -> Path:
+    """A user-given input path, checked to exist."""
+    p = Path(path)
+    if workdir is not None and not p.is_absolute():
+        p = workdir / p
+    if not p.exists():
+        _fail(key, f"file {str(p)!r} does not exist")
+    return p

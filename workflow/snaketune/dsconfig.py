@@ -1,0 +1,85 @@
+"""DeepSpeed config: the user's JSON (ZeRO stage, offload, buckets) + what the workflow derives.
+
+Batch sizes, accumulation, clipping and precision come from config.yaml (train.*), so one place decides
+them and the global batch stays the same for any world size. A JSON that sets them to concrete values
+is refused rather than silently overridden.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from snaketune.config import ConfigError, TrainConfig
+
+# Keys the workflow fills in; allowed in the file only as "auto" (HF convention) or absent.
+DERIVED = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "bf16",
+    "fp16",
+    "optimizer",
+    "scheduler",
+)
+# Top-level keys passed through to DeepSpeed; anything else is most likely a typo.
+ALLOWED = (
+    "zero_optimization",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "communication_data_type",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "flops_profiler",
+    "comms_logger",
+    "data_types",
+    "seq_parallel_communication_data_type",
+    "torch_autocast",
+    "_comment",
+)
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _is_auto(value) -> bool:
+    return value == "auto" or (isinstance(value, dict) and value.get("enabled") == "auto")
+
+
+def build_ds_config(file_cfg: dict, train: TrainConfig, *, world_size: int, bf16: bool, source: str) -> dict:
+    """The full DeepSpeed config for a run; errors name the file and the key."""
+    import difflib
+
+    for key, value in file_cfg.items():
+        if key in DERIVED:
+            if not _is_auto(value):
+                raise ConfigError(
+                    f"{source}: key '{key}' is set by the workflow from config.yaml (train.*); "
+                    f'remove it or set it to "auto"'
+                )
+        elif key not in ALLOWED:
+            guess = difflib.get_close_matches(key, list(ALLOWED) + list(DERIVED), n=1)
+            hint = f"; did you mean '{guess[0]}'?" if guess else ""
+            raise ConfigError(f"{source}: unknown key '{key}'{hint} allowed: {', '.join(ALLOWED)}")
+    cfg = {k: copy.deepcopy(v) for k, v in file_cfg.items() if k not in DERIVED and k != "_comment"}
+    zero = cfg.setdefault("zero_optimization", {"stage": 0})
+    if zero.get("stage", 0) not in ZERO_STAGES:
+        raise ConfigError(f"{source}: zero_optimization.stage {zero.get('stage')!r}; allowed: 0, 1, 2, 3")
+    gas = train.accumulation_steps(world_size)
+    cfg.update(
+        train_batch_size=train.global_batch_size,
+        train_micro_batch_size_per_gpu=train.micro_batch_size,
+        gradient_accumulation_steps=gas,
+        gradient_clipping=train.grad_clip,
+        bf16={"enabled": bf16},
+        fp16={"enabled": False},
+    )
+    cfg.setdefault("steps_per_print", 10**9)  # our own logger reports; keep DeepSpeed's quiet
+    if zero_stage(cfg) and "offload_optimizer" in zero and zero["offload_optimizer"].get("device") == "cpu":
+        # A client torch optimizer is fine on CPU-only machines (DeepSpeedCPUAdam would JIT-compile).
+        cfg.setdefault("zero_force_ds_cpu_optimizer", False)
+    return cfg
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))

@@ -1,0 +1,129 @@
+"""Training metrics you can trust: throughput, MFU from a per-device peak table, memory, CSV + TensorBoard."""
+
+from __future__ import annotations
+
+import csv
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peak (FLOP/s, no sparsity), from the vendors' data sheets. MFU against this is
+# the convention of PaLM / Megatron; the H200 also reached ~790e12 in an 8192^3 bf16 matmul here
+# (../shared/FACTS.md), so an MFU of 0.8 is about the ceiling there.
+PEAK_BF16_FLOPS = {
+    "H200": 989.4e12,
+    "H100 SXM": 989.4e12,
+    "H100 80GB HBM3": 989.4e12,
+    "H100 PCIe": 756.5e12,
+    "H100": 989.4e12,
+    "A100": 312e12,
+    "L40S": 362.1e12,
+    "A6000": 154.8e12,
+    "RTX 4090": 165.2e12,  # with fp32 accumulate (Ada whitepaper); 330 with fp16 accumulate
+    "RTX 3090": 71e12,
+    "A10": 125e12,
+}
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Peak for a CUDA device name like 'NVIDIA GeForce RTX 4090'; None when unknown (e.g. CPU)."""
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):  # most specific first
+        if key.lower() in device_name.lower():
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated accelerator memory, or the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class MetricsWriter:
+    """Rank 0's sink: one CSV row per logged step (union of keys, fixed column order) and TensorBoard."""
+
+    def __init__(self, csv_path: str | Path, tb_dir: str | Path, *, resume_step: int = 0):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.csv_path = Path(csv_path)
+        self.rows: list[dict] = []
+        if resume_step and self.csv_path.exists():
+            # Keep the rows of the run we resume, up to its checkpoint; later rows are redone.
+            with open(self.csv_path, newline="") as f:
+                self.rows = [r for r in csv.DictReader(f) if int(float(r["step"])) <= resume_step]
+        self.tb = SummaryWriter(str(tb_dir), purge_step=resume_step + 1 if resume_step else None)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        row = {"step": step, "time": round(time.time(), 3), **values}
+        self.rows.append(row)
+        for key, value in values.items():
+            if value is not None:
+                self.tb.add_scalar(key, value, step)
+        self._write_csv()
+
+    def _write_csv(self) -> None:
+        columns: list[str] = []
+        for row in self.rows:
+            columns += [k for k in row if k not in columns]
+        tmp = self.csv_path.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(self.rows)
+        os.replace(tmp, self.csv_path)
+
+    def close(self) -> None:
+        self.tb.flush()
+        self.tb.close()
+
+
+class Throughput:
+    """Tokens/s and MFU over a window of optimizer steps; the first `warmup` steps are not counted
+    (allocator growth, kernel autotuning and the first collectives would make them look slow)."""
+
+    def __init__(self, flops_per_token: float, peak: float | None, warmup: int = 2):
+        self.flops_per_token = flops_per_token
+        self.peak = peak
+        self.warmup = warmup
+        self.steps_seen = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.loss_tokens = 0
+        self.steps = 0
+
+    def update(self, tokens: int, loss_tokens: int) -> None:
+        self.steps_seen += 1
+        if self.steps_seen <= self.warmup:
+            self.reset()
+            return
+        self.tokens += tokens
+        self.loss_tokens += loss_tokens
+        self.steps += 1
+
+    def read(self) -> dict[str, float | None]:
+        """Per-rank figures since the last read (tokens counted on this rank only)."""
+        dt = time.perf_counter() - self.t0
+        if self.steps == 0 or dt <= 0:
+            return {}
+        tps = self.tokens / dt
+        out = {
+            "perf/tokens_per_s_per_gpu": tps,
+            "perf/loss_tokens_per_s_per_gpu": self.loss_tokens / dt,
+            "perf/step_time_s": dt / self.steps,
+            "perf/mfu": tps * self.flops_per_token / self.peak if self.peak else None,
+        }
+        self.reset()
+        return out

@@ -1,0 +1,397 @@
+"""Conversations to training sequences: chat template, assistant-only labels, truncation and packing.
+
+Each conversation is rendered with the chat template and tokenized once; a token is trained on (label = its
+id) when its first character lies in an assistant turn's span: the reply text and its end-of-turn token,
+never the ``Assistant:`` prompt or anything the user wrote. Labels are not shifted: the causal LM's loss
+shifts them itself. Packing concatenates whole conversations into blocks of at most ``max_length`` tokens
+with position ids restarting at 0 per conversation. The model must keep a block's conversations apart:
+call it with position_ids, no attention_mask and ``use_cache=False`` (transformers then derives the
+block-diagonal mask itself), or pass ``packed_attention_mask(position_ids)``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from snaketune.config import CHAT_TEMPLATES
+from snaketune.tokenizer import DEEPSEEK_CHAT_TEMPLATE
+
+IGNORE_INDEX = -100
+"""Label of tokens without loss (torch's cross-entropy ignore_index, which transformers' losses use)."""
+SPLITS = ("train", "validation")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+"""Files of a tokenizer directory whose hashes go into stats.json (those present)."""
+COLUMNS = ("input_ids", "labels", "position_ids")
+
+Message = dict[str, str]
+Example = dict[str, Any]
+
+
+class TemplateError(ValueError):
+    """The chat template is missing or cannot mark assistant tokens; the message says what to change."""
+
+
+def load_tokenizer(path: str | Path, chat_template: str):
+    """A fast tokenizer from a local directory, with the chat template that ``tokenize.chat_template`` names.
+
+    ``deepseek`` installs DEEPSEEK_CHAT_TEMPLATE, which renders the tokenizer's own bos/eos tokens (a foreign
+    tokenizer keeps its specials: ``<s>``/``</s>`` stay as they are); ``model`` keeps the tokenizer's template.
+    A tokenizer without pad gets pad = eos, as DeepSeek's: padded positions carry no loss.
+    """
+    from transformers import AutoTokenizer  # slow import: keep `import snaketune.tokenization` cheap
+
+    if chat_template not in CHAT_TEMPLATES:
+        raise TemplateError(
+            f"tokenize.chat_template {chat_template!r} is not allowed; allowed: {', '.join(CHAT_TEMPLATES)}"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"tokenizer {str(path)!r} is not a fast tokenizer; assistant masking needs offset mappings"
+        )
+    if tokenizer.eos_token is None:
+        raise TemplateError(
+            f"tokenizer {str(path)!r} has no eos token, so assistant turns have no end-of-turn token"
+        )
+    if chat_template == "deepseek":
+        for name in ("bos_token", "eos_token"):
+            token = getattr(tokenizer, name)
+            # The template writes the special as text: it must come back as the one id the model knows.
+            if token is not None and tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id):
+                raise TemplateError(f"tokenizer {str(path)!r}: {name} {token!r} is not in its vocabulary")
+        tokenizer.chat_template = DEEPSEEK_CHAT_TEMPLATE
+    elif not tokenizer.chat_template:
+        raise TemplateError(
+            f"tokenizer {str(path)!r} has no chat template of its own; set tokenize.chat_template to one of: "
+            f"{', '.join(CHAT_TEMPLATES)} (deepseek uses the DeepSeek-LLM chat format)"
+        )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def chat_template_text(tokenizer) -> str:
+    """The tokenizer's chat template as one string (a dict of named templates as sorted JSON)."""
+    template = tokenizer.chat_template
+    return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _render(tokenizer, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def assistant_spans(tokenizer, messages: Sequence[Message]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans [start, end) of its assistant turns.
+
+    A span runs from the end of the generation prompt to the end of the turn, so it holds the reply and the
+    end-of-turn token: what the model must produce after the prompt at inference. Spans are found by
+    rendering prefixes of the conversation, which works only if the template renders each turn the same
+    way whatever follows it; templates that rewrite history (e.g. drop earlier replies' reasoning) raise.
+    """
+    text = _render(tokenizer, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        turn = _render(tokenizer, messages[: i + 1])
+        if not (text.startswith(prompt) and text.startswith(turn) and len(prompt) <= len(turn)):
+            raise TemplateError(
+                "the chat template renders turns differently in context, so assistant tokens cannot be marked: "
+                f"rendering messages[:{i}] with the generation prompt, or messages[:{i + 1}], is not a prefix of "
+                f"the whole conversation (tokenizer {tokenizer.name_or_path!r}, chat template sha256 "
+                f"{_sha256_text(chat_template_text(tokenizer))[:12]}); use tokenize.chat_template: deepseek "
+                "or a template that renders earlier turns unchanged"
+            )
+        if len(turn) > len(prompt):
+            spans.append((len(prompt), len(turn)))
+    return text, spans
+
+
+def encode_conversation(
+    tokenizer, messages: Sequence[Message], *, assistant_only_loss: bool
+) -> tuple[list[int], list[int]]:
+    """Token ids and labels of a whole conversation, untruncated.
+
+    ``labels[0]`` is always IGNORE_INDEX: a causal LM never predicts its first token (the loss shifts labels
+    left), and in a packed block that label would otherwise be predicted from the previous conversation.
+    """
+    text, spans = assistant_spans(tokenizer, messages)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(encoding["input_ids"])
+    starts = [span[0] for span in spans]
+    labels = []
+    for token_id, (start, _end) in zip(input_ids, encoding["offset_mapping"], strict=True):
+        # Spans are sorted and disjoint: only the last one starting at or before the token can hold it.
+        k = bisect.bisect_right(starts, start) - 1
+        in_reply = k >= 0 and start < spans[k][1]
+        labels.append(token_id if in_reply or not assistant_only_loss else IGNORE_INDEX)
+    if labels:
+        labels[0] = IGNORE_INDEX
+    return input_ids, labels
+
+
+def truncate(input_ids: list[int], labels: list[int], max_length: int) -> Example | None:
+    """The first max_length tokens as an example, or None when none of their labels is trained on."""
+    if all(label == IGNORE_INDEX for label in labels[:max_length]):
+        return None
+    return {
+        "input_ids": input_ids[:max_length],
+        "labels": labels[:max_length],
+        "truncated": len(input_ids) > max_length,
+    }
+
+
+def tokenize_conversation(
+    tokenizer, messages: Sequence[Message], *, max_length: int, assistant_only_loss: bool
+) -> Example | None:
+    """{"input_ids", "labels", "truncated"} of one conversation cut to max_length; None when no label survives.
+
+    Labels are the token ids on assistant replies and their end-of-turn tokens (every token but the first
+    when not assistant_only_loss) and IGNORE_INDEX elsewhere; they are not shifted.
+    """
+    input_ids, labels = encode_conversation(tokenizer, messages, assistant_only_loss=assistant_only_loss)
+    return truncate(input_ids, labels, max_length)
+
+
+def with_position_ids(example: Example) -> Example:
+    """One conversation as a row: ids, labels and positions 0..n-1."""
+    n = len(example["input_ids"])
+    return {"input_ids": example["input_ids"], "labels": example["labels"], "position_ids": list(range(n))}
+
+
+def pack(examples: Sequence[Example], max_length: int) -> list[Example]:
+    """Greedy next-fit packing, in the given order, of whole examples into blocks of <= max_length tokens.
+
+    Order is kept (no sorting by length) so that packing is a pure function of the shuffled input and a
+    conversation is never split across blocks; position ids restart at 0 at each conversation.
+    """
+    blocks: list[Example] = []
+    current: Example = {column: [] for column in COLUMNS}
+    for example in examples:
+        n = len(example["input_ids"])
+        if n > max_length:
+            raise ValueError(
+                f"an example of {n} tokens is longer than max_length {max_length}; truncate first"
+            )
+        if current["input_ids"] and len(current["input_ids"]) + n > max_length:
+            blocks.append(current)
+            current = {column: [] for column in COLUMNS}
+        row = with_position_ids(example)
+        for column in COLUMNS:
+            current[column].extend(row[column])
+    if current["input_ids"]:
+        blocks.append(current)
+    return blocks
+
+
+def packed_attention_mask(position_ids, dtype=None):
+    """Block-diagonal causal attention mask, (batch, 1, L, L) additive, for rows of packed conversations.
+
+    transformers 5 builds this mask itself from position_ids, but only when the forward gets no
+    attention_mask AND no KV cache; LlamaConfig's default use_cache=True makes the model create a
+    DynamicCache even in training (without gradient checkpointing), and the packed detection is then
+    skipped silently, so conversations attend to each other. Either call the model with ``use_cache=False``
+    and no attention_mask, or pass this mask (4D masks are used as given, cache or not; works for eager and
+    sdpa; flash-attention takes position_ids instead). A conversation starts wherever a position id does not
+    follow its predecessor by 1, the rule transformers' ``find_packed_sequence_indices`` uses.
+    ``dtype`` must be the attention's compute dtype (default float32): eager adds the mask to the scores.
+    """
+    import torch
+
+    dtype = dtype or torch.float32
+    first = position_ids[:, :1] - 1
+    segment = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = (segment[:, :, None] == segment[:, None, :]) & causal
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None, :, :]
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_hashes(tokenizer_dir: str | Path) -> dict[str, str]:
+    """sha256 of the tokenizer files that decide tokenization, for those the directory has."""
+    directory = Path(tokenizer_dir)
+    return {name: file_sha256(directory / name) for name in TOKENIZER_FILES if (directory / name).is_file()}
+
+
+def _features():
+    from datasets import Features, Sequence, Value
+
+    # int32 halves the files against int64 and holds any vocabulary; the collator widens to int64.
+    return Features({column: Sequence(Value("int32")) for column in COLUMNS})
+
+
+def save_rows(rows: list[Example], path: Path, *, split: str, fingerprint: str) -> None:
+    """Write rows as a datasets.Dataset directory whose bytes depend only on the rows and the fingerprint.
+
+    datasets stores ``_fingerprint`` in state.json. It is passed in (a hash of the inputs and settings)
+    rather than left to datasets, which hashes an in-memory table today but falls back to random
+    fingerprints whenever it cannot hash something, and random bytes in state.json break reproducibility.
+    """
+    from datasets import Dataset, DatasetInfo, NamedSplit
+
+    features = _features()
+    table = pa.table(
+        {column: [row[column] for row in rows] for column in COLUMNS}, schema=features.arrow_schema
+    )
+    dataset = Dataset(
+        table, info=DatasetInfo(features=features), split=NamedSplit(split), fingerprint=fingerprint
+    )
+    dataset.save_to_disk(str(path))
+
+
+def _split_stats(
+    lengths: list[int], kept: list[Example], blocks: list[Example], max_length: int
+) -> dict[str, Any]:
+    """Counts for stats.json; ``lengths`` are untruncated token counts of every conversation read."""
+    n_conversations = len(lengths)
+    tokens = sum(len(example["input_ids"]) for example in kept)
+    truncated = sum(example["truncated"] for example in kept)
+    return {
+        "conversations": n_conversations,
+        "dropped_no_loss_tokens": n_conversations - len(kept),
+        "truncated": truncated,
+        "truncated_pct": round(100.0 * truncated / max(n_conversations, 1), 3),
+        "tokens": tokens,
+        # labels[0] is never a target (see encode_conversation), so this is what the loss averages over.
+        "loss_tokens": sum(label != IGNORE_INDEX for example in kept for label in example["labels"]),
+        # What padding each kept conversation to max_length would waste, and what packing leaves unused.
+        "pad_fraction_unpadded_to_max": round(1.0 - tokens / max(len(kept) * max_length, 1), 6),
+        "packed_blocks": len(blocks),
+        "pad_fraction_packed": round(1.0 - tokens / max(len(blocks) * max_length, 1), 6),
+        "mean_conversation_tokens": round(sum(lengths) / max(len(lengths), 1), 3),
+        "max_conversation_tokens": max(lengths, default=0),
+    }
+
+
+def tokenize_split(
+    tokenizer, parquet_path: Path, *, max_length: int, assistant_only_loss: bool, desc: str
+) -> tuple[list[int], list[Example]]:
+    """Untruncated lengths of all conversations of one file, and the examples that keep a loss token."""
+    conversations = pq.read_table(parquet_path, columns=["messages"]).column("messages").to_pylist()
+    lengths: list[int] = []
+    kept: list[Example] = []
+    for messages in tqdm(conversations, desc=desc, unit="conv", file=sys.stderr, mininterval=2.0):
+        input_ids, labels = encode_conversation(tokenizer, messages, assistant_only_loss=assistant_only_loss)
+        lengths.append(len(input_ids))
+        example = truncate(input_ids, labels, max_length)
+        if example is not None:
+            kept.append(example)
+    return lengths, kept
+
+
+def tokenize_conversations(
+    conv_dir: str | Path,
+    tokenizer_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    max_length: int,
+    packing: bool,
+    assistant_only_loss: bool,
+    chat_template: str,
+) -> dict[str, Any]:
+    """Tokenize conversations/{train,validation}.parquet into out_dir/{train,validation} datasets + stats.json.
+
+    Every row has input_ids, labels and position_ids (packed blocks or single conversations). The output
+    directory appears atomically (built beside it, then renamed over any old one) and its bytes depend only
+    on the inputs and settings. stats.json (also returned) holds, per split: conversations read,
+    dropped_no_loss_tokens, truncated (count and truncated_pct), sequences (rows written), tokens,
+    loss_tokens, packed_blocks, pad_fraction_unpadded_to_max = 1 - tokens / (kept conversations x
+    max_length), pad_fraction_packed = 1 - tokens / (packed_blocks x max_length) (reported with packing
+    off too), mean/max untruncated conversation tokens; and the sha256 of the conversation files, the
+    tokenizer files and the chat template, the settings and library versions.
+    """
+    import datasets
+    import tokenizers
+    import transformers
+
+    conv_dir, out_dir = Path(conv_dir), Path(out_dir)
+    tokenizer = load_tokenizer(tokenizer_dir, chat_template)
+    settings = {
+        "max_length": max_length,
+        "packing": packing,
+        "assistant_only_loss": assistant_only_loss,
+        "chat_template": chat_template,
+    }
+    stats: dict[str, Any] = {
+        "settings": settings,
+        "conversation_files_sha256": {s: file_sha256(conv_dir / f"{s}.parquet") for s in SPLITS},
+        "tokenizer_files_sha256": tokenizer_hashes(tokenizer_dir),
+        "chat_template_sha256": _sha256_text(chat_template_text(tokenizer)),
+        "versions": {
+            "datasets": datasets.__version__,
+            "tokenizers": tokenizers.__version__,
+            "transformers": transformers.__version__,
+        },
+        "splits": {},
+    }
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        for split in SPLITS:
+            lengths, kept = tokenize_split(
+                tokenizer,
+                conv_dir / f"{split}.parquet",
+                max_length=max_length,
+                assistant_only_loss=assistant_only_loss,
+                desc=f"tokenize {split}",
+            )
+            # Packed anyway so stats can say what packing saves when it is off.
+            blocks = pack(kept, max_length)
+            rows = blocks if packing else [with_position_ids(example) for example in kept]
+            split_stats = _split_stats(lengths, kept, blocks, max_length)
+            split_stats["sequences"] = len(rows)
+            if not rows:
+                raise ValueError(
+                    f"split {split!r}: no sequence left after tokenizing with max_length {max_length}: "
+                    f"{split_stats['conversations']} conversations, {split_stats['dropped_no_loss_tokens']} "
+                    "dropped because no loss token survived truncation (raise tokenize.max_length)"
+                )
+            identity = {"split": split, **{k: stats[k] for k in stats if k not in ("splits", "versions")}}
+            fingerprint = _sha256_text(json.dumps(identity, sort_keys=True))[:16]
+            save_rows(rows, tmp / split, split=split, fingerprint=fingerprint)
+            stats["splits"][split] = split_stats
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return stats

@@ -1,0 +1,479 @@
+"""Stage 5, train: one DeepSpeed rank. `snaketune.launch` starts one process per granted GPU (or CPU rank)
+with torchrun; each runs `python -m snaketune.training <run spec JSON>`.
+
+A plain loop over `deepspeed.initialize` (not the HF Trainer, which on CPU silently trains world_size=1
+on every rank: ../shared/FACTS.md): construct, setup, train, save; cleanup is guaranteed on error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from snaketune import batching, checkpoint
+from snaketune.config import ModelConfig, TrainConfig, _build
+from snaketune.dsconfig import build_ds_config, zero_stage
+from snaketune.io import atomic_dir, sha256_tree, write_json
+from snaketune.metrics import MetricsWriter, Throughput, device_name, peak_flops, peak_memory_gib
+from snaketune.model import apply_lora, count_params, flops_per_token, load_model
+
+log = logging.getLogger("snaketune.train")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a rank needs, written by the launcher as JSON."""
+
+    experiment: str
+    model: dict
+    train: dict
+    data_dir: str
+    tokenizer_dir: str
+    deepspeed_config: str
+    output_dir: str
+    checkpoint_dir: str
+    max_length: int
+    run_key: str
+
+    @classmethod
+    def read(cls, path: str | Path) -> RunSpec:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def lr_lambda(train: TrainConfig, total_steps: int):
+    """Linear warmup to the peak, then cosine to min_lr_ratio of it at the last step."""
+
+    def factor(step: int) -> float:
+        if step < train.warmup_steps:
+            return (step + 1) / train.warmup_steps
+        span = max(1, total_steps - train.warmup_steps)
+        progress = min(1.0, (step - train.warmup_steps) / span)
+        return train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def param_groups(net: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on norms and biases (1-D tensors), as nanoGPT and litgpt do."""
+    decay, no_decay = [], []
+    for p in net.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Trainer:
+    def __init__(self, spec: RunSpec):
+        self.spec = spec
+        self.model_cfg: ModelConfig = _build(ModelConfig, spec.model, "model.")
+        self.cfg: TrainConfig = _build(TrainConfig, spec.train, "train.")
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+        else:
+            self.device = torch.device("cpu")
+        precision = self.cfg.precision
+        if precision == "auto":
+            precision = "bf16" if self.device.type == "cuda" else "fp32"
+        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.out = Path(spec.output_dir)
+        self.ckpt_root = Path(spec.checkpoint_dir)
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        import deepspeed
+        from transformers import AutoTokenizer
+
+        spec, cfg = self.spec, self.cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir)
+        self._check_data_fingerprint()
+        self.train_split = batching.load_split(Path(spec.data_dir) / "train")
+        self.val_split = batching.load_split(Path(spec.data_dir) / "validation")
+        self.gas = cfg.accumulation_steps(self.world)
+        if cfg.max_steps is not None:
+            self.total_steps = cfg.max_steps
+        else:
+            self.total_steps = batching.steps_for_epochs(
+                len(self.train_split), cfg.epochs, cfg.global_batch_size
+            )
+
+        file_cfg = json.loads(Path(spec.deepspeed_config).read_text())
+        self.ds_config = build_ds_config(
+            file_cfg,
+            cfg,
+            world_size=self.world,
+            bf16=self.dtype == torch.bfloat16,
+            source=spec.deepspeed_config,
+        )
+        self.stage = zero_stage(self.ds_config)
+        if cfg.lora.enabled and self.stage == 3:
+            raise ValueError(
+                f"train.lora.enabled with ZeRO stage 3 ({spec.deepspeed_config}) is not supported yet: "
+                "use config/deepspeed/zero2.json or zero0.json for LoRA"
+            )
+        net = load_model(
+            self.model_cfg,
+            vocab_size=len(self.tokenizer),
+            bos_token_id=self.tokenizer.bos_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            dtype=self.dtype,
+            seed=cfg.seed,
+            zero_init_config=self.ds_config if self.stage == 3 and not self.model_cfg.is_builtin else None,
+        )
+        if cfg.gradient_checkpointing:
+            net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            net.config.use_cache = False
+        if cfg.lora.enabled:
+            if cfg.gradient_checkpointing:
+                net.enable_input_require_grads()
+            net = apply_lora(net, cfg.lora)
+        self.n_params, self.n_trainable = count_params(net)
+        self.flops_per_token = flops_per_token(net, spec.max_length, lora=cfg.lora.enabled)
+        torch.manual_seed(cfg.seed + self.rank)  # dropout differs per rank, deterministic per run
+
+        optimizer = self._optimizer(net)
+        schedule = lr_lambda(cfg, self.total_steps)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=net,
+            optimizer=optimizer,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+            config=self.ds_config,
+        )
+        self.start_step = self._resume()
+        self.order = batching.GlobalOrder(len(self.train_split), cfg.seed)
+        self.peak = peak_flops(device_name(self.device))
+        self._print_plan()
+
+    def _optimizer(self, net: torch.nn.Module) -> torch.optim.Optimizer:
+        cfg = self.cfg
+        groups = param_groups(net, cfg.weight_decay)
+        offload = (
+            self.ds_config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
+        )
+        if offload and self.device.type == "cuda":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, lr=cfg.learning_rate, betas=cfg.adam_betas, adamw_mode=True)
+        return torch.optim.AdamW(
+            groups, lr=cfg.learning_rate, betas=cfg.adam_betas, eps=1e-8, fused=self.device.type == "cuda"
+        )
+
+    def _check_data_fingerprint(self) -> None:
+        """Refuse tokenized data made with other tokenizer files than the ones we load (Axolotl #1265)."""
+        stats = json.loads((Path(self.spec.data_dir) / "stats.json").read_text())
+        recorded = stats.get("tokenizer_files_sha256", {})
+        actual = {k: v for k, v in sha256_tree(self.spec.tokenizer_dir).items() if k in recorded}
+        if recorded and actual != recorded:
+            raise RuntimeError(
+                f"{self.spec.data_dir} was tokenized with different tokenizer files than {self.spec.tokenizer_dir} "
+                f"(recorded {recorded}, found {actual}); delete the tokenized directory and rerun"
+            )
+
+    def _resume(self) -> int:
+        removed = checkpoint.remove_incomplete(self.ckpt_root) if self.rank == 0 else []
+        for d in removed:
+            log.warning("discarding incomplete checkpoint %s (the process died while writing it)", d)
+        dist.barrier()
+        found = checkpoint.latest(self.ckpt_root)
+        if found is None:
+            return 0
+        step, path = found
+        meta = checkpoint.read_marker(path)
+        if meta.get("world_size") != self.world:
+            raise RuntimeError(
+                f"checkpoint {path} was written by {meta.get('world_size')} ranks but {self.world} were granted; "
+                f"rerun with --resources gpu={meta.get('world_size')} to resume, or delete {self.ckpt_root} to restart"
+            )
+        load_path, _ = self.engine.load_checkpoint(str(self.ckpt_root), tag=path.name)
+        if load_path is None:
+            raise RuntimeError(
+                f"checkpoint {path} could not be loaded; delete it to fall back to an older one"
+            )
+        checkpoint.load_rng(path, self.rank)
+        if self.rank == 0:
+            log.info("resuming from checkpoint %s at step %d of %d", path, step, self.total_steps)
+        return step
+
+    def _print_plan(self) -> None:
+        if self.rank != 0:
+            return
+        cfg = self.cfg
+        tokens_per_step = cfg.global_batch_size * self.spec.max_length
+        log.info(
+            "device: %s x %d (%s), precision %s, ZeRO stage %d",
+            device_name(self.device),
+            self.world,
+            self.device.type,
+            self.dtype,
+            self.stage,
+        )
+        log.info("parameters: %s total, %s trainable", f"{self.n_params:,}", f"{self.n_trainable:,}")
+        log.info(
+            "global batch %d = micro-batch %d x %d ranks x %d accumulation",
+            cfg.global_batch_size,
+            cfg.micro_batch_size,
+            self.world,
+            self.gas,
+        )
+        log.info(
+            "tokens per optimizer step (at most): %s; steps: %d; train rows: %d; validation rows: %d",
+            f"{tokens_per_step:,}",
+            self.total_steps,
+            len(self.train_split),
+            len(self.val_split),
+        )
+
+    # ---- train ---------------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        cfg, engine = self.cfg, self.engine
+        # Live metrics go to the run directory, which survives a crash (Snakemake deletes a failed job's
+        # outputs); they are copied into the outputs when training ends.
+        writer = None
+        if self.rank == 0:
+            writer = MetricsWriter(
+                self.ckpt_root / "metrics.csv", self.ckpt_root / "tb", resume_step=self.start_step
+            )
+        meter = Throughput(self.flops_per_token, self.peak)
+        window_loss = torch.zeros((), device=self.device, dtype=torch.float64)
+        window_tokens = 0
+        t_start = time.perf_counter()
+        last = {}
+        for step in range(self.start_step, self.total_steps):
+            batch_ids = self.order.global_batch(step, cfg.global_batch_size)
+            global_tokens = max(1, int(self.train_split.loss_tokens[batch_ids].sum()))
+            mine = batching.rank_share(batch_ids, self.rank, self.world)
+            tokens = 0
+            for micro in batching.micro_batches(mine, cfg.micro_batch_size):
+                batch = {
+                    k: v.to(self.device)
+                    for k, v in batching.collate(self.train_split, micro, self.pad_id).items()
+                }
+                loss_sum = self._loss_sum(batch)
+                # DeepSpeed divides by the accumulation steps in backward and averages gradients over ranks;
+                # this scale makes the net gradient that of (sum of token losses) / (loss tokens in the
+                # global batch), whatever the world size and micro-batch size.
+                engine.backward(loss_sum * (self.gas * self.world / global_tokens))
+                engine.step()
+                window_loss += loss_sum.detach().double()
+                tokens += int((batch["position_ids"] != 0).sum()) + len(micro)  # real tokens, pads excluded
+            window_tokens += global_tokens
+            local_loss_tokens = int(self.train_split.loss_tokens[mine].sum())
+            meter.update(tokens, local_loss_tokens)
+            done = step + 1
+            if done % cfg.log_every == 0 or done == self.total_steps:
+                # Device-to-host sync: one all-reduce per logged step, not per micro-batch.
+                dist.all_reduce(window_loss)
+                last = {
+                    "train/loss": window_loss.item() / max(1, window_tokens),
+                    "train/lr": engine.get_lr()[0],
+                    "train/grad_norm": _float(engine.get_global_grad_norm()),
+                    "train/tokens_seen": done * cfg.global_batch_size * self.spec.max_length,
+                    **meter.read(),
+                    "memory/max_allocated_gib": self._max_over_ranks(peak_memory_gib(self.device)),
+                }
+                window_loss.zero_()
+                window_tokens = 0
+                if cfg.eval_every and done % cfg.eval_every == 0 or done == self.total_steps:
+                    last["val/loss"] = self.evaluate()
+                if writer:
+                    writer.log(done, last)
+                    self._progress(done, t_start, last)
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < self.total_steps:
+                self.save_checkpoint(done)
+        if writer:
+            writer.close()
+            shutil.copyfile(self.ckpt_root / "metrics.csv", self.out / "metrics.csv")
+            shutil.copytree(self.ckpt_root / "tb", self.out / "tb", dirs_exist_ok=True)
+        return last
+
+    def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = batching.packed_attention_mask(batch["position_ids"], self.dtype)
+        out = self.engine(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=mask
+        )
+        return batching.token_loss_sum(out.logits, batch["labels"], batch["position_ids"])
+
+    @property
+    def pad_id(self) -> int:
+        return (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
+
+    def _max_over_ranks(self, value: float) -> float:
+        t = torch.tensor([value], device=self.device, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def _progress(self, done: int, t_start: float, m: dict) -> None:
+        elapsed = time.perf_counter() - t_start
+        eta = elapsed / max(1, done - self.start_step) * (self.total_steps - done)
+        parts = [f"step {done}/{self.total_steps}", f"loss {m['train/loss']:.4f}"]
+        if "val/loss" in m:
+            parts.append(f"val {m['val/loss']:.4f}")
+        parts.append(f"lr {m['train/lr']:.2e}")
+        if m.get("perf/tokens_per_s_per_gpu"):
+            parts.append(f"{m['perf/tokens_per_s_per_gpu']:,.0f} tok/s/rank")
+        if m.get("perf/mfu"):
+            parts.append(f"MFU {m['perf/mfu']:.3f}")
+        parts.append(f"ETA {eta:,.0f}s")
+        log.info(" | ".join(parts))
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Token-weighted mean loss on the validation split. Every rank runs the same number of forward
+        passes (ZeRO-3 gathers parameters collectively): ranks with fewer rows repeat row 0 at weight 0."""
+        self.engine.eval()
+        n = len(self.val_split)
+        per_rank = math.ceil(n / self.world)
+        ids = list(range(self.rank * per_rank, min(n, (self.rank + 1) * per_rank)))
+        weights = [1.0] * len(ids) + [0.0] * (per_rank - len(ids))
+        ids += [0] * (per_rank - len(ids))
+        total = torch.zeros(2, device=self.device, dtype=torch.float64)
+        mb = self.cfg.micro_batch_size
+        for i in range(0, per_rank, mb):
+            chunk = ids[i : i + mb]
+            batch = {
+                k: v.to(self.device) for k, v in batching.collate(self.val_split, chunk, self.pad_id).items()
+            }
+            for row, w in enumerate(weights[i : i + mb]):
+                if w == 0.0:
+                    batch["labels"][row] = batching.IGNORE
+            loss_sum = self._loss_sum(batch)
+            targets = batch["labels"][:, 1:].ne(batching.IGNORE) & batch["position_ids"][:, 1:].ne(0)
+            total += torch.stack([loss_sum.double(), targets.sum().double()])
+        dist.all_reduce(total)
+        self.engine.train()
+        return (total[0] / total[1].clamp(min=1)).item()
+
+    def save_checkpoint(self, step: int) -> None:
+        tag = checkpoint.tag_for(step)
+        self.engine.save_checkpoint(
+            str(self.ckpt_root), tag=tag, client_state={"step": step}, save_latest=False
+        )
+        checkpoint.save_rng(self.ckpt_root / tag, self.rank)
+        dist.barrier()
+        if self.rank == 0:
+            checkpoint.mark_complete(
+                self.ckpt_root / tag,
+                {
+                    "step": step,
+                    "world_size": self.world,
+                    "zero_stage": self.stage,
+                    "run_key": self.spec.run_key,
+                    "experiment": self.spec.experiment,
+                    "time": time.time(),
+                },
+            )
+            checkpoint.prune(self.ckpt_root, self.cfg.keep_checkpoints)
+            log.info("checkpoint %s complete", self.ckpt_root / tag)
+        dist.barrier()
+
+    # ---- save ----------------------------------------------------------------------------------
+
+    def save_model(self) -> None:
+        """HF layout in output_dir/model: safetensors, config, tokenizer with chat template; for LoRA the
+        merged model there and the adapter in model/adapter/."""
+        module = self.engine.module
+        # Collective under ZeRO-3: every rank takes part in gathering the partitioned weights.
+        state = self.engine._zero3_consolidated_16bit_state_dict() if self.stage == 3 else None
+        if self.rank == 0:
+            with atomic_dir(self.out / "model") as tmp:
+                if self.cfg.lora.enabled:
+                    module.save_pretrained(tmp / "adapter", safe_serialization=True)
+                    merged = module.merge_and_unload()
+                    merged.save_pretrained(tmp, safe_serialization=True)
+                else:
+                    module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+                self.tokenizer.save_pretrained(tmp)
+        dist.barrier()
+
+    def summary(self, last: dict, wall: float) -> dict:
+        mem = [None] * self.world
+        dist.all_gather_object(mem, peak_memory_gib(self.device))
+        return {
+            "experiment": self.spec.experiment,
+            "steps": self.total_steps,
+            "resumed_from_step": self.start_step,
+            "world_size": self.world,
+            "device": device_name(self.device),
+            "precision": str(self.dtype).removeprefix("torch."),
+            "zero_stage": self.stage,
+            "deepspeed_config": self.spec.deepspeed_config,
+            "global_batch_size": self.cfg.global_batch_size,
+            "micro_batch_size": self.cfg.micro_batch_size,
+            "gradient_accumulation_steps": self.gas,
+            "parameters": self.n_params,
+            "trainable_parameters": self.n_trainable,
+            "lora": self.cfg.lora.enabled,
+            "final_train_loss": last.get("train/loss"),
+            "final_val_loss": last.get("val/loss"),
+            "tokens_per_s_per_gpu": last.get("perf/tokens_per_s_per_gpu"),
+            "loss_tokens_per_s_per_gpu": last.get("perf/loss_tokens_per_s_per_gpu"),
+            "mfu": last.get("perf/mfu"),
+            "peak_memory_gib_per_rank": mem,
+            "wall_time_s": wall,
+            "seed": self.cfg.seed,
+            "run_key": self.spec.run_key,
+        }
+
+
+def _float(x) -> float | None:
+    if x is None:
+        return None
+    return float(x.item() if torch.is_tensor(x) else x)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s rank%(rank)s %(levelname)s %(message)s", stream=sys.stdout
+    )
+    rank = os.environ.get("RANK", "0")
+    old_factory = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = old_factory(*args, **kwargs)
+        record.rank = rank
+        return record
+
+    logging.setLogRecordFactory(factory)
+    spec = RunSpec.read(argv[0])
+    import deepspeed
+
+    t0 = time.perf_counter()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        trainer = Trainer(spec)
+        trainer.setup()
+        last = trainer.train()
+        trainer.save_model()
+        summary = trainer.summary(last, time.perf_counter() - t0)
+        if trainer.rank == 0:
+            write_json(Path(spec.output_dir) / "summary.json", summary)
+            log.info(
+                "done: %s", json.dumps({k: summary[k] for k in ("final_train_loss", "final_val_loss", "mfu")})
+            )
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
