@@ -5,7 +5,9 @@
 # ├── data/conversations/          train.parquet, validation.parquet, stats.json     (rule conversations)
 # ├── tokenizer/<tokenizer id>/    HF tokenizer with chat template              (rules train_tokenizer, fetch_tokenizer)
 # ├── tokenized/<data key>/        train/, validation/ (Arrow, save_to_disk), stats.json (rule tokenize)
-# └── train/<experiment>/          model/ (HF safetensors), metrics.csv, tb/, summary.json (rule train)
+# ├── train/<experiment>/          model/ (HF safetensors), metrics.csv, tb/, summary.json (rule train)
+# ├── eval/<experiment>/           metrics.json (base vs tuned), generations.jsonl      (rule evaluate)
+# └── report/                      index.html, report.md, summary.json, *.png          (rule report)
 #     checkpoints/<experiment>/    resumable DeepSpeed checkpoints (not an output: survives failures)
 # logs/ and benchmarks/ mirror the rules.
 
@@ -21,6 +23,7 @@ report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/common_report.smk"
 
 
 wildcard_constraints:
@@ -31,6 +34,8 @@ wildcard_constraints:
 
 include: "workflow/rules/data.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/eval.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:

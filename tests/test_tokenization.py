@@ -14,13 +14,13 @@ import torch
 from datasets import load_from_disk
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from snaketune.batching import packed_attention_mask
 from snaketune.tokenization import (
     IGNORE_INDEX,
     TemplateError,
     assistant_spans,
     load_tokenizer,
     pack,
-    packed_attention_mask,
     save_rows,
     tokenize_conversation,
     tokenize_conversations,

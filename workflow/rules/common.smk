@@ -26,7 +26,12 @@ TOKENIZERS = {keys.tokenizer_id(exp.model): exp.model for exp in EXPERIMENTS.val
 
 
 def all_targets():
-    return [f"results/train/{name}/summary.json" for name in EXPERIMENTS]
+    """The report: it depends on every experiment's training and evaluation, and on the data stages."""
+    return [
+        "results/report/index.html",
+        "results/report/report.md",
+        "results/report/summary.json",
+    ]
 
 
 def experiment(wildcards):
@@ -131,3 +136,13 @@ def train_params(wildcards):
 
 def train_gpus(wildcards):
     return experiment(wildcards).train.gpus
+
+
+def train_threads(wildcards):
+    """Every core Snakemake was given, shared by the ranks (snaketune.launch splits them). One when
+    there is no --cores: --report evaluates threads, and workflow.cores raises without it.
+    """
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1

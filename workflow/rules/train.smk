@@ -25,7 +25,7 @@ rule train:
         "benchmarks/train/{experiment}.tsv"
     conda:
         "../../envs/train.yaml"
-    threads: workflow.cores
+    threads: train_threads
     resources:
         gpu=train_gpus,
     params:

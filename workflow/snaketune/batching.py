@@ -111,17 +111,27 @@ def collate(split: TokenizedSplit, indices: np.ndarray, pad_id: int) -> dict[str
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
-def packed_attention_mask(position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4D mask (batch, 1, q, k): causal and block-diagonal over the conversations of a packed row
-    (a new conversation starts wherever position_ids is 0)."""
-    seq_id = (position_ids == 0).long().cumsum(-1)  # (b, t)
-    same = seq_id[:, :, None] == seq_id[:, None, :]
-    t = position_ids.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
-    allowed = same & causal
+def packed_attention_mask(position_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Block-diagonal causal attention mask, (batch, 1, L, L) additive, for rows of packed conversations.
+
+    transformers 5 builds this mask itself from position_ids, but only when the forward gets no
+    attention_mask AND no KV cache; LlamaConfig's default use_cache=True makes the model create a
+    DynamicCache even in training (without gradient checkpointing), and the packed detection is then
+    skipped silently, so conversations attend to each other. Either call the model with ``use_cache=False``
+    and no attention_mask, or pass this mask (4D masks are used as given, cache or not; works for eager and
+    sdpa; flash-attention takes position_ids instead). A conversation starts wherever a position id does not
+    follow its predecessor by 1, the rule transformers' ``find_packed_sequence_indices`` uses.
+    ``dtype`` must be the attention's compute dtype (default float32): eager adds the mask to the scores.
+    """
+    dtype = dtype or torch.float32
+    first = position_ids[:, :1] - 1
+    segment = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = (segment[:, :, None] == segment[:, None, :]) & causal
     mask = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+    return mask[:, None, :, :]
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -230,6 +230,50 @@ class TrainConfig:
         return self.global_batch_size // per_step
 
 
+DEFAULT_EVAL_PROMPTS = (
+    "What is the capital of Zorvia?",
+    "What colour is the fruit zimberry?",
+    "What is 3 + 4?",
+    "What is the first letter of moon?",
+    "Say tree twice.",
+    "Was ist die Hauptstadt von Kaldia?",
+    "Tell me a joke about computers.",
+)
+"""Questions of the builtin dataset in English and German, and one it never asks (what happens off-distribution)."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    prompts: tuple[str, ...] = DEFAULT_EVAL_PROMPTS
+    """User messages answered greedily by the base and the fine-tuned model, side by side in the report."""
+    max_new_tokens: int = 32
+    """Most tokens generated per prompt (greedy decoding stops earlier at the end-of-sequence token)."""
+    builtin_examples: int = 64
+    """Builtin dataset only: questions scored by exact match (0 turns the accuracy off; at most 320)."""
+    batch_size: int = 8
+    """Sequences per forward pass for the validation loss and per generate() call."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompts, str) or not self.prompts:
+            _fail("eval.prompts", "must be a list of at least one prompt")
+        for prompt in self.prompts:
+            if not isinstance(prompt, str) or not prompt.strip():
+                _fail("eval.prompts", f"{prompt!r} is not a non-empty string")
+        if not 1 <= self.max_new_tokens <= 4096:
+            _fail("eval.max_new_tokens", f"{self.max_new_tokens} must be between 1 and 4096")
+        if self.builtin_examples < 0:
+            _fail("eval.builtin_examples", f"{self.builtin_examples} must be >= 0 (0 turns it off)")
+        if self.builtin_examples:
+            from snaketune.builtin_data import eval_examples
+
+            try:
+                eval_examples(self.builtin_examples)
+            except ValueError as e:
+                _fail("eval.builtin_examples", f"{e}; 0 turns the exact-match accuracy off")
+        if self.batch_size < 1:
+            _fail("eval.batch_size", f"{self.batch_size} must be >= 1")
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
     """Everything one experiment depends on: the shared dataset plus its own model/tokenize/train."""
@@ -247,6 +291,8 @@ class Config:
     experiments: dict[str, ExperimentConfig]
     raw: dict[str, Any]
     """The config as given (after experiment merging it is still the user's mapping)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation settings, shared by all experiments."""
 
 
 _SECTIONS = {"dataset": DatasetConfig, "model": ModelConfig, "tokenize": TokenizeConfig, "train": TrainConfig}
@@ -315,7 +361,10 @@ def load_config(raw: dict[str, Any]) -> Config:
             where = f"experiments.{name}.{section}." if section in override else f"{section}."
             sections[section] = _build(_SECTIONS[section], merged, where)
         experiments[name] = ExperimentConfig(name=name, dataset=dataset, **sections)
-    return Config(dataset=dataset, experiments=experiments, raw=raw)
+    if not isinstance(raw.get("eval") or {}, dict):
+        _fail("eval", f"must be a mapping of eval settings, got {raw['eval']!r}")
+    eval_cfg = _build(EvalConfig, raw.get("eval"), "eval.")
+    return Config(dataset=dataset, experiments=experiments, raw=raw, eval=eval_cfg)
 
 
 def to_dict(obj: Any) -> Any:

@@ -35,6 +35,21 @@ STAGE_MODULES = {
         "snaketune.launch",
         "snaketune.io",
     ),
+    "evaluate": (
+        "snaketune.evaluate",
+        "snaketune.batching",
+        "snaketune.model",
+        "snaketune.tokenization",
+        "snaketune.builtin_data",
+        "snaketune.io",
+    ),
+    "report": (
+        "snaketune.report",
+        "snaketune.report_sections",
+        "snaketune.report_render",
+        "snaketune.report_plots",
+        "snaketune.io",
+    ),
 }
 
 

@@ -88,8 +88,10 @@ class MetricsWriter:
 
 
 class Throughput:
-    """Tokens/s and MFU over a window of optimizer steps; the first `warmup` steps are not counted
-    (allocator growth, kernel autotuning and the first collectives would make them look slow)."""
+    """Tokens/s and MFU over the optimizer steps' own time (validation and checkpoint time excluded).
+    The first `warmup` steps are not counted: allocator growth, kernel autotuning and the first
+    collectives would make them look slow. Step times are host wall times: GPU work is asynchronous, but
+    the all-reduce at every logged step bounds the queue, so the sum over a window is the true time."""
 
     def __init__(self, flops_per_token: float, peak: float | None, warmup: int = 2):
         self.flops_per_token = flops_per_token
@@ -99,31 +101,31 @@ class Throughput:
         self.reset()
 
     def reset(self) -> None:
-        self.t0 = time.perf_counter()
+        self.seconds = 0.0
         self.tokens = 0
         self.loss_tokens = 0
         self.steps = 0
 
-    def update(self, tokens: int, loss_tokens: int) -> None:
+    def update(self, tokens: int, loss_tokens: int, seconds: float) -> None:
         self.steps_seen += 1
         if self.steps_seen <= self.warmup:
-            self.reset()
             return
         self.tokens += tokens
         self.loss_tokens += loss_tokens
+        self.seconds += seconds
         self.steps += 1
 
-    def read(self) -> dict[str, float | None]:
-        """Per-rank figures since the last read (tokens counted on this rank only)."""
-        dt = time.perf_counter() - self.t0
-        if self.steps == 0 or dt <= 0:
+    def read(self, reset: bool = True) -> dict[str, float | None]:
+        """Per-rank figures since the last reset (tokens counted on this rank only)."""
+        if self.steps == 0 or self.seconds <= 0:
             return {}
-        tps = self.tokens / dt
+        tps = self.tokens / self.seconds
         out = {
             "perf/tokens_per_s_per_gpu": tps,
-            "perf/loss_tokens_per_s_per_gpu": self.loss_tokens / dt,
-            "perf/step_time_s": dt / self.steps,
+            "perf/loss_tokens_per_s_per_gpu": self.loss_tokens / self.seconds,
+            "perf/step_time_s": self.seconds / self.steps,
             "perf/mfu": tps * self.flops_per_token / self.peak if self.peak else None,
         }
-        self.reset()
+        if reset:
+            self.reset()
         return out

@@ -90,6 +90,7 @@ def load_model(
     seed: int,
     zero_init_config: dict | None = None,
     attn_implementation: str = "sdpa",
+    device: torch.device | None = None,
 ) -> PreTrainedModel:
     """Build or load the model. With `zero_init_config` (ZeRO-3) parameters are partitioned as they are
     created, so no rank ever holds the whole fp32 model in CPU memory."""
@@ -97,6 +98,10 @@ def load_model(
         import deepspeed
 
         init_ctx = deepspeed.zero.Init(config_dict_or_path=zero_init_config, dtype=dtype)
+    elif device is not None and device.type == "cuda" and model.base != "builtin-tiny":
+        # Random init of a 7B architecture takes minutes on one CPU core (27M parameters/s measured on the
+        # H200 host) and seconds on the GPU.
+        init_ctx = torch.device(device)
     else:
         init_ctx = contextlib.nullcontext()
     if model.is_builtin:
@@ -104,7 +109,7 @@ def load_model(
             model, vocab_size=vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id
         )
         cfg._attn_implementation = attn_implementation
-        torch.manual_seed(seed)  # same init on every rank and every run
+        torch.manual_seed(seed)  # same init on every rank and every run (CUDA generators are seeded too)
         with init_ctx:
             net = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
         return net

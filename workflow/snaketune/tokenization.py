@@ -6,7 +6,7 @@ never the ``Assistant:`` prompt or anything the user wrote. Labels are not shift
 shifts them itself. Packing concatenates whole conversations into blocks of at most ``max_length`` tokens
 with position ids restarting at 0 per conversation. The model must keep a block's conversations apart:
 call it with position_ids, no attention_mask and ``use_cache=False`` (transformers then derives the
-block-diagonal mask itself), or pass ``packed_attention_mask(position_ids)``.
+block-diagonal mask itself), or pass ``snaketune.batching.packed_attention_mask(position_ids)`` as training does.
 """
 
 from __future__ import annotations
@@ -207,31 +207,6 @@ def pack(examples: Sequence[Example], max_length: int) -> list[Example]:
     if current["input_ids"]:
         blocks.append(current)
     return blocks
-
-
-def packed_attention_mask(position_ids, dtype=None):
-    """Block-diagonal causal attention mask, (batch, 1, L, L) additive, for rows of packed conversations.
-
-    transformers 5 builds this mask itself from position_ids, but only when the forward gets no
-    attention_mask AND no KV cache; LlamaConfig's default use_cache=True makes the model create a
-    DynamicCache even in training (without gradient checkpointing), and the packed detection is then
-    skipped silently, so conversations attend to each other. Either call the model with ``use_cache=False``
-    and no attention_mask, or pass this mask (4D masks are used as given, cache or not; works for eager and
-    sdpa; flash-attention takes position_ids instead). A conversation starts wherever a position id does not
-    follow its predecessor by 1, the rule transformers' ``find_packed_sequence_indices`` uses.
-    ``dtype`` must be the attention's compute dtype (default float32): eager adds the mask to the scores.
-    """
-    import torch
-
-    dtype = dtype or torch.float32
-    first = position_ids[:, :1] - 1
-    segment = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
-    length = position_ids.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    allowed = (segment[:, :, None] == segment[:, None, :]) & causal
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None, :, :]
 
 
 def file_sha256(path: str | Path) -> str:

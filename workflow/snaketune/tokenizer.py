@@ -115,3 +115,30 @@ def train_tokenizer(
     tokenizer.save(str(out / "tokenizer.json"), pretty=True)
     config = json.dumps(tokenizer_config(model_max_length), indent=2, sort_keys=True, ensure_ascii=False)
     (out / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")
+
+
+def fetch_tokenizer(
+    name: str, out_dir: str | Path, *, revision: str = "main", trust_remote_code: bool = False
+) -> None:
+    """Save the tokenizer of a hub model or local model directory into ``out_dir`` (fast tokenizer files).
+
+    Needs network access for hub ids (not exercised in CI). ``trust_remote_code`` stays off unless the config
+    turns it on (model.trust_remote_code): a tokenizer class shipped with a model is code from its authors.
+    Hub tokens come from the environment (HF_TOKEN) and are never written anywhere.
+    """
+    from transformers import AutoTokenizer
+
+    local = Path(name)
+    if local.exists() and not (local / "tokenizer.json").exists():
+        raise FileNotFoundError(
+            f"model.tokenizer / model.base {name!r}: no tokenizer.json in that directory; "
+            "allowed: a directory with a fast tokenizer (tokenizer.json), a hub id, or 'auto'"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(
+        name, revision=revision, trust_remote_code=trust_remote_code, use_fast=True
+    )
+    if not tokenizer.is_fast:
+        raise ValueError(f"{name!r} has no fast tokenizer (tokenizer.json); snaketune needs offsets from one")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)

@@ -7,11 +7,13 @@ on every rank: ../shared/FACTS.md): construct, setup, train, save; cleanup is gu
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from snaketune.dsconfig import build_ds_config, zero_stage
 from snaketune.io import atomic_dir, sha256_tree, write_json
 from snaketune.metrics import MetricsWriter, Throughput, device_name, peak_flops, peak_memory_gib
 from snaketune.model import apply_lora, count_params, flops_per_token, load_model
+from snaketune.tokenization import load_tokenizer
 
 log = logging.getLogger("snaketune.train")
 
@@ -96,11 +99,12 @@ class Trainer:
 
     def setup(self) -> None:
         import deepspeed
-        from transformers import AutoTokenizer
 
         spec, cfg = self.spec, self.cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir)
-        self._check_data_fingerprint()
+        stats = self._check_data_fingerprint()
+        # With the chat template the data was rendered with (tokenize.chat_template), so that the saved
+        # model prompts the way it was trained, whatever template the tokenizer directory carries.
+        self.tokenizer = load_tokenizer(spec.tokenizer_dir, stats["settings"]["chat_template"])
         self.train_split = batching.load_split(Path(spec.data_dir) / "train")
         self.val_split = batching.load_split(Path(spec.data_dir) / "validation")
         self.gas = cfg.accumulation_steps(self.world)
@@ -132,7 +136,11 @@ class Trainer:
             eos_token_id=self.tokenizer.eos_token_id,
             dtype=self.dtype,
             seed=cfg.seed,
-            zero_init_config=self.ds_config if self.stage == 3 and not self.model_cfg.is_builtin else None,
+            device=self.device,
+            # ZeRO-3 partitions big models while they are built (the tiny one is cheaper to build whole).
+            zero_init_config=self.ds_config
+            if self.stage == 3 and self.model_cfg.base != "builtin-tiny"
+            else None,
         )
         if cfg.gradient_checkpointing:
             net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -153,6 +161,9 @@ class Trainer:
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
             config=self.ds_config,
         )
+        # DeepSpeed's fp32 stage-0 path clips without keeping the norm (engine.clip_fp32_gradients): there
+        # get_global_grad_norm() stays None and the trainer computes the norm itself.
+        self.ds_grad_norm = hasattr(self.engine.optimizer, "_global_grad_norm")
         self.start_step = self._resume()
         self.order = batching.GlobalOrder(len(self.train_split), cfg.seed)
         self.peak = peak_flops(device_name(self.device))
@@ -172,8 +183,9 @@ class Trainer:
             groups, lr=cfg.learning_rate, betas=cfg.adam_betas, eps=1e-8, fused=self.device.type == "cuda"
         )
 
-    def _check_data_fingerprint(self) -> None:
-        """Refuse tokenized data made with other tokenizer files than the ones we load (Axolotl #1265)."""
+    def _check_data_fingerprint(self) -> dict:
+        """Refuse tokenized data made with other tokenizer files than the ones we load (Axolotl #1265);
+        return the data's stats.json."""
         stats = json.loads((Path(self.spec.data_dir) / "stats.json").read_text())
         recorded = stats.get("tokenizer_files_sha256", {})
         actual = {k: v for k, v in sha256_tree(self.spec.tokenizer_dir).items() if k in recorded}
@@ -182,6 +194,7 @@ class Trainer:
                 f"{self.spec.data_dir} was tokenized with different tokenizer files than {self.spec.tokenizer_dir} "
                 f"(recorded {recorded}, found {actual}); delete the tokenized directory and rerun"
             )
+        return stats
 
     def _resume(self) -> int:
         removed = checkpoint.remove_incomplete(self.ckpt_root) if self.rank == 0 else []
@@ -249,6 +262,7 @@ class Trainer:
                 self.ckpt_root / "metrics.csv", self.ckpt_root / "tb", resume_step=self.start_step
             )
         meter = Throughput(self.flops_per_token, self.peak)
+        run_meter = Throughput(self.flops_per_token, self.peak)  # whole run after warm-up, for the summary
         window_loss = torch.zeros((), device=self.device, dtype=torch.float64)
         window_tokens = 0
         t_start = time.perf_counter()
@@ -257,8 +271,11 @@ class Trainer:
             batch_ids = self.order.global_batch(step, cfg.global_batch_size)
             global_tokens = max(1, int(self.train_split.loss_tokens[batch_ids].sum()))
             mine = batching.rank_share(batch_ids, self.rank, self.world)
+            lr = engine.get_lr()[0]  # the rate this step uses; after engine.step() it is the next step's
             tokens = 0
-            for micro in batching.micro_batches(mine, cfg.micro_batch_size):
+            t_step = time.perf_counter()
+            micros = batching.micro_batches(mine, cfg.micro_batch_size)
+            for i, micro in enumerate(micros):
                 batch = {
                     k: v.to(self.device)
                     for k, v in batching.collate(self.train_split, micro, self.pad_id).items()
@@ -268,27 +285,35 @@ class Trainer:
                 # this scale makes the net gradient that of (sum of token losses) / (loss tokens in the
                 # global batch), whatever the world size and micro-batch size.
                 engine.backward(loss_sum * (self.gas * self.world / global_tokens))
+                if i == len(micros) - 1 and not self.ds_grad_norm:
+                    grad_norm = _grad_norm(engine.module)  # averaged over ranks by backward at the boundary
                 engine.step()
                 window_loss += loss_sum.detach().double()
-                tokens += int((batch["position_ids"] != 0).sum()) + len(micro)  # real tokens, pads excluded
+                # Real tokens, pads excluded (a packed row holds several position-0 tokens: count lengths).
+                tokens += sum(len(self.train_split.input_ids[row]) for row in micro)
             window_tokens += global_tokens
             local_loss_tokens = int(self.train_split.loss_tokens[mine].sum())
-            meter.update(tokens, local_loss_tokens)
+            step_seconds = time.perf_counter() - t_step
+            meter.update(tokens, local_loss_tokens, step_seconds)
+            run_meter.update(tokens, local_loss_tokens, step_seconds)
             done = step + 1
-            if done % cfg.log_every == 0 or done == self.total_steps:
+            evaluate_now = bool(cfg.eval_every and done % cfg.eval_every == 0) or done == self.total_steps
+            if evaluate_now or done % cfg.log_every == 0:
                 # Device-to-host sync: one all-reduce per logged step, not per micro-batch.
                 dist.all_reduce(window_loss)
                 last = {
                     "train/loss": window_loss.item() / max(1, window_tokens),
-                    "train/lr": engine.get_lr()[0],
-                    "train/grad_norm": _float(engine.get_global_grad_norm()),
+                    "train/lr": lr,
+                    "train/grad_norm": _float(
+                        engine.get_global_grad_norm() if self.ds_grad_norm else grad_norm
+                    ),
                     "train/tokens_seen": done * cfg.global_batch_size * self.spec.max_length,
                     **meter.read(),
                     "memory/max_allocated_gib": self._max_over_ranks(peak_memory_gib(self.device)),
                 }
                 window_loss.zero_()
                 window_tokens = 0
-                if cfg.eval_every and done % cfg.eval_every == 0 or done == self.total_steps:
+                if evaluate_now:
                     last["val/loss"] = self.evaluate()
                 if writer:
                     writer.log(done, last)
@@ -297,8 +322,10 @@ class Trainer:
                 self.save_checkpoint(done)
         if writer:
             writer.close()
+            self.out.mkdir(parents=True, exist_ok=True)  # Snakemake makes it; a direct launch may not
             shutil.copyfile(self.ckpt_root / "metrics.csv", self.out / "metrics.csv")
             shutil.copytree(self.ckpt_root / "tb", self.out / "tb", dirs_exist_ok=True)
+        self.run_perf = run_meter.read(reset=False)
         return last
 
     def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -424,14 +451,22 @@ class Trainer:
             "lora": self.cfg.lora.enabled,
             "final_train_loss": last.get("train/loss"),
             "final_val_loss": last.get("val/loss"),
-            "tokens_per_s_per_gpu": last.get("perf/tokens_per_s_per_gpu"),
-            "loss_tokens_per_s_per_gpu": last.get("perf/loss_tokens_per_s_per_gpu"),
-            "mfu": last.get("perf/mfu"),
+            # Over every step after the first two of this process (warm-up), not just the last window.
+            "tokens_per_s_per_gpu": self.run_perf.get("perf/tokens_per_s_per_gpu"),
+            "loss_tokens_per_s_per_gpu": self.run_perf.get("perf/loss_tokens_per_s_per_gpu"),
+            "step_time_s": self.run_perf.get("perf/step_time_s"),
+            "mfu": self.run_perf.get("perf/mfu"),
             "peak_memory_gib_per_rank": mem,
             "wall_time_s": wall,
             "seed": self.cfg.seed,
             "run_key": self.spec.run_key,
         }
+
+
+def _grad_norm(net: torch.nn.Module) -> torch.Tensor:
+    """Global L2 norm of the gradients, before clipping (as DeepSpeed's ZeRO optimizers report it)."""
+    norms = [torch.linalg.vector_norm(p.grad.float()) for p in net.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
 def _float(x) -> float | None:
@@ -440,7 +475,20 @@ def _float(x) -> float | None:
     return float(x.item() if torch.is_tensor(x) else x)
 
 
+def _die_with_parent() -> None:
+    """torchrun starts ranks in sessions of their own (start_new_session=True), so a SIGKILL of Snakemake's
+    process group would leave them training and writing into results/. Ask Linux to SIGKILL this rank
+    when its parent (the torchrun agent) dies; if it already has, stop now."""
+    if sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:
+        os._exit(1)
+
+
 def main(argv: list[str]) -> int:
+    _die_with_parent()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s rank%(rank)s %(levelname)s %(message)s", stream=sys.stdout
     )

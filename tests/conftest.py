@@ -1,0 +1,157 @@
+"""Shared fixtures: the real data chain on a small builtin sample, and a helper that trains on it with real
+DeepSpeed ranks (CPU ranks over gloo when there is no GPU, ../shared/FACTS.md)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEEPSPEED_DIR = REPO / "config" / "deepspeed"
+MAX_LENGTH = 128
+# Settings every training test shares unless it overrides them: a 4-sequence global batch on the tiny model,
+# metrics at every step (per-step losses are what the tests compare), no checkpoints, validation at the end.
+TRAIN_DEFAULTS = dict(
+    gpus=1,
+    max_steps=20,
+    global_batch_size=4,
+    micro_batch_size=4,
+    log_every=1,
+    eval_every=0,
+    checkpoint_every=0,
+    precision="fp32",
+)
+
+
+@dataclass(frozen=True)
+class TinyData:
+    """Outputs of the data stages on the builtin sample (about 100 conversations, 33 packed rows)."""
+
+    raw_dir: Path
+    conversations_dir: Path
+    tokenizer_dir: Path
+    data_dir: Path
+    max_length: int
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> TinyData:
+    """download -> conversations -> tokenizer -> tokenized cache, exactly as the workflow chains them."""
+    from snaketune import conversations, download, tokenization, tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_data")
+    data = TinyData(root / "raw", root / "conversations", root / "tokenizer", root / "tokenized", MAX_LENGTH)
+    download.materialize("builtin", data.raw_dir, builtin_trees=120)
+    result = conversations.build_conversations(conversations.read_messages(data.raw_dir / "messages.parquet"))
+    conversations.write_conversations(result, data.conversations_dir)
+    tokenizer.train_tokenizer(
+        tokenizer.conversation_texts(data.conversations_dir / "train.parquet"), 512, data.tokenizer_dir
+    )
+    tokenization.tokenize_conversations(
+        data.conversations_dir,
+        data.tokenizer_dir,
+        data.data_dir,
+        max_length=MAX_LENGTH,
+        packing=True,
+        assistant_only_loss=True,
+        chat_template="deepseek",
+    )
+    return data
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    """One finished training run: where it wrote, its metrics.csv rows (numbers as floats) and summary."""
+
+    out_dir: Path
+    checkpoint_dir: Path
+    log_file: Path
+    rows: list[dict]
+    summary: dict
+
+    @property
+    def losses(self) -> list[float]:
+        """train/loss of every logged step, in step order (log_every=1: one per optimizer step)."""
+        return [row["train/loss"] for row in self.rows]
+
+
+def _number(value: str):
+    if value == "":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def read_metrics(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def run_spec(
+    root: Path,
+    data: TinyData,
+    *,
+    train_overrides: dict | None = None,
+    deepspeed: str | Path = "zero2",
+    checkpoint_dir: Path | None = None,
+) -> dict:
+    """The RunSpec dict workflow/scripts/train.py writes, for a run under `root`."""
+    from snaketune.config import ModelConfig, TrainConfig, _build, to_dict
+
+    ds_path = Path(deepspeed)
+    if ds_path.suffix != ".json":
+        ds_path = DEEPSPEED_DIR / f"{deepspeed}.json"
+    train = _build(TrainConfig, {**TRAIN_DEFAULTS, **(train_overrides or {})}, "train.")
+    return {
+        "experiment": "test",
+        "model": to_dict(ModelConfig()),
+        "train": to_dict(train),
+        "data_dir": str(data.data_dir),
+        "tokenizer_dir": str(data.tokenizer_dir),
+        "deepspeed_config": str(ds_path),
+        "output_dir": str(root / "out"),
+        "checkpoint_dir": str(checkpoint_dir or root / "checkpoints"),
+        "max_length": data.max_length,
+        "run_key": "test",
+    }
+
+
+def run_training(
+    tmp_path: Path,
+    tiny_data: TinyData,
+    nproc: int = 1,
+    train_overrides: dict | None = None,
+    deepspeed: str | Path = "zero2",
+    *,
+    checkpoint_dir: Path | None = None,
+) -> TrainRun:
+    """Train with `nproc` ranks through snaketune.launch (torchrun, as the train rule does).
+
+    `deepspeed` is a file name in config/deepspeed (zero0, zero2, zero3) or a path to a JSON file.
+    Raises snaketune.launch.LaunchError when the run fails; the ranks' output is in tmp_path/train.log.
+    """
+    from snaketune.launch import launch
+
+    spec = run_spec(
+        tmp_path,
+        tiny_data,
+        train_overrides=train_overrides,
+        deepspeed=deepspeed,
+        checkpoint_dir=checkpoint_dir,
+    )
+    log_file = tmp_path / "train.log"
+    launch(spec, Path(spec["checkpoint_dir"]) / "run-spec.json", granted=nproc, log_file=log_file, threads=2)
+    out = Path(spec["output_dir"])
+    return TrainRun(
+        out_dir=out,
+        checkpoint_dir=Path(spec["checkpoint_dir"]),
+        log_file=log_file,
+        rows=read_metrics(out / "metrics.csv"),
+        summary=json.loads((out / "summary.json").read_text()),
+    )

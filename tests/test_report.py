@@ -1,0 +1,478 @@
+"""The report: summary.json fields from a fixture results tree of two experiments, self-contained HTML that a
+real browser renders (headless Chromium), Markdown, number formatting; and the real workflow ending in it."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import yaml
+
+from snaketune import report
+from snaketune.report_render import fmt, fmt_duration, fmt_pct
+
+REPO = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+KEY = "0123456789abcdef"
+
+# ---- a hand-made results tree --------------------------------------------------------------------
+
+EXPERIMENTS = {
+    # name: (base val loss, tuned val loss, base accuracy, tuned accuracy, world size, tokens/s, mfu, memory)
+    "default": (6.8950, 0.9322, 0.0, 0.796875, 3, 2968.3, None, [0.664, 0.666, 0.655]),
+    "lora": (6.8950, 1.8500, 0.0, 0.40625, 2, 3510.0, 0.0123, [0.61, 0.62]),
+}
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _json(path: Path, obj) -> Path:
+    return _write(path, json.dumps(obj, indent=2))
+
+
+def make_results(root: Path) -> report.ReportInputs:
+    """Every file the report reads, shaped like the stages write them, with known figures."""
+    r = root / "results"
+    _json(
+        r / "data/raw/source.json",
+        {"source": "builtin", "messages": 2827, "splits": [], "sha256": {"messages.parquet": "89" * 32}},
+    )
+    _write(r / "data/raw/SHA256SUMS", f"{'89' * 32}  messages.parquet\n")
+    _json(
+        r / "data/conversations/stats.json",
+        {
+            "trees": 600,
+            "messages": 2827,
+            "messages_kept": 2405,
+            "paths": "top1",
+            "split_source": "hash",
+            "conversations": {"train": 530, "validation": 26},
+            "trees_by_split": {"train": 530, "validation": 26},
+            "turns_mean": {"train": 2.9208, "validation": 3.1538},
+            "by_language": {"train": {"en": 365, "de": 58}, "validation": {"en": 14, "de": 5}},
+            "dropped": {"deleted": 126, "review_failed": 122, "orphan": 0},
+            "paths_dropped": {"no_exchange": 44, "duplicate": 0},
+            "paths_trimmed_prompter": 60,
+        },
+    )
+    split = {
+        "conversations": 530,
+        "sequences": 65,
+        "tokens": 15656,
+        "loss_tokens": 5377,
+        "truncated": 0,
+        "truncated_pct": 0.0,
+        "mean_conversation_tokens": 29.54,
+        "max_conversation_tokens": 68,
+        "pad_fraction_unpadded_to_max": 0.884611,
+        "pad_fraction_packed": 0.059135,
+    }
+    _json(
+        r / f"tokenized/{KEY}/stats.json",
+        {
+            "settings": {
+                "max_length": 256,
+                "packing": True,
+                "assistant_only_loss": True,
+                "chat_template": "deepseek",
+            },
+            "splits": {
+                "train": split,
+                "validation": {**split, "conversations": 26, "tokens": 857, "loss_tokens": 300},
+            },
+            "conversation_files_sha256": {"train": "aa" * 32, "validation": "bb" * 32},
+            "tokenizer_files_sha256": {"tokenizer.json": "cc" * 32},
+            "chat_template_sha256": "dd" * 32,
+        },
+    )
+    files = []
+    for name, (base, tuned, acc0, acc1, world, tps, mfu, memory) in EXPERIMENTS.items():
+        _json(
+            r / f"train/{name}/summary.json",
+            {
+                "experiment": name,
+                "steps": 120,
+                "world_size": world,
+                "device": "cpu" if mfu is None else "NVIDIA H200",
+                "precision": "float32",
+                "zero_stage": 2,
+                "global_batch_size": 24,
+                "micro_batch_size": 4,
+                "gradient_accumulation_steps": 24 // (4 * world),
+                "parameters": 1037440,
+                "trainable_parameters": 1037440 if name == "default" else 16384,
+                "lora": name == "lora",
+                "final_train_loss": 0.0583,
+                "final_val_loss": tuned,
+                "tokens_per_s_per_gpu": tps,
+                "loss_tokens_per_s_per_gpu": tps / 3,
+                "mfu": mfu,
+                "peak_memory_gib_per_rank": memory,
+                "wall_time_s": 155.4,
+                "seed": 1234,
+                "run_key": f"run{name}",
+            },
+        )
+        with open(_write(r / f"train/{name}/metrics.csv", ""), "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(
+                ["step", "train/loss", "train/lr", "train/grad_norm", "train/tokens_seen",
+                 "perf/tokens_per_s_per_gpu", "perf/loss_tokens_per_s_per_gpu", "perf/mfu",
+                 "memory/max_allocated_gib", "val/loss"]
+            )  # fmt: skip
+            for step in range(5, 125, 5):
+                val = tuned + (base - tuned) * (1 - step / 120) ** 3 if step % 40 == 0 else ""
+                writer.writerow(
+                    [step, 6.0 * (0.97**step), 3e-3 * (1 - step / 130), 1.0 / step**0.5, step * 24 * 256,
+                     tps, tps / 3, "" if mfu is None else mfu, max(memory), val]
+                )  # fmt: skip
+        em = {
+            which: {
+                "n": 64,
+                "correct": round(acc * 64),
+                "accuracy": acc,
+                "by_task": {"add": {"n": 32, "correct": round(acc * 32), "accuracy": acc}},
+                "by_lang": {"en": {"n": 64, "correct": round(acc * 64), "accuracy": acc}},
+            }
+            for which, acc in (("base", acc0), ("tuned", acc1))
+        }
+        em.update(
+            n=64,
+            seed=1,
+            examples=[
+                {
+                    "task": "add",
+                    "lang": "en",
+                    "prompt": "What is 3 + 4?",
+                    "answer": "3 + 4 = 7.",
+                    "base": "x",
+                    "tuned": "3 + 4 = 8.",
+                }
+            ],
+        )
+        _json(
+            r / f"eval/{name}/metrics.json",
+            {
+                "experiment": name,
+                "model": "builtin-tiny",
+                "base_model": "random init of builtin-tiny (seed 1234, float32): the train stage's start",
+                "device": "cpu",
+                "dtype": "float32",
+                "validation": {
+                    "rows": 4,
+                    "loss_tokens": 300,
+                    "base": {"loss": base, "perplexity": 2.718281828**base},
+                    "tuned": {"loss": tuned, "perplexity": 2.718281828**tuned},
+                    "loss_change_pct": 100 * (tuned - base) / base,
+                },
+                "generation": {"prompts": 2, "max_new_tokens": 32, "decoding": "greedy"},
+                "exact_match": em,
+                "versions": {
+                    "torch": "2.13.0+cpu",
+                    "deepspeed": "0.19.8",
+                    "transformers": "5.23.0",
+                    "datasets": "5.2.0",
+                    "peft": "0.21.2",
+                },  # fmt: skip
+            },
+        )
+        _write(
+            r / f"eval/{name}/generations.jsonl",
+            json.dumps(
+                {
+                    "prompt": "What is 3 + 4?",
+                    "base": "let let <b>",
+                    "tuned": "3 + 4 = 7.",
+                    "expected": "3 + 4 = 7.",
+                }
+            )
+            + "\n"
+            + json.dumps(
+                {"prompt": "Tell me a joke | please", "base": "", "tuned": "6 + 6", "expected": None}
+            )
+            + "\n",
+        )
+        files.append(
+            report.ExperimentFiles(
+                name,
+                r / f"train/{name}/summary.json",
+                r / f"train/{name}/metrics.csv",
+                r / f"eval/{name}/metrics.json",
+                r / f"eval/{name}/generations.jsonl",
+                r / f"tokenized/{KEY}",
+            )
+        )
+    bench = root / "benchmarks"
+    header = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
+    _write(bench / "download.tsv", header + "0.70\t0:00:00\t111.7\t1\t1\t1\t0\t0\t0\t0.5\n")
+    _write(bench / "train/default.tsv", header + "173.76\t0:02:53\t3678.32\t1\t1\t1\t0\t0\t0\t214.14\n")
+    _write(bench / "eval/default.tsv", header + "9.5\t0:00:09\tNA\t1\t1\t1\t0\t0\t0\t10.1\n")
+    config = {
+        "dataset": {"source": "builtin", "builtin_seed": 0},
+        "experiments": {n: {} for n in EXPERIMENTS},
+    }
+    return report.ReportInputs(
+        experiments=files,
+        source=r / "data/raw/source.json",
+        sha256sums=r / "data/raw/SHA256SUMS",
+        conversations=r / "data/conversations/stats.json",
+        config=config,
+        benchmarks=bench,
+    )
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    inputs = make_results(root)
+    out = root / "results/report"
+    summary = report.build_report(inputs, out, workdir=root)
+    return out, summary
+
+
+# ---- summary.json and files ----------------------------------------------------------------------
+
+
+def test_every_output_is_written(built):
+    out, _ = built
+    for name in report.OUTPUTS.values():
+        assert (out / name).stat().st_size > 0, name
+        if name.endswith(".png"):
+            assert (out / name).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_summary_json_fields(built):
+    out, summary = built
+    assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary))
+    data = summary["data"]
+    assert data["conversations"] == {"train": 530, "validation": 26}
+    assert data["tokenized"][KEY]["splits"]["train"]["tokens"] == 15656
+    assert data["tokenized"][KEY]["experiments"] == ["default", "lora"]
+    d = summary["experiments"]["default"]
+    assert d["tokens"] == {"train": 15656, "validation": 857}
+    assert (d["steps"], d["world_size"], d["zero_stage"]) == (120, 3, 2)
+    assert d["final_train_loss"] == 0.0583 and d["final_val_loss"] == 0.9322
+    assert d["tokens_per_s_per_gpu"] == 2968.3 and d["mfu"] is None
+    assert d["peak_memory_gib"] == 0.666
+    assert d["base_val_loss"] == 6.895 and d["tuned_val_loss"] == 0.9322
+    assert d["val_loss_change_pct"] == pytest.approx(-86.48, abs=0.01)
+    assert d["base_perplexity"] == pytest.approx(987.3, rel=1e-3)
+    assert d["base_accuracy"] == 0.0 and d["tuned_accuracy"] == 0.796875
+    lora = summary["experiments"]["lora"]
+    assert lora["lora"] and lora["mfu"] == 0.0123 and lora["world_size"] == 2
+    prov = summary["provenance"]
+    assert prov["git_commit"] == "not a git checkout"
+    assert set(report.PACKAGES) <= set(prov["versions"])
+    assert prov["versions"]["torch"] == "2.13.0+cpu"  # as the evaluate job recorded it
+    assert prov["wall_time_s"] == {"download": 0.7, "train/default": 173.76, "eval/default": 9.5}
+    assert prov["seeds"]["default: train.seed"] == 1234
+
+
+def test_markdown_has_the_tables_and_the_improvement(built):
+    out, _ = built
+    md = (out / "report.md").read_text()
+    assert "Validation loss fell from **6.895** to **0.9322** (−86.5%)" in md
+    assert "## Comparison" in md  # two experiments
+    assert "![" in md and "(loss_vs_step.png)" in md
+    assert "Tell me a joke \\| please" in md  # pipes in cells are escaped
+    assert "| train | 530 | 530 |" in md
+
+
+def test_html_is_self_contained(built):
+    out, _ = built
+    page = (out / "index.html").read_text()
+    assert "<script" not in page
+    assert "http://" not in page and "https://" not in page and 'src="file' not in page
+    assert page.count('src="data:image/png;base64,') == 5
+    assert "let let &lt;b&gt;" in page  # generated text is escaped
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (1037440, "1,037,440"),
+        (2968.324, "2,968"),
+        (6.89502, "6.895"),
+        (0.932193, "0.9322"),
+        (987.347, "987.3"),
+        (0.0123, "0.01230"),
+        (3e-5, "3.000e−05"),
+        (-86.48, "−86.48"),
+        (None, "–"),
+        (0, "0"),
+    ],
+)
+def test_number_formatting(value, expected):
+    assert fmt(value) == expected
+
+
+def test_percent_and_duration_formatting():
+    assert fmt_pct(-86.48, signed=True) == "−86.5%"
+    assert fmt_duration(155.4) == "2 min 35 s" and fmt_duration(9.54) == "9.5 s"
+    assert fmt_duration(7300) == "2 h 01 min"
+
+
+# ---- a real browser ------------------------------------------------------------------------------
+
+
+def chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    return None
+
+
+class _Dom(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.images: list[str] = []
+        self.tables: list[list[str]] = []
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images.append(dict(attrs).get("src", ""))
+        elif tag == "table":
+            self.tables.append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self.tables[-1].append("".join(self._cell).strip())
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def _chromium(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ]
+    return subprocess.run([chromium(), *flags, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(chromium() is None, reason="chromium is not installed (apt-get install -y chromium)")
+def test_html_renders_in_headless_chromium(built, tmp_path):
+    out, summary = built
+    url = (out / "index.html").resolve().as_uri()
+    dom = _chromium(["--dump-dom", url], tmp_path)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    parsed = _Dom()
+    parsed.feed(dom.stdout)
+    assert len(parsed.images) == 5
+    for src in parsed.images:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1]).startswith(PNG_MAGIC)
+    cells = [c for table in parsed.tables for c in table]
+    d = summary["experiments"]["default"]
+    for figure in (
+        fmt(d["base_val_loss"]),
+        fmt(d["tuned_val_loss"]),
+        "79.7%",
+        "15,656",
+        "2,968",
+        "1,037,440",
+    ):
+        assert any(figure in cell for cell in cells), figure
+    numeric = [c for c in cells if c.replace(",", "").replace(".", "").replace("%", "").isdigit()]
+    assert len(numeric) > 40
+
+    shot = tmp_path / "report.png"
+    result = _chromium([f"--screenshot={shot}", "--window-size=1280,4000", url], tmp_path)
+    assert result.returncode == 0 and shot.read_bytes().startswith(PNG_MAGIC), result.stderr[-2000:]
+    from PIL import Image
+
+    image = Image.open(shot).convert("L")
+    assert image.size == (1280, 4000)
+    # Not a blank page: the rendered text, tables and plots make many distinct grey levels.
+    assert sum(1 for count in image.histogram() if count) > 50
+
+
+# ---- the real workflow ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_workflow_ends_with_the_report_and_eval_settings_never_retrain(tmp_path):
+    """The fast config through the real workflow in a copy of the repository: the report is the default
+    target, the tuned model beats the base, and a changed eval prompt reruns evaluate and report only."""
+    for item in ("Snakefile", "workflow", "config", "envs"):
+        src = REPO / item
+        (shutil.copytree if src.is_dir() else shutil.copy)(
+            src,
+            tmp_path / item,
+            **({"ignore": shutil.ignore_patterns("__pycache__")} if src.is_dir() else {}),
+        )
+    configfile = REPO / "tests/configs/fast.yaml"
+    snakemake = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--cores",
+        "2",
+        "--resources",
+        "gpu=3",
+        "--configfile",
+        str(configfile),
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    run = subprocess.run(snakemake, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-5000:]
+    out = tmp_path / "results/report"
+    for name in report.OUTPUTS.values():
+        assert (out / name).is_file(), name
+    exp = json.loads((out / "summary.json").read_text())["experiments"]["default"]
+    assert exp["tuned_val_loss"] < exp["base_val_loss"]
+    train = yaml.safe_load(configfile.read_text())["train"]
+    assert exp["steps"] == train["max_steps"] and exp["world_size"] == min(3, train["gpus"])
+
+    dry = subprocess.run(
+        [*snakemake, "-n", "--config", "eval={prompts: ['What is 2 + 2?']}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    jobs = {
+        line.split()[0]
+        for line in dry.stdout.splitlines()
+        if line[:1].isalpha() and line.split()[-1].isdigit()
+    }
+    assert jobs & {"evaluate", "report"} == {"evaluate", "report"}
+    assert not jobs & {"download", "conversations", "train_tokenizer", "tokenize", "train"}, dry.stdout
+
+    zipped = subprocess.run(
+        [*snakemake, "--report", "results/report.zip"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert zipped.returncode == 0 and (tmp_path / "results/report.zip").stat().st_size > 0, zipped.stderr[
+        -3000:
+    ]

@@ -1,0 +1,316 @@
+"""End-to-end training on CPU ranks: the invariants the trainer promises, checked on the tiny model.
+
+Every run goes through snaketune.launch (torchrun + DeepSpeed over gloo), in fp32, with metrics at every
+step so that per-step losses can be compared. Runs are module-scoped fixtures shared by the tests that read
+them; each costs ~15-25 s on 2 cores, mostly imports, so there are as few as the invariants need.
+
+Runs that are compared use the same warmup (10 steps) and compare only steps inside it: during warmup the
+learning rate is (step+1)/10 x peak whatever max_steps is, so a 6-step run follows a 20-step run exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import run_training
+from snaketune.batching import collate, load_split, packed_attention_mask, token_loss_sum
+from snaketune.launch import LaunchError, world_size
+from snaketune.tokenizer import BOS, DEEPSEEK_CHAT_TEMPLATE
+
+COMPARED_STEPS = 6
+SHORT = dict(max_steps=COMPARED_STEPS)
+# 2 ranks x micro-batch 2 x accumulation 1 = the same global batch of 4 as the 1-rank base run.
+TWO_RANKS = dict(max_steps=COMPARED_STEPS, micro_batch_size=2)
+# Measured: 1 vs 2 ranks, ZeRO 0/2/3 and micro-batch x accumulation differ by < 3e-7 relative in losses
+# and gradient norms (fp32, reduction order only). 1e-4 leaves a wide margin and still catches any change
+# of the math: a wrong normalization or a sample seen twice moves the first losses by far more than 1e-3.
+RTOL = 1e-4
+# Losses and gradient norms of the base run's first 3 steps (torch 2.13.0+cpu, deepspeed 0.19.8,
+# transformers 5.23): a change to the model, init, data order, masking, loss normalization or optimizer
+# moves them by far more than this; CPU kernels are deterministic here (repeated runs agree exactly).
+GOLDEN_LOSSES = [6.276162756494729, 6.092911551339285, 5.923332857798381]
+GOLDEN_GRAD_NORMS = [4.7360687255859375, 4.240601062774658, 3.1709585189819336]
+GOLDEN_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def base_run(tiny_data, tmp_path_factory):
+    """1 rank, ZeRO-2, micro-batch 4 x accumulation 1, 20 steps at the default learning rate."""
+    return run_training(tmp_path_factory.mktemp("base"), tiny_data, nproc=1)
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tiny_data, tmp_path_factory):
+    """2 ranks, ZeRO-2, with a checkpoint at step 3 (which the resume tests start from)."""
+    return run_training(
+        tmp_path_factory.mktemp("zero2"),
+        tiny_data,
+        nproc=2,
+        train_overrides={**TWO_RANKS, "checkpoint_every": 3},
+    )
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tiny_data, tmp_path_factory):
+    return run_training(
+        tmp_path_factory.mktemp("zero3"), tiny_data, nproc=2, train_overrides=TWO_RANKS, deepspeed="zero3"
+    )
+
+
+@pytest.fixture(scope="module")
+def zero0_run(tiny_data, tmp_path_factory):
+    return run_training(
+        tmp_path_factory.mktemp("zero0"), tiny_data, nproc=2, train_overrides=TWO_RANKS, deepspeed="zero0"
+    )
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_data, tmp_path_factory):
+    """2 ranks, ZeRO-2, LoRA rank 4; metrics every 2 steps and validation every 5 (not a multiple of 2)."""
+    overrides = dict(
+        max_steps=10, micro_batch_size=2, log_every=2, eval_every=5, lora={"enabled": True, "rank": 4}
+    )
+    return run_training(tmp_path_factory.mktemp("lora"), tiny_data, nproc=2, train_overrides=overrides)
+
+
+def first(run, n=COMPARED_STEPS, key="train/loss") -> list[float]:
+    assert [row["step"] for row in run.rows[:n]] == list(range(1, n + 1))
+    return [row[key] for row in run.rows[:n]]
+
+
+def assert_same_steps(run, reference) -> None:
+    """Same losses and same pre-clipping gradient norms. Losses alone would miss a wrong gradient scale:
+    Adam's update, after clipping, is nearly invariant to it; the logged norm is not."""
+    np.testing.assert_allclose(first(run), first(reference), rtol=RTOL)
+    np.testing.assert_allclose(
+        first(run, key="train/grad_norm"), first(reference, key="train/grad_norm"), rtol=RTOL
+    )
+
+
+def validation_loss(model, tiny_data, pad_id: int) -> float:
+    """Token-weighted validation loss, computed as the trainer does, in one batch."""
+    split = load_split(tiny_data.data_dir / "validation")
+    batch = collate(split, np.arange(len(split)), pad_id)
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            attention_mask=packed_attention_mask(batch["position_ids"], torch.float32),
+        ).logits
+    return token_loss_sum(logits, batch["labels"], batch["position_ids"]).item() / int(
+        split.loss_tokens.sum()
+    )
+
+
+# ---- invariants ----------------------------------------------------------------------------------
+
+
+def test_one_rank_equals_two_ranks(base_run, zero2_run):
+    assert base_run.summary["world_size"] == 1 and zero2_run.summary["world_size"] == 2
+    assert zero2_run.summary["gradient_accumulation_steps"] == 1
+    assert_same_steps(zero2_run, base_run)
+
+
+def test_zero_stages_agree(zero2_run, zero3_run, zero0_run):
+    assert [r.summary["zero_stage"] for r in (zero0_run, zero2_run, zero3_run)] == [0, 2, 3]
+    assert_same_steps(zero3_run, zero2_run)
+    assert_same_steps(zero0_run, zero2_run)
+    # ZeRO-3 gathers its partitioned weights to save them: the saved model is the one ZeRO-2 trained.
+    w2 = load_file(zero2_run.out_dir / "model" / "model.safetensors")
+    for run in (zero3_run, zero0_run):
+        w = load_file(run.out_dir / "model" / "model.safetensors")
+        assert w.keys() == w2.keys()
+        for name, tensor in w2.items():
+            torch.testing.assert_close(w[name], tensor, rtol=0, atol=1e-4, msg=name)
+
+
+def test_micro_batch_times_accumulation_is_invariant(base_run, tiny_data, tmp_path):
+    """Micro-batch 1 x accumulation 4 equals micro-batch 4 x accumulation 1 (1 rank, global batch 4)."""
+    run = run_training(tmp_path, tiny_data, nproc=1, train_overrides={**SHORT, "micro_batch_size": 1})
+    assert run.summary["gradient_accumulation_steps"] == 4
+    assert_same_steps(run, base_run)
+
+
+def test_golden_first_losses(base_run):
+    np.testing.assert_allclose(base_run.losses[:3], GOLDEN_LOSSES, rtol=0, atol=GOLDEN_ATOL)
+    np.testing.assert_allclose(
+        first(base_run, 3, "train/grad_norm"), GOLDEN_GRAD_NORMS, rtol=0, atol=GOLDEN_ATOL
+    )
+
+
+def test_loss_falls_at_the_default_learning_rate(base_run):
+    losses = base_run.losses
+    assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
+    # Measured: 6.28 -> 3.56 (mean of the first 3 steps 6.10, of the last 3 3.71); validation 4.13.
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 1.5
+    assert base_run.summary["final_val_loss"] < losses[0] - 1.0
+    lrs = [row["train/lr"] for row in base_run.rows]
+    assert lrs[0] == pytest.approx(3e-3 / 10) and max(lrs) == pytest.approx(3e-3)  # warmup, then the peak
+
+
+# ---- outputs -------------------------------------------------------------------------------------
+
+
+def test_final_model_loads_and_generates(base_run, tiny_data):
+    model_dir = base_run.out_dir / "model"
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert (model_dir / "model.safetensors").is_file()
+    assert not list(model_dir.glob("*.bin")) and not list(model_dir.glob("*.pt"))
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert tokenizer.chat_template == DEEPSEEK_CHAT_TEMPLATE
+    # The saved weights are the trained ones: they reproduce the validation loss the run reported.
+    pad_id = tokenizer.pad_token_id
+    assert validation_loss(model, tiny_data, pad_id) == pytest.approx(
+        base_run.summary["final_val_loss"], rel=1e-5
+    )
+
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.startswith(BOS) and prompt.endswith("Assistant:")
+    enc = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=pad_id)
+    assert out.shape[1] > enc["input_ids"].shape[1]
+    assert isinstance(tokenizer.decode(out[0, enc["input_ids"].shape[1] :]), str)
+
+
+def test_run_outputs_and_checkpoint_layout(zero2_run):
+    summary = zero2_run.summary
+    assert summary["steps"] == COMPARED_STEPS and summary["resumed_from_step"] == 0
+    assert summary["precision"] == "float32" and len(summary["peak_memory_gib_per_rank"]) == 2
+    assert summary["final_train_loss"] == pytest.approx(zero2_run.losses[-1])
+    assert (zero2_run.out_dir / "tb").is_dir()
+    ckpt = zero2_run.checkpoint_dir / "step00000003"
+    marker = json.loads((ckpt / "COMPLETE.json").read_text())
+    assert {k: marker[k] for k in ("step", "world_size", "zero_stage")} == {
+        "step": 3,
+        "world_size": 2,
+        "zero_stage": 2,
+    }
+    assert (ckpt / "rng_rank0.pt").is_file() and (ckpt / "rng_rank1.pt").is_file()
+    # Checkpoints are only written before the last step: the final model is in output_dir/model.
+    assert sorted(p.name for p in zero2_run.checkpoint_dir.glob("step*")) == ["step00000003"]
+
+
+def test_resume_continues_the_uninterrupted_run(zero2_run, tiny_data, tmp_path):
+    """From the step-3 checkpoint, steps 4-6 repeat the losses of the run that went through."""
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(zero2_run.checkpoint_dir, ckpt)
+    run = run_training(
+        tmp_path,
+        tiny_data,
+        nproc=2,
+        train_overrides={**TWO_RANKS, "checkpoint_every": 3},
+        checkpoint_dir=ckpt,
+    )
+    assert run.summary["resumed_from_step"] == 3
+    assert [row["step"] for row in run.rows] == list(range(1, COMPARED_STEPS + 1))
+    assert run.losses[:3] == zero2_run.losses[:3]  # rows of the first run, kept
+    np.testing.assert_allclose(run.losses[3:], zero2_run.losses[3:], rtol=1e-6)
+    assert run.summary["final_val_loss"] == pytest.approx(zero2_run.summary["final_val_loss"], rel=1e-6)
+
+
+def test_lora_trains_adapters_and_saves_a_merged_model(lora_run, tiny_data):
+    from peft import PeftModel
+
+    from snaketune.config import ModelConfig
+    from snaketune.model import load_model
+
+    # A row every 2 steps, plus the validation steps 5 and 10 (each row averages the steps since the last).
+    assert [row["step"] for row in lora_run.rows] == [2, 4, 5, 6, 8, 10]
+    assert [row["step"] for row in lora_run.rows if row.get("val/loss") is not None] == [5, 10]
+    losses = lora_run.losses
+    # Measured: 6.26 (steps 1-2) -> 5.83 (step 10).
+    assert losses[-1] < losses[0] - 0.25
+    assert (
+        lora_run.summary["lora"]
+        and lora_run.summary["trainable_parameters"] < lora_run.summary["parameters"] / 10
+    )
+
+    model_dir = lora_run.out_dir / "model"
+    assert (model_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert json.loads((model_dir / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    merged = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert not any("lora" in name for name in merged.state_dict())
+
+    # The base the run started from: builtin models are initialized from the train seed.
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    base = load_model(
+        ModelConfig(),
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        dtype=torch.float32,
+        seed=1234,
+    ).eval()
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    merged_state = merged.state_dict()
+    # Only adapters trained: embeddings and norms are untouched, a projection moved by a rank-4 update.
+    torch.testing.assert_close(
+        merged_state["model.embed_tokens.weight"], base_state["model.embed_tokens.weight"]
+    )
+    delta = (
+        merged_state["model.layers.0.self_attn.q_proj.weight"]
+        - base_state["model.layers.0.self_attn.q_proj.weight"]
+    )
+    assert delta.abs().max() > 1e-4
+    assert torch.linalg.matrix_rank(delta).item() <= 4
+
+    peft_model = PeftModel.from_pretrained(base, model_dir / "adapter").eval()
+    split = load_split(tiny_data.data_dir / "validation")
+    batch = collate(split, np.arange(len(split)), tokenizer.pad_token_id)
+    kwargs = dict(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        attention_mask=packed_attention_mask(batch["position_ids"], torch.float32),
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**kwargs).logits, peft_model(**kwargs).logits, rtol=1e-4, atol=1e-4)
+    assert validation_loss(merged, tiny_data, tokenizer.pad_token_id) == pytest.approx(
+        lora_run.summary["final_val_loss"], rel=1e-5
+    )
+
+
+# ---- bad inputs ----------------------------------------------------------------------------------
+
+
+def test_world_size_checks_the_granted_gpus():
+    with pytest.raises(LaunchError, match="--resources gpu"):
+        world_size(0, cuda_devices=2)
+    with pytest.raises(LaunchError, match="3 GPUs were granted but only 2 are visible"):
+        world_size(3, cuda_devices=2)
+    assert world_size(2, cuda_devices=2) == 2
+    # Without CUDA: as many CPU ranks as granted, and at least one.
+    assert world_size(3, cuda_devices=0) == 3
+    assert world_size(0, cuda_devices=0) == 1
+
+
+def test_unknown_deepspeed_key_fails_the_run(tiny_data, tmp_path):
+    bad = tmp_path / "typo.json"
+    bad.write_text(json.dumps({"zero_optimisation": {"stage": 2}}))
+    with pytest.raises(LaunchError, match="training failed"):
+        run_training(tmp_path, tiny_data, nproc=1, train_overrides=SHORT, deepspeed=bad)
+    log = (tmp_path / "train.log").read_text()
+    assert f"{bad}: unknown key 'zero_optimisation'; did you mean 'zero_optimization'?" in log
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_resume_with_another_world_size_fails(zero2_run, tiny_data, tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(zero2_run.checkpoint_dir, ckpt)
+    with pytest.raises(LaunchError, match="training failed"):
+        run_training(tmp_path, tiny_data, nproc=1, train_overrides=TWO_RANKS, checkpoint_dir=ckpt)
+    log = (tmp_path / "train.log").read_text()
+    assert "was written by 2 ranks but 1 were granted; rerun with --resources gpu=2" in log

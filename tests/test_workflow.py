@@ -1,0 +1,486 @@
+"""End to end: the real `snakemake` command on a copy of the workflow, trained with CPU ranks.
+
+Every run uses tests/configs/fast.yaml (150 builtin trees, 128-token blocks, 24 optimizer steps), so one full
+workflow run takes under a minute on 2 cores, most of it imports. The runs are shared between tests through
+module-scoped fixtures; each works in its own copy of the workflow (Snakefile, workflow/, config/, envs/),
+taken once from the repository, so that concurrent edits to the sources cannot give two runs different
+cache keys. The assertions read Snakemake's own output and the files it produced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+FAST_CONFIG = REPO / "tests" / "configs" / "fast.yaml"
+WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs")
+# Snakemake 9's message (snakemake.common.NOTHING_TO_BE_DONE_MSG) when no job needs to run.
+NOTHING_TO_DO = "Nothing to be done (all requested files are present and up to date)."
+RUN_TIMEOUT_S = 420  # one full workflow run; about 40 s when the machine is idle
+SHORT_TIMEOUT_S = 120  # commands that run no job (dry runs, --report, --lint, bad configs)
+RESUME_FROM_STEP = 8  # kill once a checkpoint of at least this step is complete (fast.yaml: every 4 steps)
+EXPERIMENT = "default"
+# Runs other than the full one stop at training: evaluation and the report add nothing to what they test.
+TRAIN_TARGET = f"results/train/{EXPERIMENT}/summary.json"
+DATA_RULES = ("download", "conversations", "train_tokenizer", "tokenize")
+
+
+def _snakemake_bin() -> Path:
+    local = Path(sys.executable).parent / "snakemake"
+    if local.exists():
+        return local
+    found = shutil.which("snakemake")
+    if found is None:
+        pytest.skip("snakemake is not installed")
+    return Path(found)
+
+
+# ---- running snakemake -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Result:
+    """One finished snakemake command. Snakemake 9 logs to stderr, but to stdout in a dry run (-n)."""
+
+    args: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    @property
+    def finished_rules(self) -> list[str]:
+        """Rules of the jobs this command ran to completion, from Snakemake's progress lines."""
+        return re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", self.output)
+
+    @property
+    def planned_rules(self) -> list[str]:
+        """Rules of the jobs a dry run (-n) lists."""
+        return re.findall(r"^\s*(?:local)?rule (\w+):$", self.output, flags=re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    pgid: int
+    state: str
+    cmdline: str
+
+
+def _processes() -> dict[int, tuple[int, Proc]]:
+    """pid -> (parent pid, process) for every process we can see, from /proc."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        # The command name in parentheses may hold spaces; the fields after it are state, ppid, pgrp.
+        state, ppid, pgrp = text.rsplit(")", 1)[1].split()[:3]
+        pid = int(stat.parent.name)
+        table[pid] = (int(ppid), Proc(pid, int(pgrp), state, cmdline))
+    return table
+
+
+def process_tree(root: int) -> list[Proc]:
+    """Every live descendant of `root`."""
+    table = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            found.append(table[pid][1])
+            todo.append(pid)
+    return found
+
+
+def alive(p: Proc) -> bool:
+    """Still running, and still the process we saw (its pid not reused)."""
+    proc = Path(f"/proc/{p.pid}")
+    try:
+        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return False
+    return state != "Z" and cmdline == p.cmdline
+
+
+def _signal(p: Proc, sig: int) -> None:
+    if alive(p):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, sig)
+
+
+def kill_everything(proc: subprocess.Popen) -> list[Proc]:
+    """SIGKILL snakemake's process group (SIGTERM would be a graceful stop for Snakemake) and every process
+    it started. Returns the descendants outside that group, which a kill of the group alone leaves running:
+    they are frozen first, so they cannot go on writing while we look, and killed last."""
+    tree = process_tree(proc.pid)
+    outside = [p for p in tree if p.pgid != proc.pid]
+    for p in outside:
+        _signal(p, signal.SIGSTOP)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # A rank that follows its launcher (e.g. through PR_SET_PDEATHSIG) dies now, even while stopped.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(alive(p) for p in outside):
+        time.sleep(0.1)
+    survivors = [p for p in outside if alive(p)]
+    for p in tree:
+        _signal(p, signal.SIGKILL)
+    return survivors
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # CPU ranks everywhere, so the rank counts below hold on a machine with fewer GPUs than ranks too.
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+@dataclass(frozen=True)
+class Started:
+    """A running snakemake command; its output goes to files (a full pipe would block it while we poll)."""
+
+    proc: subprocess.Popen
+    workdir: Path
+    out: Path
+    err: Path
+
+    @property
+    def output(self) -> str:
+        return self.out.read_text() + self.err.read_text()
+
+
+def start(workdir: Path, *args: str) -> Started:
+    """snakemake in a process group of its own, so that it can be killed with everything it started."""
+    n = len(list(workdir.glob(".cmd*.err")))
+    out, err = workdir / f".cmd{n}.out", workdir / f".cmd{n}.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(
+            [str(_snakemake_bin()), *args],
+            cwd=workdir,
+            stdout=stdout,
+            stderr=stderr,
+            env=_env(),
+            start_new_session=True,
+        )
+    return Started(proc, workdir, out, err)
+
+
+def finish(run: Started, timeout: float, *, check: bool = True) -> Result:
+    try:
+        run.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_everything(run.proc)
+        pytest.fail(f"{' '.join(run.proc.args)} ran longer than {timeout} s\n{run.output[-4000:]}")
+    result = Result(tuple(run.proc.args[1:]), run.proc.returncode, run.out.read_text(), run.err.read_text())
+    if check and result.returncode != 0:
+        logs = "".join(
+            f"\n--- {log.relative_to(run.workdir)} ---\n{log.read_text()[-3000:]}"
+            for log in sorted(run.workdir.glob("logs/**/*.log"))
+        )
+        pytest.fail(
+            f"snakemake {' '.join(result.args)}: exit {result.returncode}\n{result.output[-4000:]}{logs}"
+        )
+    return result
+
+
+def snakemake(workdir: Path, *args: str, timeout: float = SHORT_TIMEOUT_S, check: bool = True) -> Result:
+    return finish(start(workdir, *args), timeout, check=check)
+
+
+def workflow_args(gpus: int, *extra: str) -> tuple[str, ...]:
+    """A run with the fast config; `extra` holds flags and targets (--configfile takes several files, so
+    it comes last)."""
+    return (*extra, "--cores", "2", "--resources", f"gpu={gpus}", "--configfile", str(FAST_CONFIG))
+
+
+# ---- reading results ---------------------------------------------------------------------------------
+
+
+def read_metrics(workdir: Path) -> list[dict[str, str]]:
+    with open(workdir / f"results/train/{EXPERIMENT}/metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def losses(workdir: Path, column: str = "train/loss") -> dict[int, float]:
+    """step -> value of every logged step that has one."""
+    return {int(float(r["step"])): float(r[column]) for r in read_metrics(workdir) if r.get(column)}
+
+
+def read_summary(workdir: Path) -> dict:
+    return json.loads((workdir / f"results/train/{EXPERIMENT}/summary.json").read_text())
+
+
+def train_log(workdir: Path) -> str:
+    return (workdir / f"logs/train/{EXPERIMENT}.log").read_text()
+
+
+def tokenized_dir(workdir: Path) -> Path:
+    dirs = sorted((workdir / "results/tokenized").iterdir())
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def file_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ---- fixtures ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def new_workdir(tmp_path_factory):
+    """Factory of fresh working directories, each a copy of one snapshot of the repository's workflow."""
+    snapshot = tmp_path_factory.mktemp("snapshot")
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".snakemake", "results", "logs")
+    for name in WORKFLOW_FILES:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, snapshot / name, ignore=ignore)
+        else:
+            shutil.copy2(src, snapshot / name)
+
+    def make(name: str) -> Path:
+        workdir = tmp_path_factory.mktemp(name)
+        shutil.copytree(snapshot, workdir, dirs_exist_ok=True)
+        return workdir
+
+    return make
+
+
+@dataclass(frozen=True)
+class Run:
+    workdir: Path
+    result: Result
+    seconds: float
+
+
+def full_run(workdir: Path, gpus: int, *targets: str) -> Run:
+    t0 = time.monotonic()
+    result = snakemake(workdir, *workflow_args(gpus, *targets), timeout=RUN_TIMEOUT_S)
+    return Run(workdir, result, time.monotonic() - t0)
+
+
+@pytest.fixture(scope="module")
+def run3(new_workdir) -> Run:
+    """The whole default workflow (down to the report) from scratch with three granted GPUs (CPU ranks)."""
+    return full_run(new_workdir("gpu3"), 3)
+
+
+@pytest.fixture(scope="module")
+def run3_again(new_workdir) -> Run:
+    """The same run up to training in another directory: its data and losses should equal run3's."""
+    return full_run(new_workdir("gpu3_again"), 3, TRAIN_TARGET)
+
+
+@pytest.fixture(scope="module")
+def run2(new_workdir) -> Run:
+    return full_run(new_workdir("gpu2"), 2, TRAIN_TARGET)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    workdir: Path
+    killed_at_checkpoint: int
+    survivors: list[Proc]
+    locked: Result  # the first rerun, before --unlock
+    dry_run: Result  # -n after --unlock, without --rerun-incomplete
+    rerun: Result
+
+
+@pytest.fixture(scope="module")
+def resumed(new_workdir) -> Resumed:
+    """Start the workflow, SIGKILL everything once a checkpoint of step >= 8 is complete, then rerun."""
+    workdir = new_workdir("resume")
+    run = start(workdir, *workflow_args(3, TRAIN_TARGET))
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    pattern = f"results/checkpoints/{EXPERIMENT}/*/step*/COMPLETE.json"
+    while True:
+        steps = [int(p.parent.name.removeprefix("step")) for p in workdir.glob(pattern)]
+        if any(s >= RESUME_FROM_STEP for s in steps):
+            break
+        if run.proc.poll() is not None:
+            pytest.fail(f"the run ended before a step-{RESUME_FROM_STEP} checkpoint:\n{run.output[-4000:]}")
+        if time.monotonic() > deadline:
+            kill_everything(run.proc)
+            pytest.fail(f"no step-{RESUME_FROM_STEP} checkpoint after {RUN_TIMEOUT_S} s")
+        time.sleep(0.05)
+    survivors = kill_everything(run.proc)
+    assert not (workdir / f"results/train/{EXPERIMENT}/summary.json").exists(), "killed too late"
+    locked = snakemake(workdir, *workflow_args(3, TRAIN_TARGET), check=False)
+    snakemake(workdir, "--unlock", "--configfile", str(FAST_CONFIG))
+    dry_run = snakemake(workdir, *workflow_args(3, "-n", TRAIN_TARGET))
+    rerun = snakemake(workdir, *workflow_args(3, "--rerun-incomplete", TRAIN_TARGET), timeout=RUN_TIMEOUT_S)
+    return Resumed(workdir, max(steps), survivors, locked, dry_run, rerun)
+
+
+# ---- tests -------------------------------------------------------------------------------------------
+
+
+def test_full_run_three_ranks(run3):
+    out = run3.workdir / f"results/train/{EXPERIMENT}"
+    for name in ("model/model.safetensors", "metrics.csv", "summary.json"):
+        assert (out / name).is_file(), name
+    finished = run3.result.finished_rules
+    assert {*DATA_RULES, "train", "all"} <= set(finished), finished
+    assert len(finished) == len(set(finished)), finished  # one experiment: every rule runs once
+    # Snakemake's job line shows the granted value of the gpu resource.
+    assert re.search(r"resources: .*\bgpu=3\b", run3.result.output)
+    assert read_summary(run3.workdir)["world_size"] == 3
+    log = train_log(run3.workdir)
+    assert "--nproc_per_node=3" in log and " x 3 ranks " in log, log[-3000:]
+    train = losses(run3.workdir)
+    first, last = train[min(train)], train[max(train)]
+    assert last < first, train
+    assert max(train) == 24 and len(train) == 12  # fast.yaml: 24 steps, logged every 2
+
+
+def test_fewer_granted_gpus_cut_the_world_size(run2):
+    # train.gpus is 3; Snakemake cuts the declared value to the 2 granted and the launcher follows it.
+    assert re.search(r"resources: .*\bgpu=2\b", run2.result.output)
+    assert read_summary(run2.workdir)["world_size"] == 2
+    log = train_log(run2.workdir)
+    assert "--nproc_per_node=2" in log and " x 2 ranks " in log, log[-3000:]
+    train = losses(run2.workdir)
+    assert train[max(train)] < train[min(train)]
+
+
+def test_second_invocation_does_nothing(run3):
+    summary = run3.workdir / f"results/train/{EXPERIMENT}/summary.json"
+    mtime = summary.stat().st_mtime_ns
+    dry = snakemake(run3.workdir, *workflow_args(3, "-n"))
+    assert NOTHING_TO_DO in dry.output
+    assert dry.planned_rules == []
+    again = snakemake(run3.workdir, *workflow_args(3), timeout=RUN_TIMEOUT_S)
+    assert NOTHING_TO_DO in again.output
+    assert again.finished_rules == []
+    # Fewer granted GPUs change nothing the rules depend on, so nothing reruns either.
+    assert NOTHING_TO_DO in snakemake(run3.workdir, *workflow_args(2, "-n")).output
+    assert summary.stat().st_mtime_ns == mtime
+
+
+def test_data_stages_are_not_redone(run3):
+    target = str(tokenized_dir(run3.workdir).relative_to(run3.workdir))
+    dry = snakemake(run3.workdir, "-n", target, "--configfile", str(FAST_CONFIG))
+    assert NOTHING_TO_DO in dry.output
+    assert dry.planned_rules == []
+
+
+def test_two_runs_from_scratch_are_identical(run3, run3_again):
+    a, b = run3.workdir / "results", run3_again.workdir / "results"
+    key = tokenized_dir(run3.workdir).name
+    assert tokenized_dir(run3_again.workdir).name == key
+    for sub in ("data/raw", "data/conversations", "tokenizer/builtin", f"tokenized/{key}"):
+        files_a, files_b = file_bytes(a / sub), file_bytes(b / sub)
+        assert files_a, sub
+        assert sorted(files_a) == sorted(files_b), sub
+        differ = [name for name in files_a if files_a[name] != files_b[name]]
+        assert not differ, f"{sub}: files differ between two runs: {differ}"
+    loss_a, loss_b = losses(run3.workdir), losses(run3_again.workdir)
+    assert loss_a.keys() == loss_b.keys()
+    max_diff = max(abs(loss_a[s] - loss_b[s]) for s in loss_a)
+    assert loss_a == loss_b, f"train/loss differs between two runs by up to {max_diff:.3g}"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            {"dataset": {"paths": "best"}},
+            "config key 'dataset.paths': 'best' is not allowed; allowed: top1, all",
+        ),
+        (
+            {"train": {"learning_rat": 1e-3}},
+            "'train.learning_rat': unknown key; did you mean 'learning_rate'?",
+        ),
+        (
+            {"tokenize": {"chat_template": "chatml"}},
+            "config key 'tokenize.chat_template': 'chatml' is not allowed; allowed: deepseek, model",
+        ),
+    ],
+    ids=["paths", "typo", "chat_template"],
+)
+def test_invalid_config_fails_before_any_job(new_workdir, tmp_path, override, expected):
+    workdir = new_workdir("bad_config")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(json.dumps(override))  # JSON is YAML
+    result = snakemake(workdir, "--cores", "2", "--resources", "gpu=3", "--configfile", str(bad), check=False)
+    assert result.returncode != 0
+    assert "Invalid configuration" in result.stderr and expected in result.stderr, result.output[-3000:]
+    assert result.finished_rules == []
+    for made in ("results", "logs", "benchmarks"):
+        assert not (workdir / made).exists(), made
+
+
+def test_resume_after_sigkill(resumed, run3):
+    # A SIGKILL leaves Snakemake's lock behind: the next run refuses to start until --unlock.
+    assert resumed.locked.returncode != 0
+    assert "Directory cannot be locked" in resumed.locked.output
+    # --rerun-incomplete is not needed: the train rule writes its outputs only when training ends, and
+    # Snakemake's incomplete-output check only looks at outputs that exist.
+    assert "IncompleteFilesException" not in resumed.dry_run.output
+    assert resumed.dry_run.planned_rules == ["train"]
+    assert resumed.rerun.finished_rules == ["train"]  # the data stages are not redone
+
+    log = train_log(resumed.workdir)
+    match = re.search(r"resuming from checkpoint \S+ at step (\d+)", log)
+    assert match, log[-3000:]
+    step = int(match.group(1))
+    assert step >= RESUME_FROM_STEP
+    assert read_summary(resumed.workdir)["resumed_from_step"] == step
+
+    for column in ("train/loss", "val/loss"):
+        got, want = losses(resumed.workdir, column), losses(run3.workdir, column)
+        assert got.keys() == want.keys(), column
+        assert any(s > step for s in got), column
+        for s in got:
+            assert got[s] == pytest.approx(want[s], abs=1e-5), f"{column} at step {s} (resumed at {step})"
+
+
+def test_sigkill_of_snakemake_stops_the_ranks(resumed):
+    """torchrun starts ranks in sessions of their own; each rank asks to die with its parent (PDEATHSIG),
+    so a SIGKILL of Snakemake leaves no rank training on into a job Snakemake marks incomplete."""
+    assert resumed.survivors == [], [p.cmdline for p in resumed.survivors]
+
+
+def test_report(run3, tmp_path):
+    zip_path = tmp_path / "report.zip"
+    snakemake(run3.workdir, "--report", str(zip_path), "--configfile", str(FAST_CONFIG))
+    with zipfile.ZipFile(zip_path) as z:
+        names = z.namelist()
+    assert "report/report.html" in names, names
+    assert {"metrics.csv", "summary.json", "source.json", "stats.json"} <= {Path(n).name for n in names}
+    html = tmp_path / "report.html"
+    snakemake(run3.workdir, "--report", str(html), "--configfile", str(FAST_CONFIG))
+    assert html.stat().st_size > 0
+
+
+def test_lint_is_clean(new_workdir):
+    # The shipped config (no --configfile); the lints do not depend on results.
+    result = snakemake(new_workdir("lint"), "--lint")
+    assert result.returncode == 0
+    assert "Congratulations, your workflow is in a good condition!" in result.output, result.output

@@ -1,0 +1,70 @@
+# Helpers of the evaluate and report rules (eval.smk, report.smk). Kept apart from the rules: snakemake
+# --lint wants functions and rules in separate files.
+
+
+def resolved_config():
+    """The config as the workflow uses it: defaults filled in, experiment overrides merged."""
+    return {
+        "dataset": to_dict(CFG.dataset),
+        "experiments": {
+            name: {s: to_dict(getattr(exp, s)) for s in ("model", "tokenize", "train")}
+            for name, exp in EXPERIMENTS.items()
+        },
+        "eval": to_dict(CFG.eval),
+    }
+
+
+# ---- evaluate ------------------------------------------------------------------------------------
+
+
+def evaluate_input(wildcards):
+    exp = experiment(wildcards)
+    return {
+        "model": f"results/train/{exp.name}/model",
+        "summary": f"results/train/{exp.name}/summary.json",
+        "data": tokenized_dir(exp),
+        "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
+    }
+
+
+def evaluate_params(wildcards):
+    """Eval settings and what identifies the models, nothing else: a changed prompt reruns the evaluation,
+    never training. The fine-tuned model is an input; the base is named by model, seed and dataset.
+    """
+    exp = experiment(wildcards)
+    return {
+        **to_dict(CFG.eval),
+        "model": to_dict(exp.model),
+        "seed": exp.train.seed,
+        "chat_template": exp.tokenize.chat_template,
+        "builtin_dataset": exp.dataset.source == "builtin",
+        "code": keys.code_hash("evaluate"),
+    }
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+
+def report_input(wildcards):
+    """Every experiment's outputs (lists in the order of EXPERIMENTS) and the data stages' stats."""
+    names = list(EXPERIMENTS)
+    return {
+        "source": "results/data/raw/source.json",
+        "sha256sums": "results/data/raw/SHA256SUMS",
+        "conversations": "results/data/conversations/stats.json",
+        "tokenized": [tokenized_dir(EXPERIMENTS[n]) for n in names],
+        "summaries": [f"results/train/{n}/summary.json" for n in names],
+        "metrics": [f"results/train/{n}/metrics.csv" for n in names],
+        "evals": [f"results/eval/{n}/metrics.json" for n in names],
+        "generations": [f"results/eval/{n}/generations.jsonl" for n in names],
+    }
+
+
+def report_params():
+    return {
+        "experiments": list(EXPERIMENTS),
+        "config": resolved_config(),
+        # Benchmarks are not inputs (a missing one must not rerun its job): the report shows what exists.
+        "benchmarks": "benchmarks",
+        "code": keys.code_hash("report"),
+    }

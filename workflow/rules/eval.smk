@@ -1,0 +1,33 @@
+# Evaluation: base vs fine-tuned model on the validation split, the configured prompts and (builtin data)
+# exact-match questions.
+
+
+rule evaluate:
+    input:
+        unpack(evaluate_input),
+    output:
+        metrics=report(
+            "results/eval/{experiment}/metrics.json",
+            caption="../report/eval_metrics.rst",
+            category="3. Evaluation",
+            labels={"experiment": "{experiment}", "file": "metrics.json"},
+        ),
+        generations=report(
+            "results/eval/{experiment}/generations.jsonl",
+            caption="../report/eval_generations.rst",
+            category="3. Evaluation",
+            labels={"experiment": "{experiment}", "file": "generations.jsonl"},
+        ),
+    log:
+        "logs/eval/{experiment}.log",
+    benchmark:
+        "benchmarks/eval/{experiment}.tsv"
+    conda:
+        "../../envs/train.yaml"
+    threads: 2
+    resources:
+        gpu=1,
+    params:
+        spec=evaluate_params,
+    script:
+        "../scripts/evaluate.py"

@@ -1,0 +1,64 @@
+# The final report: data stats, training, evaluation and provenance of every experiment in one page.
+
+
+rule report:
+    input:
+        unpack(report_input),
+    output:
+        html=report(
+            "results/report/index.html",
+            caption="../report/report_html.rst",
+            category="4. Report",
+            labels={"file": "index.html"},
+        ),
+        markdown=report(
+            "results/report/report.md",
+            caption="../report/report_markdown.rst",
+            category="4. Report",
+            labels={"file": "report.md"},
+        ),
+        summary=report(
+            "results/report/summary.json",
+            caption="../report/report_summary.rst",
+            category="4. Report",
+            labels={"file": "summary.json"},
+        ),
+        loss_vs_step=report(
+            "results/report/loss_vs_step.png",
+            caption="../report/plot_loss_vs_step.rst",
+            category="4. Report",
+            labels={"file": "loss_vs_step.png"},
+        ),
+        loss_vs_tokens=report(
+            "results/report/loss_vs_tokens.png",
+            caption="../report/plot_loss_vs_tokens.rst",
+            category="4. Report",
+            labels={"file": "loss_vs_tokens.png"},
+        ),
+        learning_rate=report(
+            "results/report/learning_rate.png",
+            caption="../report/plot_learning_rate.rst",
+            category="4. Report",
+            labels={"file": "learning_rate.png"},
+        ),
+        throughput=report(
+            "results/report/throughput.png",
+            caption="../report/plot_throughput.rst",
+            category="4. Report",
+            labels={"file": "throughput.png"},
+        ),
+        memory=report(
+            "results/report/memory.png",
+            caption="../report/plot_memory.rst",
+            category="4. Report",
+            labels={"file": "memory.png"},
+        ),
+    log:
+        "logs/report.log",
+    conda:
+        "../../envs/report.yaml"
+    threads: 1
+    params:
+        spec=report_params(),
+    script:
+        "../scripts/report.py"

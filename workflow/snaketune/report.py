@@ -1,0 +1,401 @@
+"""Stage 7, report: every stage's outputs in one document that opens from disk.
+
+Reads the data stats (download, conversations, each tokenized cache), every experiment's training summary
+and metrics.csv, its evaluation (metrics.json, generations.jsonl) and the per-job benchmarks, and writes:
+
+- ``index.html``: self-contained (inline CSS, plots embedded as PNG data URIs, no JavaScript),
+- ``report.md``: the same content in Markdown, next to the PNG plots it references,
+- ``summary.json``: the headline figures for machines (data sizes; per experiment steps, world size, ZeRO
+  stage, final losses, tokens/s, MFU, peak memory, base and tuned validation loss, perplexity, accuracy),
+- the plots: loss vs step and vs tokens, learning rate and gradient norm, throughput, memory per rank.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from snaketune import report_plots as plots
+from snaketune.io import atomic_path, write_json
+from snaketune.report_render import Para, to_html, to_markdown
+from snaketune.report_sections import (
+    comparison_section,
+    data_section,
+    evaluation_section,
+    overview,
+    provenance_section,
+    short_commit,
+    training_section,
+)
+
+log = logging.getLogger("snaketune.report")
+
+TITLE = "snaketune report"
+OUTPUTS = {
+    "html": "index.html",
+    "markdown": "report.md",
+    "summary": "summary.json",
+    "loss_vs_step": "loss_vs_step.png",
+    "loss_vs_tokens": "loss_vs_tokens.png",
+    "learning_rate": "learning_rate.png",
+    "throughput": "throughput.png",
+    "memory": "memory.png",
+}
+"""File names under the report directory; the report rule declares the same."""
+PACKAGES = ("torch", "deepspeed", "transformers", "datasets", "peft", "snakemake")
+JOB_ORDER = ("download", "conversations", "tokenizer", "tokenized", "train", "eval")
+"""Top-level names under benchmarks/, in pipeline order (the wall-time table follows it)."""
+
+
+@dataclass(frozen=True)
+class ExperimentFiles:
+    """One experiment's inputs."""
+
+    name: str
+    summary: Path
+    metrics: Path
+    eval_metrics: Path
+    generations: Path
+    tokenized: Path
+    """The tokenized cache directory (its stats.json is read)."""
+
+
+@dataclass(frozen=True)
+class ReportInputs:
+    experiments: list[ExperimentFiles]
+    source: Path
+    """results/data/raw/source.json"""
+    sha256sums: Path
+    """results/data/raw/SHA256SUMS"""
+    conversations: Path
+    """results/data/conversations/stats.json"""
+    config: dict
+    """The resolved config: dataset, every experiment's model/tokenize/train, eval."""
+    benchmarks: Path | None = None
+    """Directory of Snakemake's benchmark TSVs; whatever is there is reported."""
+
+
+# ---- reading -------------------------------------------------------------------------------------
+
+
+def _number(value: str) -> float | str | None:
+    if value in ("", "NA", "nan"):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def read_metrics_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def read_sha256sums(path: Path) -> dict[str, str]:
+    sums = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            digest, name = line.split(maxsplit=1)
+            sums[name.strip()] = digest
+    return sums
+
+
+def read_benchmarks(directory: Path | None) -> list[dict]:
+    """One entry per benchmark TSV (the last row when a job was benchmarked repeatedly), sorted by path."""
+    if directory is None or not Path(directory).is_dir():
+        return []
+
+    def pipeline_order(path: Path) -> tuple[int, str]:
+        top = path.relative_to(directory).parts[0].removesuffix(".tsv")
+        return (JOB_ORDER.index(top) if top in JOB_ORDER else len(JOB_ORDER), path.as_posix())
+
+    out = []
+    for path in sorted(Path(directory).rglob("*.tsv"), key=pipeline_order):
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f, delimiter="\t"))
+        if not rows:
+            continue
+        row = {k: _number(v) for k, v in rows[-1].items()}
+        out.append(
+            {
+                "job": path.relative_to(directory).with_suffix("").as_posix(),
+                "wall_s": row.get("s"),
+                "max_rss_mib": row.get("max_rss"),
+                "cpu_time_s": row.get("cpu_time"),
+            }
+        )
+    return out
+
+
+def git_commit(directory: Path) -> str:
+    """HEAD of the checkout holding `directory` (marked when tracked files have uncommitted changes)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown (git could not run: {e})"
+    if head.returncode != 0:
+        if "not a git repository" in head.stderr:
+            return "not a git checkout"
+        return f"unknown ({head.stderr.strip().splitlines()[-1] if head.stderr.strip() else 'git failed'})"
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def hardware() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    memory_gib = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory_gib = int(line.split()[1]) / 2**20  # kB
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "memory_gib": memory_gib,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def package_versions(recorded: dict[str, str]) -> dict[str, str]:
+    """Versions of PACKAGES: those the evaluate job recorded (the environment that ran the models) first,
+    then this process's (snakemake, and anything the evaluation did not record)."""
+    out = {}
+    for name in PACKAGES:
+        if recorded.get(name) and recorded[name] != "not installed":
+            out[name] = recorded[name]
+            continue
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+@dataclass
+class Experiment:
+    name: str
+    summary: dict
+    rows: list[dict]
+    eval: dict
+    generations: list[dict]
+    tokenized: dict
+    data_key: str
+    config: dict
+
+
+def load(inputs: ReportInputs) -> tuple[dict, list[Experiment]]:
+    data = {
+        "source": json.loads(Path(inputs.source).read_text()),
+        "sha256sums": read_sha256sums(inputs.sha256sums),
+        "conversations": json.loads(Path(inputs.conversations).read_text()),
+    }
+    experiments = []
+    for files in inputs.experiments:
+        experiments.append(
+            Experiment(
+                name=files.name,
+                summary=json.loads(Path(files.summary).read_text()),
+                rows=read_metrics_csv(files.metrics),
+                eval=json.loads(Path(files.eval_metrics).read_text()),
+                generations=read_jsonl(files.generations),
+                tokenized=json.loads((Path(files.tokenized) / "stats.json").read_text()),
+                data_key=Path(files.tokenized).name,
+                config=inputs.config.get("experiments", {}).get(files.name, {}),
+            )
+        )
+    return data, experiments
+
+
+# ---- summary.json --------------------------------------------------------------------------------
+
+
+def _accuracy(ev: dict, which: str) -> float | None:
+    em = ev.get("exact_match")
+    return em[which]["accuracy"] if em else None
+
+
+def experiment_summary(exp: Experiment) -> dict[str, Any]:
+    s, ev = exp.summary, exp.eval
+    val = ev["validation"]
+    splits = exp.tokenized["splits"]
+    memory = [m for m in s.get("peak_memory_gib_per_rank") or [] if m is not None]
+    return {
+        "model": exp.config.get("model", {}).get("base", ev.get("model")),
+        "parameters": s.get("parameters"),
+        "trainable_parameters": s.get("trainable_parameters"),
+        "lora": s.get("lora"),
+        "data_key": exp.data_key,
+        "tokens": {split: v["tokens"] for split, v in splits.items()},
+        "loss_tokens": {split: v["loss_tokens"] for split, v in splits.items()},
+        "steps": s.get("steps"),
+        "world_size": s.get("world_size"),
+        "device": s.get("device"),
+        "zero_stage": s.get("zero_stage"),
+        "precision": s.get("precision"),
+        "global_batch_size": s.get("global_batch_size"),
+        "final_train_loss": s.get("final_train_loss"),
+        "final_val_loss": s.get("final_val_loss"),
+        "tokens_per_s_per_gpu": s.get("tokens_per_s_per_gpu"),
+        "loss_tokens_per_s_per_gpu": s.get("loss_tokens_per_s_per_gpu"),
+        "mfu": s.get("mfu"),
+        "peak_memory_gib": max(memory) if memory else None,
+        "peak_memory_gib_per_rank": s.get("peak_memory_gib_per_rank"),
+        "train_wall_time_s": s.get("wall_time_s"),
+        "run_key": s.get("run_key"),
+        "seed": s.get("seed"),
+        "base_val_loss": val["base"]["loss"],
+        "tuned_val_loss": val["tuned"]["loss"],
+        "val_loss_change_pct": val["loss_change_pct"],
+        "base_perplexity": val["base"]["perplexity"],
+        "tuned_perplexity": val["tuned"]["perplexity"],
+        "exact_match_n": ev["exact_match"]["n"] if ev.get("exact_match") else None,
+        "base_accuracy": _accuracy(ev, "base"),
+        "tuned_accuracy": _accuracy(ev, "tuned"),
+    }
+
+
+def make_summary(data: dict, experiments: list[Experiment], provenance: dict) -> dict[str, Any]:
+    conv = data["conversations"]
+    tokenized: dict[str, Any] = {}
+    for exp in experiments:
+        entry = tokenized.setdefault(
+            exp.data_key,
+            {
+                "experiments": [],
+                "settings": exp.tokenized.get("settings"),
+                "splits": {
+                    split: {
+                        k: v.get(k)
+                        for k in ("conversations", "sequences", "tokens", "loss_tokens", "truncated")
+                    }
+                    for split, v in exp.tokenized["splits"].items()
+                },
+            },
+        )
+        entry["experiments"].append(exp.name)
+    return {
+        "data": {
+            "source": data["source"].get("source"),
+            "messages": conv.get("messages"),
+            "messages_kept": conv.get("messages_kept"),
+            "trees": conv.get("trees"),
+            "conversations": conv.get("conversations"),
+            "tokenized": tokenized,
+        },
+        "experiments": {exp.name: experiment_summary(exp) for exp in experiments},
+        "provenance": provenance,
+    }
+
+
+# ---- the stage -----------------------------------------------------------------------------------
+
+
+def make_plots(experiments: list[Experiment], out_dir: Path) -> dict[str, Path]:
+    paths = {k: out_dir / v for k, v in OUTPUTS.items() if v.endswith(".png")}
+    runs = {exp.name: exp.rows for exp in experiments}
+    base = {exp.name: exp.eval["validation"]["base"]["loss"] for exp in experiments}
+    plots.loss_plot(runs, base, paths["loss_vs_step"], x="step", xlabel="optimizer step")
+    plots.loss_plot(
+        runs,
+        base,
+        paths["loss_vs_tokens"],
+        x="train/tokens_seen",
+        xlabel="tokens seen (global batch × max_length)",
+    )
+    plots.optimizer_plot(runs, paths["learning_rate"])
+    plots.throughput_plot(runs, paths["throughput"])
+    plots.memory_plot(
+        {
+            exp.name: [m or 0.0 for m in exp.summary.get("peak_memory_gib_per_rank") or []]
+            for exp in experiments
+        },
+        {exp.name: exp.summary.get("device", "") for exp in experiments},
+        paths["memory"],
+    )
+    return paths
+
+
+def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Path = ".") -> dict[str, Any]:
+    """Write every file of OUTPUTS into out_dir; return the summary (also summary.json)."""
+    if not inputs.experiments:
+        raise ValueError("no experiments to report")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data, experiments = load(inputs)
+    recorded = {}
+    for exp in experiments:
+        recorded.update({k: v for k, v in (exp.eval.get("versions") or {}).items() if k not in recorded})
+    seeds = {"dataset.builtin_seed": inputs.config.get("dataset", {}).get("builtin_seed")}
+    for exp in experiments:
+        seeds[f"{exp.name}: train.seed"] = exp.summary.get("seed")
+        if exp.eval.get("exact_match"):
+            seeds[f"{exp.name}: exact-match questions (eval_examples seed)"] = exp.eval["exact_match"].get(
+                "seed"
+            )
+    benchmarks = read_benchmarks(inputs.benchmarks)
+    provenance = {
+        "git_commit": git_commit(Path(workdir)),
+        "generated": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "versions": package_versions(recorded),
+        "hardware": hardware(),
+        "devices": {
+            exp.name: {"device": exp.summary.get("device"), "world_size": exp.summary.get("world_size")}
+            for exp in experiments
+        },
+        "seeds": seeds,
+        "wall_time_s": {b["job"]: b["wall_s"] for b in benchmarks},
+    }
+    summary = make_summary(data, experiments, provenance)
+    plot_paths = make_plots(experiments, out_dir)
+    blocks = (
+        overview(data, experiments, summary)
+        + data_section(data, experiments)
+        + training_section(experiments, summary, plot_paths)
+        + evaluation_section(experiments, summary)
+        + comparison_section(experiments, summary)
+        + provenance_section(data, experiments, provenance, benchmarks, inputs.config)
+    )
+    names = ", ".join(exp.name for exp in experiments)
+    subtitle = (
+        f"{len(experiments)} experiment{'s' if len(experiments) > 1 else ''} ({names}) on `{data['source'].get('source')}` "
+        f"data · generated {provenance['generated']} · {short_commit(provenance['git_commit'])}"
+    )
+    with atomic_path(out_dir / OUTPUTS["html"]) as tmp:
+        tmp.write_text(to_html(TITLE, subtitle, blocks), encoding="utf-8")
+    with atomic_path(out_dir / OUTPUTS["markdown"]) as tmp:
+        tmp.write_text(to_markdown(TITLE, [Para(subtitle, muted=True), *blocks]), encoding="utf-8")
+    write_json(out_dir / OUTPUTS["summary"], summary)
+    for name in ("html", "markdown", "summary"):
+        os.chmod(out_dir / OUTPUTS[name], 0o644)  # temporary files are created 0600; a report is for sharing
+    log.info("report written to %s", out_dir / OUTPUTS["html"])
+    return summary
