@@ -5,8 +5,10 @@
 # ├── data/conversations/          train.parquet, validation.parquet, stats.json     (rule conversations)
 # ├── tokenizer/<tokenizer id>/    HF tokenizer with chat template              (rules train_tokenizer, fetch_tokenizer)
 # ├── tokenized/<data key>/        train/, validation/ (Arrow, save_to_disk), stats.json (rule tokenize)
+# ├── plan/<experiment>.json       memory per GPU and host, what fits, the strategy train uses (rule plan)
 # ├── train/<experiment>/          model/ (HF safetensors), metrics.csv, tb/, summary.json (rule train)
 # ├── eval/<experiment>/           metrics.json (base vs tuned), generations.jsonl      (rule evaluate)
+# ├── provenance/                  manifest.json (rule manifest); <rule>[/<wildcards>].json per job (not outputs)
 # └── report/                      index.html, report.md, summary.json, *.png          (rule report)
 #     checkpoints/<experiment>/    resumable DeepSpeed checkpoints (not an output: survives failures)
 # logs/ and benchmarks/ mirror the rules.
@@ -24,6 +26,7 @@ report: "workflow/report/workflow.rst"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/common_report.smk"
+include: "workflow/rules/common_plan.smk"
 
 
 wildcard_constraints:
@@ -33,6 +36,7 @@ wildcard_constraints:
 
 
 include: "workflow/rules/data.smk"
+include: "workflow/rules/plan.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/eval.smk"
 include: "workflow/rules/report.smk"

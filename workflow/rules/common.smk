@@ -116,6 +116,7 @@ def train_input(wildcards):
         "data": tokenized_dir(exp),
         "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
         "deepspeed": exp.train.deepspeed,
+        "plan": plan_path(exp),
     }
 
 
@@ -135,14 +136,38 @@ def train_params(wildcards):
 
 
 def train_gpus(wildcards):
-    return experiment(wildcards).train.gpus
+    """Snakemake's gpu counter; snakemake-executor-plugin-slurm turns it into --gpus, GPUs per JOB, so a
+    job of several nodes asks through train_gres (GPUs per node) instead and gets 0 here.
+    """
+    train = experiment(wildcards).train
+    return train.gpus if train.nodes == 1 else 0
+
+
+def train_nodes(wildcards):
+    """Nodes of the train job (the SLURM plugin's --nodes); more than one needs SLURM."""
+    return experiment(wildcards).train.nodes
+
+
+def train_gres(wildcards):
+    """`gpu:N`, N per node, for a job of several nodes (SLURM's --gres); None (no such resource) for one."""
+    train = experiment(wildcards).train
+    return f"gpu:{train.gpus}" if train.nodes > 1 else None
 
 
 def train_threads(wildcards):
-    """Every core Snakemake was given, shared by the ranks (snaketune.launch splits them). One when
-    there is no --cores: --report evaluates threads, and workflow.cores raises without it.
+    """The experiment's share of the cores, as its GPUs are a share of those Snakemake may grant at once
+    (--resources gpu=N; without it, all experiments' GPUs), so that experiments train side by side: with
+    --cores 16 --resources gpu=4 a 2-GPU experiment gets 8, one that takes every GPU all 16. The ranks split
+    them (snaketune.launch). One when there is no --cores: --report evaluates threads, and workflow.cores
+    raises without it.
     """
     try:
-        return workflow.cores
+        cores = workflow.cores
     except WorkflowError:
         return 1
+    limit = getattr(workflow.global_resources.get("gpu"), "value", None)
+    if limit is None:
+        limit = sum(exp.train.gpus for exp in EXPERIMENTS.values())
+    if limit < 1:
+        return cores
+    return max(1, cores * min(experiment(wildcards).train.gpus, limit) // limit)

@@ -24,6 +24,7 @@ def evaluate_input(wildcards):
         "summary": f"results/train/{exp.name}/summary.json",
         "data": tokenized_dir(exp),
         "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
+        "plan": plan_path(exp),  # gpu_memory_gib: the evaluation's allocator cap
     }
 
 
@@ -45,8 +46,10 @@ def evaluate_params(wildcards):
 # ---- report --------------------------------------------------------------------------------------
 
 
-def report_input(wildcards):
-    """Every experiment's outputs (lists in the order of EXPERIMENTS) and the data stages' stats."""
+def manifest_input(wildcards):
+    """Every experiment's outputs (lists in the order of EXPERIMENTS) and the data stages' stats: what the
+    report is made from, and where the manifest starts following provenance records back.
+    """
     names = list(EXPERIMENTS)
     return {
         "source": "results/data/raw/source.json",
@@ -58,6 +61,10 @@ def report_input(wildcards):
         "evals": [f"results/eval/{n}/metrics.json" for n in names],
         "generations": [f"results/eval/{n}/generations.jsonl" for n in names],
     }
+
+
+def report_input(wildcards):
+    return {**manifest_input(wildcards), "manifest": "results/provenance/manifest.json"}
 
 
 def report_params():

@@ -1,6 +1,23 @@
 # The final report: data stats, training, evaluation and provenance of every experiment in one page.
 
 
+# The provenance records (not outputs: see snaketune.provenance) of the jobs behind the report, in one file.
+rule manifest:
+    input:
+        unpack(manifest_input),
+    output:
+        manifest="results/provenance/manifest.json",
+    log:
+        "logs/manifest.log",
+    conda:
+        "../../envs/report.yaml"
+    threads: 1
+    params:
+        code=keys.code_hash("manifest"),
+    script:
+        "../scripts/manifest.py"
+
+
 rule report:
     input:
         unpack(report_input),

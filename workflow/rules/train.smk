@@ -28,6 +28,8 @@ rule train:
     threads: train_threads
     resources:
         gpu=train_gpus,
+        nodes=train_nodes,
+        gres=train_gres,
     params:
         spec=train_params,
         checkpoints=lambda wc: f"results/checkpoints/{wc.experiment}",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -14,8 +15,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def run(snakemake, main: Callable[[object], None]) -> None:
-    """Send stderr and logging to the rule's log, run main(snakemake), log a clean error on failure."""
+def run(snakemake, main: Callable[[object], None], *, record: bool = True) -> None:
+    """Send stderr and logging to the rule's log, run main(snakemake), log a clean error on failure.
+
+    With `record`, the job's provenance record (snaketune.provenance) replaces the previous one once main
+    succeeds; a record that cannot be written is logged, never a reason to fail the job and lose its outputs.
+    """
     log_path = snakemake.log[0] if snakemake.log else None
     stream = open(log_path, "a", buffering=1, encoding="utf-8") if log_path else sys.stderr  # noqa: SIM115
     sys.stderr = stream
@@ -25,6 +30,11 @@ def run(snakemake, main: Callable[[object], None]) -> None:
         stream=stream,
         force=True,
     )
+    from snaketune import provenance
+
+    if record:
+        provenance.forget(snakemake)
+    start = time.time()
     try:
         main(snakemake)
     except Exception as e:
@@ -32,3 +42,8 @@ def run(snakemake, main: Callable[[object], None]) -> None:
         # The one-line reason also reaches the terminal through Snakemake's error report.
         print(f"ERROR in rule {snakemake.rule}: {type(e).__name__}: {e}", file=sys.__stderr__)
         raise SystemExit(1) from None
+    if record:
+        try:
+            provenance.record(snakemake, start, time.time())
+        except Exception:
+            logging.getLogger("snaketune.provenance").exception("provenance record not written")

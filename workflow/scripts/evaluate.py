@@ -1,9 +1,11 @@
 import _stage
 
+import json
 from pathlib import Path
 
 import torch
 
+from snaketune import gpus
 from snaketune.evaluate import evaluate
 
 
@@ -11,15 +13,19 @@ def main(smk):
     spec = dict(smk.params.spec)
     spec.pop("code")
     torch.set_num_threads(smk.threads)
-    evaluate(
-        **spec,
-        tuned_dir=smk.input.model,
-        train_summary=smk.input.summary,
-        tokenizer_dir=Path(smk.input.tokenizer).parent,
-        data_dir=smk.input.data,
-        metrics_out=smk.output.metrics,
-        generations_out=smk.output.generations,
-    )
+    plan = json.loads(Path(smk.input.plan).read_text())
+    # A GPU of its own (set as CUDA_VISIBLE_DEVICES before CUDA starts in this process), held to the end.
+    with gpus.in_process(int(smk.resources.gpu), label=f"evaluate {smk.wildcards.experiment}"):
+        evaluate(
+            **spec,
+            tuned_dir=smk.input.model,
+            train_summary=smk.input.summary,
+            tokenizer_dir=Path(smk.input.tokenizer).parent,
+            data_dir=smk.input.data,
+            metrics_out=smk.output.metrics,
+            generations_out=smk.output.generations,
+            memory_cap_gib=plan.get("gpu_memory_gib"),
+        )
 
 
 _stage.run(snakemake, main)

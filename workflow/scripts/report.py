@@ -27,6 +27,7 @@ def main(smk):
         conversations=Path(smk.input.conversations),
         config=spec["config"],
         benchmarks=Path(spec["benchmarks"]),
+        manifest=Path(smk.input.manifest),
     )
     build_report(inputs, Path(smk.output.html).parent)
 

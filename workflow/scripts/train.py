@@ -1,13 +1,16 @@
 import _stage
 
+import json
 from pathlib import Path
 
+from snaketune.checkpoint import run_key as checkpoint_run_key
 from snaketune.launch import launch
+from snaketune.plan import apply_plan
 
 
 def main(smk):
     spec = dict(smk.params.spec)
-    run_key = spec["run_key"]
+    run_key = checkpoint_run_key(spec["run_key"], smk.input.data)
     out_dir = Path(smk.output.summary).parent
     ckpt_dir = Path(smk.params.checkpoints) / run_key
     run_spec = {
@@ -22,12 +25,19 @@ def main(smk):
         "max_length": spec["max_length"],
         "run_key": run_key,
     }
+    # train.strategy auto: the DeepSpeed file and checkpointing the plan chose (and a run key naming them).
+    plan = json.loads(Path(smk.input.plan).read_text())
+    run_spec = apply_plan(run_spec, plan)
+    ckpt_dir = Path(smk.params.checkpoints) / run_spec["run_key"]
+    run_spec["checkpoint_dir"] = str(ckpt_dir)
     launch(
         run_spec,
         ckpt_dir / "run-spec.json",
         granted=int(smk.resources.gpu),
         log_file=smk.log[0],
         threads=smk.threads,
+        nodes=int(smk.resources.nodes),
+        plan=plan,
     )
 
 

@@ -4,11 +4,13 @@ Layout under a run's checkpoint directory (results/checkpoints/<experiment>/<run
     step00000040/            DeepSpeed's files for that step (model, optimizer, scheduler), rng_rank<r>.pt
     step00000040/COMPLETE.json   written last, by rank 0, after every rank has saved
 A directory without COMPLETE.json was being written when the process died: it is ignored and removed.
-The run key hashes every setting that changes training, so a changed config never resumes a stale run.
+The run key hashes every setting that changes training, so a changed config never resumes a stale run;
+run_key() adds the content of the data, so changed data under unchanged settings never does either.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -23,6 +25,16 @@ log = logging.getLogger(__name__)
 
 _TAG = re.compile(r"^step(\d{8})$")
 MARKER = "COMPLETE.json"
+
+
+def run_key(settings_key: str, data_dir: str | Path) -> str:
+    """The name of a run's checkpoint directory: the key of its settings (hashed when Snakemake builds the
+    DAG, before any data exists) and 8 hex digits of the tokenized data's stats.json, which holds the
+    sha256 of the conversation and tokenizer files the data was made from. An edited local dataset or
+    tokenizer reruns training under the same settings; without the data's hash that rerun would resume
+    the finished run's last checkpoint and write the old model again."""
+    digest = hashlib.sha256((Path(data_dir) / "stats.json").read_bytes()).hexdigest()
+    return f"{settings_key}-{digest[:8]}"
 
 
 def tag_for(step: int) -> str:

@@ -19,6 +19,7 @@ BUILTIN_MODELS = ("builtin-tiny", "arch:deepseek-llm-7b")
 PATHS_MODES = ("top1", "all")
 CHAT_TEMPLATES = ("deepseek", "model")
 PRECISIONS = ("auto", "bf16", "fp32")
+STRATEGIES = ("as_configured", "auto")
 EXPERIMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # ISO 639-1 codes plus the regional variants oasst1 uses (pt-BR, zh, ...): shape check only.
 LANG_CODE = re.compile(r"^[a-z]{2,3}(-[A-Za-z]{2,4})?$")
@@ -148,7 +149,9 @@ class LoraConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     gpus: int = 3
-    """GPUs (ranks) to ask Snakemake for; on a machine without CUDA, CPU ranks over gloo."""
+    """GPUs (ranks) to ask Snakemake for, per node; on a machine without CUDA, CPU ranks over gloo."""
+    nodes: int = 1
+    """Nodes to train on: more than 1 needs SLURM (--profile workflow/profiles/slurm), one torchrun per node."""
     deepspeed: str = "config/deepspeed/zero2.json"
     """DeepSpeed JSON (ZeRO stage, offload, buckets); batch sizes, optimizer and precision come from here, not it."""
     learning_rate: float = 3e-3
@@ -175,6 +178,9 @@ class TrainConfig:
     """`auto` (bf16 on GPU, fp32 on CPU) | `bf16` | `fp32`."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (costs ~30% speed)."""
+    strategy: str = "as_configured"
+    """`as_configured`: `deepspeed` and `gradient_checkpointing` as given; `auto`: the fastest ZeRO stage, offload
+    and checkpointing that fits the GPUs (snaketune.plan; results/plan/<experiment>.json names it)."""
     seed: int = 1234
     """Seed for model init (builtin models), data order and dropout."""
     checkpoint_every: int = 40
@@ -191,6 +197,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.gpus < 1:
             _fail("train.gpus", f"{self.gpus} must be >= 1")
+        if self.nodes < 1:
+            _fail("train.nodes", f"{self.nodes} must be >= 1 (more than 1 needs a SLURM cluster)")
         if (self.max_steps is None) == (self.epochs is None):
             _fail("train.max_steps", "set exactly one of train.max_steps and train.epochs")
         if self.max_steps is not None and self.max_steps < 1:
@@ -210,6 +218,8 @@ class TrainConfig:
             )
         if self.precision not in PRECISIONS:
             _fail("train.precision", f"{self.precision!r} is not allowed; allowed: {', '.join(PRECISIONS)}")
+        if self.strategy not in STRATEGIES:
+            _fail("train.strategy", f"{self.strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
         if self.keep_checkpoints < 1:
             _fail("train.keep_checkpoints", f"{self.keep_checkpoints} must be >= 1")
         if not self.deepspeed.endswith(".json"):
@@ -293,12 +303,17 @@ class Config:
     """The config as given (after experiment merging it is still the user's mapping)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation settings, shared by all experiments."""
+    gpu_memory_gib: float | None = None
+    """GiB each GPU may use: the memory plan checks against it and each rank's CUDA allocator is capped at
+    it (24 makes a large GPU behave like an RTX 4090); None: the GPUs' own memory."""
+    gpu_ids: tuple[str, ...] | None = None
+    """GPU ids (as CUDA_VISIBLE_DEVICES takes them) the workflow may use; None: every visible GPU."""
 
 
 _SECTIONS = {"dataset": DatasetConfig, "model": ModelConfig, "tokenize": TokenizeConfig, "train": TrainConfig}
 _EXPERIMENT_SECTIONS = ("model", "tokenize", "train")
 # Top-level keys that are not dataclass sections; other issues' stages add theirs here.
-_OTHER_TOP_LEVEL = ("experiments", "eval", "report", "gpu_memory_gib")
+_OTHER_TOP_LEVEL = ("experiments", "eval", "report", "gpu_memory_gib", "gpu_ids")
 
 
 def _check_keys(mapping: dict, allowed: list[str], where: str) -> None:
@@ -364,7 +379,24 @@ def load_config(raw: dict[str, Any]) -> Config:
     if not isinstance(raw.get("eval") or {}, dict):
         _fail("eval", f"must be a mapping of eval settings, got {raw['eval']!r}")
     eval_cfg = _build(EvalConfig, raw.get("eval"), "eval.")
-    return Config(dataset=dataset, experiments=experiments, raw=raw, eval=eval_cfg)
+    gpu_memory_gib = raw.get("gpu_memory_gib")
+    if gpu_memory_gib is not None and (
+        isinstance(gpu_memory_gib, bool) or not isinstance(gpu_memory_gib, int | float) or gpu_memory_gib <= 0
+    ):
+        _fail("gpu_memory_gib", f"{gpu_memory_gib!r} must be a number of GiB > 0 (e.g. 24), or null")
+    gpu_ids = raw.get("gpu_ids")
+    if gpu_ids is not None:
+        if not isinstance(gpu_ids, list) or not gpu_ids or any(isinstance(i, bool) for i in gpu_ids):
+            _fail("gpu_ids", f"{gpu_ids!r} must be a list of GPU ids (e.g. [0, 1]), or null")
+        gpu_ids = tuple(str(i) for i in gpu_ids)
+    return Config(
+        dataset=dataset,
+        experiments=experiments,
+        raw=raw,
+        eval=eval_cfg,
+        gpu_memory_gib=None if gpu_memory_gib is None else float(gpu_memory_gib),
+        gpu_ids=gpu_ids,
+    )
 
 
 def to_dict(obj: Any) -> Any:

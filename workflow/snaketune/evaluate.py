@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from snaketune import batching
+from snaketune import batching, gpus
 from snaketune.builtin_data import eval_examples
 from snaketune.config import ModelConfig, _build
 from snaketune.io import atomic_path, write_json
@@ -249,11 +249,13 @@ def evaluate(
     metrics_out: str | Path,
     generations_out: str | Path,
     device: str | None = None,
+    memory_cap_gib: float | None = None,
 ) -> dict[str, Any]:
     """Evaluate base and fine-tuned model; write metrics.json and generations.jsonl; return the metrics.
 
     generations.jsonl has one row per prompt: {"prompt", "base", "tuned", "expected"}, where expected is the
-    builtin dataset's exact answer to that prompt (None for other prompts or datasets).
+    builtin dataset's exact answer to that prompt (None for other prompts or datasets). `memory_cap_gib`
+    caps the CUDA allocator (gpu_memory_gib), as in training.
     """
     from snaketune.builtin_data import expected_answer
 
@@ -264,6 +266,9 @@ def evaluate(
         raise ValueError(f"{train_summary} was trained with seed {summary['seed']}, the params say {seed}")
     train_dtype = DTYPES[summary["precision"]]
     dev, dtype = pick_device(device)
+    capped = gpus.cap_memory(dev, memory_cap_gib)
+    if capped:
+        log.info("%s", capped)
     tokenizer = load_tokenizer(tokenizer_dir, chat_template)
     split = batching.load_split(Path(data_dir) / "validation")
     examples = (

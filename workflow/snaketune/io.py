@@ -14,10 +14,10 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 _CHUNK = 1 << 20
 
@@ -94,6 +94,10 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 
 def write_parquet(table: pa.Table, path: str | os.PathLike) -> None:
     """Parquet with fixed writer options so that equal tables give equal bytes."""
+    # Imported here: keys imports this module whenever Snakemake builds the DAG, where pyarrow (and numpy)
+    # would cost ~0.3 s per command.
+    import pyarrow.parquet as pq
+
     with atomic_path(path) as tmp:
         pq.write_table(
             table,

@@ -11,46 +11,39 @@ stats.json and checked again by the training stage before it trusts the data.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import re
 from functools import cache
+from pathlib import Path
 
 from snaketune.config import DatasetConfig, ExperimentConfig, ModelConfig, TokenizeConfig, to_dict
 from snaketune.io import stable_json
 
-# Modules whose source decides each stage's output; an edit reruns that stage (snakemake#2192 means
-# Snakemake itself does not see edits to modules a script imports).
+# Where each stage starts running package code. code_hash() follows the `snaketune` imports of these modules
+# (snakemake#2192: Snakemake itself does not see edits to modules a script imports), so a module a stage
+# starts to import is covered without an edit here. snaketune.training is named because snaketune.launch
+# starts it in the ranks with `python -m`, which is not an import. tests/test_keys.py checks that every
+# script's imports fall inside its stage and that the import scan agrees with Python's own parser.
 STAGE_MODULES = {
-    "download": ("snaketune.download", "snaketune.builtin_data", "snaketune.conversations", "snaketune.io"),
-    "conversations": ("snaketune.conversations", "snaketune.io"),
-    "tokenizer": ("snaketune.tokenizer", "snaketune.conversations", "snaketune.io"),
-    "tokenize": ("snaketune.tokenization", "snaketune.tokenizer", "snaketune.io"),
-    "train": (
-        "snaketune.training",
-        "snaketune.batching",
-        "snaketune.dsconfig",
-        "snaketune.model",
-        "snaketune.metrics",
-        "snaketune.checkpoint",
-        "snaketune.launch",
-        "snaketune.io",
-    ),
-    "evaluate": (
-        "snaketune.evaluate",
-        "snaketune.batching",
-        "snaketune.model",
-        "snaketune.tokenization",
-        "snaketune.builtin_data",
-        "snaketune.io",
-    ),
-    "report": (
-        "snaketune.report",
-        "snaketune.report_sections",
-        "snaketune.report_render",
-        "snaketune.report_plots",
-        "snaketune.io",
-    ),
+    "download": ("snaketune.download",),
+    "conversations": ("snaketune.conversations",),
+    "tokenizer": ("snaketune.tokenizer",),
+    "tokenize": ("snaketune.tokenization",),
+    "plan": ("snaketune.plan",),
+    "train": ("snaketune.launch", "snaketune.training"),
+    "evaluate": ("snaketune.evaluate",),
+    "report": ("snaketune.report",),
+    "manifest": ("snaketune.provenance",),
 }
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# `from snaketune[.mod] import names` and `import snaketune.mod`, anywhere in a line's indentation (imports
+# inside functions run too). A regex, not ast: parsing every module costs ~0.1 s, and this runs whenever
+# Snakemake builds the DAG.
+_IMPORT = re.compile(
+    r"^[ \t]*(?:from[ \t]+snaketune(?:\.(\w+))?[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)"
+    r"|import[ \t]+([^\n]*\bsnaketune\.[^\n]*))",
+    re.MULTILINE,
+)
 
 
 def _short(text: str, n: int = 12) -> str:
@@ -58,18 +51,54 @@ def _short(text: str, n: int = 12) -> str:
 
 
 @cache
-def module_source_hash(module: str) -> str:
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
+def _source(module: str) -> bytes:
+    path = PACKAGE_DIR / f"{module.removeprefix('snaketune.')}.py"
+    if not module.startswith("snaketune.") or not path.is_file():
         raise ModuleNotFoundError(module)
-    with open(spec.origin, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    return path.read_bytes()
+
+
+def _names(clause: str) -> list[str]:
+    """`a, b as c` or `(a,\n b)` -> [a, b] (comments and parentheses dropped)."""
+    clause = re.sub(r"#[^\n]*", "", clause).strip("()")
+    return [part.split()[0] for part in clause.split(",") if part.strip()]
+
+
+@cache
+def imported_modules(module: str) -> frozenset[str]:
+    """The snaketune modules that `module`'s source imports (the package's __init__, which holds only the
+    version string, is not counted)."""
+    found = set()
+    for sub, names, plain in _IMPORT.findall(_source(module).decode("utf-8")):
+        if plain:
+            found.update(n for n in _names(plain) if n.startswith("snaketune."))
+        elif sub:
+            found.add(f"snaketune.{sub}")
+        else:  # from snaketune import a, b: the names that are modules
+            found.update(f"snaketune.{n}" for n in _names(names) if (PACKAGE_DIR / f"{n}.py").is_file())
+    return frozenset(found - {module})
+
+
+@cache
+def stage_modules(stage: str) -> tuple[str, ...]:
+    """Every snaketune module a stage runs: its entry modules and all they import, transitively."""
+    seen: set[str] = set()
+    todo = list(STAGE_MODULES[stage])
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(imported_modules(module))
+    return tuple(sorted(seen))
+
+
+def module_source_hash(module: str) -> str:
+    return hashlib.sha256(_source(module)).hexdigest()
 
 
 def code_hash(stage: str) -> str:
-    """Hash of the source of the modules that a stage runs."""
-    modules = STAGE_MODULES[stage]
-    return _short("".join(f"{m}:{module_source_hash(m)}\n" for m in sorted(modules)), 16)
+    """Hash of the source of every module a stage runs (byte for byte: a comment edit counts too)."""
+    return _short("".join(f"{m}:{module_source_hash(m)}\n" for m in stage_modules(stage)), 16)
 
 
 def tokenizer_id(model: ModelConfig) -> str:

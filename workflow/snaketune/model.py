@@ -17,40 +17,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
+from snaketune.architectures import BUILTIN_TINY, DEEPSEEK_LLM_7B
 from snaketune.config import LoraConfig, ModelConfig
 
 log = logging.getLogger(__name__)
-
-# deepseek-ai/deepseek-llm-7b-base config.json (6,910,365,696 parameters).
-DEEPSEEK_LLM_7B = dict(
-    vocab_size=102400,
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_hidden_layers=30,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    max_position_embeddings=4096,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-    hidden_act="silu",
-    tie_word_embeddings=False,
-    bos_token_id=100000,
-    eos_token_id=100001,
-)
-
-# Same family at ~1M parameters: the MLP keeps 7B's intermediate/hidden ratio (11008/4096 ~ 2.69).
-BUILTIN_TINY = dict(
-    hidden_size=128,
-    intermediate_size=344,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=2048,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-    hidden_act="silu",
-    tie_word_embeddings=False,
-)
 
 
 def builtin_config(
@@ -76,7 +46,11 @@ def builtin_config(
             )
     else:
         raise ValueError(f"model.base {model.base!r} is not a builtin model")
-    values["pad_token_id"] = eos_token_id
+    # No pad_token_id, as in deepseek-llm-7b-base's config: LlamaModel would make it the embedding's
+    # padding_idx, and with pad = eos that freezes the eos embedding at zero. Pads carry no loss (label
+    # -100) and are never attended to, so they need no special row. (It also broke ZeRO-3's partitioned
+    # init, which indexes the padding row of an empty shard.)
+    values["pad_token_id"] = None
     return LlamaConfig(**values)
 
 

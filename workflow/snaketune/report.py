@@ -82,6 +82,8 @@ class ReportInputs:
     """The resolved config: dataset, every experiment's model/tokenize/train, eval."""
     benchmarks: Path | None = None
     """Directory of Snakemake's benchmark TSVs; whatever is there is reported."""
+    manifest: Path | None = None
+    """results/provenance/manifest.json (snaketune.provenance): the record of every job behind the report."""
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -184,6 +186,26 @@ def hardware() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
     }
+
+
+def manifest_jobs(manifest: dict) -> list[dict[str, Any]]:
+    """One line per job of the provenance manifest, for the report's table and summary.json."""
+    jobs = []
+    for job in manifest.get("jobs", []):
+        wildcards = ",".join(job["wildcards"].values())
+        jobs.append(
+            {
+                "job": f"{job['rule']}[{wildcards}]" if wildcards else job["rule"],
+                "start": job["start"],
+                "wall_s": job["wall_s"],
+                "host": job["host"]["hostname"],
+                "gpus": job["gpus"],
+                "code": job["code"],
+                "status": job["status"],
+                "record": job["record"],
+            }
+        )
+    return jobs
 
 
 def package_versions(recorded: dict[str, str]) -> dict[str, str]:
@@ -363,6 +385,8 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
                 "seed"
             )
     benchmarks = read_benchmarks(inputs.benchmarks)
+    manifest = json.loads(Path(inputs.manifest).read_text()) if inputs.manifest else {}
+    summary_of_jobs = manifest.get("summary", {})
     provenance = {
         "git_commit": git_commit(Path(workdir)),
         "generated": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -374,6 +398,13 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
         },
         "seeds": seeds,
         "wall_time_s": {b["job"]: b["wall_s"] for b in benchmarks},
+        "manifest": str(inputs.manifest) if inputs.manifest else None,
+        "jobs": manifest_jobs(manifest),
+        "jobs_without_record": manifest.get("missing", []),
+        # Every value seen across the jobs, with the jobs that saw it: one entry each when they agree.
+        "job_git": summary_of_jobs.get("git", {}),
+        "job_hosts": summary_of_jobs.get("hosts", {}),
+        "job_software": {k: v for k, v in summary_of_jobs.get("software", {}).items() if len(v) > 1},
     }
     summary = make_summary(data, experiments, provenance)
     plot_paths = make_plots(experiments, out_dir)

@@ -501,6 +501,7 @@ def provenance_section(
             numeric=[False, False, False],
         )
     )
+    blocks += jobs_blocks(prov)
     blocks.append(Heading(3, "Wall time per job"))
     if benchmarks:
         total = sum(b["wall_s"] or 0 for b in benchmarks)
@@ -520,6 +521,64 @@ def provenance_section(
             summary="The configuration as resolved (defaults filled in, experiment overrides merged)",
         )
     )
+    return blocks
+
+
+def jobs_blocks(prov: dict) -> list[Block]:
+    """The jobs of the provenance manifest: when, where and with which code each ran."""
+    if not prov.get("manifest"):
+        return []
+    blocks: list[Block] = [
+        Heading(3, "Jobs"),
+        Para(
+            f"From `{prov['manifest']}`; each job's record (input and output hashes, params, package versions, "
+            "host, GPUs, times, commit) is the file named in the last column."
+        ),
+    ]
+    rows = [
+        [
+            f"`{j['job']}`",
+            j["start"].replace("T", " ").removesuffix("Z")[:19],
+            fmt_duration(j["wall_s"]),
+            j["host"],
+            ", ".join(j["gpus"]) or "none",
+            f"`{j['code']}`" if j["code"] else "–",
+            j["status"] if j["status"] == "ok" else f"**{j['status']}**",
+            f"`{j['record']}`",
+        ]
+        for j in prov["jobs"]
+    ]
+    blocks.append(
+        Table(
+            ["job", "started (UTC)", "wall time", "host", "GPUs", "code", "outputs", "record"],
+            rows,
+            numeric=[False, False, True, False, False, False, False, False],
+        )
+    )
+    notes = []
+    if len(prov.get("job_git", {})) > 1:
+        notes.append(
+            "The jobs ran at different commits: "
+            + "; ".join(f"`{c}` ({', '.join(jobs)})" for c, jobs in prov["job_git"].items())
+            + "."
+        )
+    for name, versions in prov.get("job_software", {}).items():
+        notes.append(
+            f"`{name}` differs between jobs: "
+            + "; ".join(f"{v} ({', '.join(jobs)})" for v, jobs in versions.items())
+            + "."
+        )
+    if any(j["status"] != "ok" for j in prov["jobs"]):
+        notes.append(
+            "**changed**: the job's outputs no longer have the files and sizes its record describes."
+        )
+    if prov.get("jobs_without_record"):
+        notes.append(
+            "No provenance record for "
+            + ", ".join(f"`{p}`" for p in prov["jobs_without_record"])
+            + " (made before records existed, or the record could not be written: see the job's log)."
+        )
+    blocks += [Para(n) for n in notes]
     return blocks
 
 

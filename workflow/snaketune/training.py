@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from snaketune import batching, checkpoint
+from snaketune import batching, checkpoint, gpus
 from snaketune.config import ModelConfig, TrainConfig, _build
 from snaketune.dsconfig import build_ds_config, zero_stage
 from snaketune.io import atomic_dir, sha256_tree, write_json
@@ -86,6 +86,10 @@ class Trainer:
         if torch.cuda.is_available():
             torch.cuda.set_device(self.local_rank)
             self.device = torch.device("cuda", self.local_rank)
+            # gpu_memory_gib: this rank's allocator may use no more, so a large GPU behaves like a smaller one.
+            capped = gpus.cap_memory(self.device, gpus.memory_cap_from_env())
+            if capped and self.rank == 0:
+                log.info("%s", capped)
         else:
             self.device = torch.device("cpu")
         precision = self.cfg.precision

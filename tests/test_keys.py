@@ -1,0 +1,174 @@
+"""snaketune.keys: a stage's code hash covers every package module the stage runs, and nothing the
+Snakefile imports to compute it is heavy."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from snaketune import keys
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "workflow" / "scripts"
+RULES = REPO / "workflow" / "rules"
+SCRIPT_STAGES = {
+    "download.py": "download",
+    "conversations.py": "conversations",
+    "train_tokenizer.py": "tokenizer",
+    "fetch_tokenizer.py": "tokenizer",
+    "tokenize_data.py": "tokenize",
+    "plan.py": "plan",
+    "train.py": "train",
+    "evaluate.py": "evaluate",
+    "report.py": "report",
+    "manifest.py": "manifest",
+}
+"""The stage (keys.STAGE_MODULES) whose code hash each script's rule carries in its params."""
+HEAVY = (
+    "torch",
+    "transformers",
+    "deepspeed",
+    "datasets",
+    "tokenizers",
+    "peft",
+    "matplotlib",
+    "pandas",
+    "pyarrow",
+    "numpy",
+)
+
+
+def parsed_imports(path: Path) -> set[str]:
+    """The snaketune modules a file imports, by Python's own parser."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("snaketune."))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "snaketune":
+            assert node.level == 0, f"{path}: relative import (keys' scan reads absolute ones only)"
+            if node.module == "snaketune":
+                found.update(
+                    f"snaketune.{a.name}" for a in node.names if (keys.PACKAGE_DIR / f"{a.name}.py").exists()
+                )
+            else:
+                found.add(node.module)
+    return found
+
+
+def package_modules() -> list[str]:
+    return sorted(f"snaketune.{p.stem}" for p in keys.PACKAGE_DIR.glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("module", package_modules())
+def test_import_scan_agrees_with_the_parser(module):
+    path = keys.PACKAGE_DIR / f"{module.removeprefix('snaketune.')}.py"
+    assert keys.imported_modules(module) == parsed_imports(path) - {module}
+
+
+def test_stage_modules_are_the_import_closure():
+    for stage, entries in keys.STAGE_MODULES.items():
+        closure, todo = set(), list(entries)
+        while todo:
+            module = todo.pop()
+            if module not in closure:
+                closure.add(module)
+                todo += parsed_imports(keys.PACKAGE_DIR / f"{module.removeprefix('snaketune.')}.py")
+        assert set(keys.stage_modules(stage)) == closure, stage
+
+
+def test_every_script_runs_inside_its_stage():
+    scripts = sorted(p.name for p in SCRIPTS.glob("*.py") if p.name != "_stage.py")
+    assert sorted(SCRIPT_STAGES) == scripts, (
+        "a new script: add it to SCRIPT_STAGES, give its rule a keys.code_hash(<stage>) param and, for a "
+        "new stage, an entry in keys.STAGE_MODULES"
+    )
+    for script, stage in SCRIPT_STAGES.items():
+        outside = parsed_imports(SCRIPTS / script) - set(keys.stage_modules(stage))
+        assert not outside, f"{script} imports {sorted(outside)}, outside stage {stage!r}"
+
+
+def test_every_scripted_rule_hashes_its_code():
+    """Each rule that runs a script has a code hash in its params, directly or through a helper of
+    common*.smk (the workflow tests check that it reaches every job's provenance record)."""
+    helpers = "".join(p.read_text() for p in RULES.glob("common*.smk"))
+    hashing = {
+        name
+        for name, body in re.findall(r"^def (\w+)\(.*?\n((?:[ \t]+.*\n|\n)*)", helpers, re.M)
+        if "code_hash(" in body
+    }
+    for rule_file in RULES.glob("*.smk"):
+        for name, body in re.findall(r"^rule (\w+):\n((?:[ \t]+.*\n|\n)*)", rule_file.read_text(), re.M):
+            if "script:" in body:
+                params = body.split("params:", 1)[-1] if "params:" in body else ""
+                assert "code_hash(" in params or hashing & set(re.findall(r"\w+", params)), (
+                    f"rule {name} ({rule_file.name}) has no code hash in its params"
+                )
+
+
+def test_code_hash_follows_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / "snaketune"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("from snaketune import b\n")
+    (pkg / "b.py").write_text("def f():\n    from snaketune.c import g\n")
+    (pkg / "c.py").write_text("X = 1\n")
+    (pkg / "d.py").write_text("Y = 1\n")
+    monkeypatch.setattr(keys, "PACKAGE_DIR", pkg)
+    monkeypatch.setattr(keys, "STAGE_MODULES", {"s": ("snaketune.a",)})
+    caches = (keys._source, keys.imported_modules, keys.stage_modules)
+
+    def fresh_hash():
+        for fn in caches:
+            fn.cache_clear()
+        return keys.code_hash("s")
+
+    try:
+        before = fresh_hash()
+        assert keys.stage_modules("s") == ("snaketune.a", "snaketune.b", "snaketune.c")
+        (pkg / "d.py").write_text("Y = 2\n")  # not imported
+        assert fresh_hash() == before
+        (pkg / "c.py").write_text("X = 1\n# a comment counts: the hash is of the bytes\n")
+        assert fresh_hash() != before
+    finally:
+        for fn in caches:
+            fn.cache_clear()
+
+
+def test_dag_time_imports_are_light():
+    """What the rule files import runs whenever Snakemake builds the DAG (every dry run and no-op rerun):
+    no torch or transformers there (seconds each), nor pyarrow or pandas (tenths)."""
+    modules = sorted(
+        {m for p in RULES.glob("*.smk") for m in parsed_imports_smk(p)}
+        | {"snaketune.keys", "snaketune.config"}
+    )
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO / 'workflow')!r}); import json\n"
+        f"for m in {modules!r}: __import__(m)\n"
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == [], f"importing {modules} pulls in heavy packages"
+
+
+def parsed_imports_smk(path: Path) -> set[str]:
+    """`from snaketune import a, b` / `from snaketune.x import y` lines of a rule file."""
+    found = set()
+    for sub, names in re.findall(r"^from snaketune(?:\.(\w+))? import ([\w, ]+)", path.read_text(), re.M):
+        found |= {f"snaketune.{sub}"} if sub else {f"snaketune.{n.strip()}" for n in names.split(",")}
+    return found
+
+
+def test_checkpoint_run_key_includes_the_data(tmp_path):
+    from snaketune.checkpoint import run_key
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, text in ((a, '{"conversation_files_sha256": 1}'), (b, '{"conversation_files_sha256": 2}')):
+        d.mkdir()
+        (d / "stats.json").write_text(text)
+    assert run_key("k", a).startswith("k-") and run_key("k", a) == run_key("k", a)
+    assert run_key("k", a) != run_key("k", b)

@@ -1,0 +1,337 @@
+"""The preflight memory plan (snaketune.plan): its numbers against measured H200 peaks, the plan file, a
+configuration that does not fit stopping the workflow before training with what would fit, and
+train.strategy auto."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from snaketune import plan
+from snaketune.architectures import DEEPSEEK_LLM_7B
+from snaketune.config import ConfigError, TrainConfig, load_config, to_dict
+
+REPO = Path(__file__).resolve().parent.parent
+DEEPSPEED = {name: str(REPO / "config/deepspeed" / name) for name in plan.STRATEGY_FILES.values()}
+ALL_LINEAR = plan.LORA_TARGETS
+H200_RUN = REPO / "bench/runs/2026-11-29_h200/zero2_summary.json"
+TOLERANCE = 0.10
+
+
+def deepseek(layers: int) -> plan.Arch:
+    return plan.arch_from_hf_config({**DEEPSEEK_LLM_7B, "num_hidden_layers": layers})
+
+
+def ds_setup(name: str, **fields) -> plan.Setup:
+    return plan.setup_from_deepspeed(json.loads(Path(DEEPSPEED[name]).read_text()), **fields)
+
+
+# The measured points of ../shared/FACTS.md (one H200, random-init 7B architecture, seq 512): (what, layers,
+# setup, measured GiB, which figure). FACTS.md does not say which DeepSpeed buckets its runs used; these use
+# the project's files.
+FACTS = [
+    ("bf16 ZeRO-2, 4 x 2", 24, ds_setup("zero2.json", world=1, micro_batch=4, seq_len=512), 116.8, "gpu"),
+    (
+        "LoRA r16 all linear, bf16, 8 x 1",
+        30,
+        ds_setup("zero2.json", world=1, micro_batch=8, seq_len=512, lora_rank=16, lora_targets=ALL_LINEAR),
+        # Measured with this project's trainer (bench/runs/2026-11-29_h200_plan); FACTS.md's 45.4 GiB for the
+        # same setup came from other training code.
+        37.6,
+        "gpu",
+    ),
+    *[
+        (
+            "bf16 autocast, torch fused AdamW, no DeepSpeed, 4 x 2",
+            layers,
+            plan.Setup(
+                world=1, zero_stage=0, engine="torch", precision="autocast", micro_batch=4, seq_len=512
+            ),
+            measured,
+            "gpu",
+        )
+        for layers, measured in ((24, 107.6), (30, 130.6))
+    ],
+    *[
+        (
+            "ZeRO-3 + CPU Adam offload, 4 x 2, grad checkpointing",
+            14,
+            ds_setup("zero3_offload.json", world=1, micro_batch=4, seq_len=512, gradient_checkpointing=True),
+            measured,
+            which,
+        )
+        for measured, which in ((10.6, "gpu"), (69.0, "host"))
+    ],
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "layers", "setup", "measured", "which"), FACTS, ids=[f"{f[1]}L-{f[4]}-{f[3]}" for f in FACTS]
+)
+def test_plan_matches_the_measured_h200_peaks(what, layers, setup, measured, which):
+    est = plan.estimate(deepseek(layers), setup)
+    predicted = est.peak_allocated_gib if which == "gpu" else est.host_gib
+    assert predicted == pytest.approx(measured, rel=TOLERANCE), f"{what}, {layers} layers: {est}"
+
+
+def test_plan_matches_this_projects_own_h200_run():
+    """bench/RESULTS.md: the train rule, 24 layers, ZeRO-2 bf16, micro-batch 4 x 2, seq 512 on one H200."""
+    summary = json.loads(H200_RUN.read_text())
+    setup = ds_setup("zero2.json", world=1, micro_batch=summary["micro_batch_size"], seq_len=512)
+    est = plan.estimate(deepseek(24), setup)
+    assert est.params == summary["parameters"] == 5_696_065_536
+    assert est.peak_allocated_gib == pytest.approx(summary["peak_memory_gib_per_rank"][0], rel=TOLERANCE)
+    # One GPU under ZeRO-2 peaks in the optimizer step at 22 B/param (FACTS.md).
+    assert est.peak_phase == "optimizer step"
+    assert est.peak_allocated_gib * 2**30 / est.params == pytest.approx(22, rel=0.01)
+
+
+def test_parameter_counts_are_exact():
+    assert deepseek(30).params() == 6_910_365_696  # FACTS.md
+    assert deepseek(30).lora_params(16, ALL_LINEAR) == 37_478_400
+
+
+def test_parameter_counts_match_the_built_models():
+    from snaketune.config import LoraConfig, ModelConfig
+    from snaketune.model import apply_lora, count_params, load_model
+
+    arch, _ = plan.resolve_arch({"base": "builtin-tiny"})
+    net = load_model(
+        ModelConfig(), vocab_size=1024, bos_token_id=0, eos_token_id=1, dtype=torch.float32, seed=0
+    )
+    assert count_params(net)[0] == arch.params()
+    lora = apply_lora(net, LoraConfig(rank=4))
+    assert count_params(lora)[1] == arch.lora_params(4, ALL_LINEAR)
+
+
+def test_config_json_of_a_local_model(tmp_path):
+    cfg = {**DEEPSEEK_LLM_7B, "num_hidden_layers": 2, "num_key_value_heads": 8, "model_type": "llama"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch, source = plan.resolve_arch({"base": str(tmp_path)})
+    assert (arch.kv_heads, arch.layers, source) == (8, 2, str(tmp_path / "config.json"))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_routed_experts": 64}))
+    arch, source = plan.resolve_arch({"base": str(tmp_path)})
+    assert arch is None and "mixture-of-experts" in source
+
+
+# ---- the plan file ------------------------------------------------------------------------------------------
+
+
+def train_dict(**overrides) -> dict:
+    overrides.setdefault("deepspeed", DEEPSPEED["zero2.json"])
+    lora = overrides.pop("lora", None)
+    train = to_dict(TrainConfig(**overrides))
+    if lora:
+        train["lora"].update(lora)
+    return train
+
+
+def make(model: dict, train: dict, *, gib: float | None, max_length: int = 512, host: float = 125.0) -> dict:
+    budget = plan.Budget(gib, "test budget" if gib else "no GPU", host)
+    return plan.make_plan(
+        experiment="x",
+        model=model,
+        train=train,
+        max_length=max_length,
+        deepspeed_config=train["deepspeed"],
+        gpu_memory_gib=gib,
+        budget=budget,
+        candidate_files=DEEPSPEED,
+    )
+
+
+SEVEN_B = {"base": "arch:deepseek-llm-7b", "num_layers": None, "revision": "main"}
+TINY = {"base": "builtin-tiny", "num_layers": None, "revision": "main"}
+
+
+def test_plan_file_for_the_cpu_default(tmp_path):
+    """builtin-tiny on a machine without GPU: nothing to check against, never a reason to stop."""
+    out = tmp_path / "plan" / "default.json"
+    written = plan.write_plan(
+        out=out,
+        experiment="default",
+        model=TINY,
+        train=train_dict(gpus=3),
+        max_length=256,
+        deepspeed_config=DEEPSPEED["zero2.json"],
+        gpu_memory_gib=None,
+        budget=plan.Budget(None, "no GPU: CPU ranks, nothing to check", 16.0),
+        candidate_files=DEEPSPEED,
+    )
+    on_disk = json.loads(out.read_text())
+    assert on_disk == json.loads(json.dumps(written))
+    assert on_disk["fits"] is None and on_disk["chosen"]["deepspeed_config"] == DEEPSPEED["zero2.json"]
+    assert on_disk["configured"]["setup"]["precision"] == "fp32"  # CPU ranks train in fp32
+    assert on_disk["model"]["params"] == plan.resolve_arch(TINY)[0].params()
+    assert [c["name"] for c in on_disk["candidates"]] == [s.name for s in plan.STRATEGIES]
+    # With a GPU budget the tiny model fits anything.
+    assert make(TINY, train_dict(gpus=3), gib=24)["fits"] is True
+
+
+def test_a_hub_model_without_network_is_skipped_not_failed(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = {"base": "nobody-here/no-such-model-xyz", "revision": "main"}
+    arch, why = plan.resolve_arch(model, allow_download=False)
+    assert arch is None and why.startswith("unknown: skipped")
+    result = make(model, train_dict(gpus=3), gib=24)
+    assert result["fits"] is None and result["status"].startswith("unknown: skipped")
+    assert result["chosen"]["name"] == "as configured"
+
+
+def test_not_fitting_says_what_would_fit(tmp_path):
+    """7B full fine-tuning under ZeRO-2 on three 24 GB GPUs, the README's hardware."""
+    train = train_dict(gpus=3, global_batch_size=12, micro_batch_size=2)
+    result = make(SEVEN_B, train, gib=24, host=256)
+    assert result["fits"] is False
+    message = result["message"]
+    needs = result["configured"]["estimate"]["gpu_gib"]
+    assert f"zero2 needs {needs:.1f} GiB per GPU as configured" in message
+    offload = next(c for c in result["candidates"] if c["name"] == "zero3_offload")["estimate"]
+    assert (
+        f"What would fit: zero3_offload needs {offload['gpu_gib']:.1f} GiB per GPU and "
+        f"{offload['host_gib']:.0f} GiB host RAM" in message
+    )
+    assert "LoRA (train.lora.enabled: true) with zero0" in message
+    out = tmp_path / "plan.json"
+    with pytest.raises(plan.PlanError, match="What would fit"):
+        plan.write_plan(
+            out=out,
+            budget=plan.Budget(24, "test budget", 256),
+            experiment="x",
+            model=SEVEN_B,
+            train=train,
+            max_length=512,
+            deepspeed_config=train["deepspeed"],
+            gpu_memory_gib=24,
+            candidate_files=DEEPSPEED,
+        )
+    assert not out.exists()
+
+
+def test_host_ram_is_checked_for_offload():
+    """FACTS.md: ZeRO-3 + CPU Adam offload of all 30 layers exhausted the H200 host's 125 GiB."""
+    train = train_dict(gpus=1, global_batch_size=8, micro_batch_size=4, gradient_checkpointing=True)
+    train["deepspeed"] = DEEPSPEED["zero3_offload.json"]
+    result = make(SEVEN_B, train, gib=139.8, host=125)
+    assert result["fits"] is False
+    host = result["configured"]["estimate"]["host_gib"]
+    assert f"GiB per GPU and {host:.0f} GiB host RAM as configured" in result["message"]
+    assert make({**SEVEN_B, "num_layers": 14}, train, gib=139.8, host=125)["fits"] is True
+
+
+@pytest.mark.parametrize(
+    ("model", "train", "gib", "expected"),
+    [
+        # LoRA of all 30 layers on one 24 GiB GPU, micro-batch 8 x 512: only with checkpointing.
+        (
+            SEVEN_B,
+            dict(gpus=1, global_batch_size=8, micro_batch_size=8, lora={"enabled": True}),
+            24,
+            "zero0+ckpt",
+        ),
+        # Full fine-tuning of 7B on 4 x 80 GiB: ZeRO-0 holds 18 B/param per GPU; ZeRO-2 fits.
+        (SEVEN_B, dict(gpus=4, global_batch_size=16, micro_batch_size=4), 80, "zero2"),
+        # ... and on 3 x 24 GiB only optimizer offload does.
+        (SEVEN_B, dict(gpus=3, global_batch_size=12, micro_batch_size=2), 24, "zero3_offload"),
+    ],
+    ids=["lora-24g", "full-4x80g", "full-3x24g"],
+)
+def test_strategy_auto_picks_the_fastest_that_fits(model, train, gib, expected):
+    result = make(model, train_dict(strategy="auto", **train), gib=gib, host=256)
+    assert result["fits"] is True
+    assert result["chosen"]["name"] == expected
+    names = [c["name"] for c in result["candidates"]]
+    fits = {c["name"]: c["fits"] for c in result["candidates"]}
+    # Every faster strategy does not fit; full fine-tuning vs LoRA stays as configured.
+    assert not any(fits[n] for n in names[: names.index(expected)])
+    assert all(c["setup"]["lora_rank"] == (16 if train.get("lora") else 0) for c in result["candidates"])
+    if train.get("lora"):
+        assert not any(n.startswith("zero3") for n in names)  # the trainer refuses LoRA under ZeRO-3
+
+
+def test_auto_changes_the_run_and_its_checkpoint_key():
+    auto = make(
+        SEVEN_B,
+        train_dict(strategy="auto", gpus=3, global_batch_size=12, micro_batch_size=2),
+        gib=24,
+        host=256,
+    )
+    spec = {"train": train_dict(gpus=3), "deepspeed_config": DEEPSPEED["zero2.json"], "run_key": "abc"}
+    applied = plan.apply_plan(spec, auto)
+    assert applied["deepspeed_config"] == DEEPSPEED["zero3_offload.json"]
+    assert applied["run_key"] != "abc" and len(applied["run_key"]) == 16
+    configured = make(SEVEN_B, train_dict(gpus=1, global_batch_size=8), gib=None)
+    assert plan.apply_plan(spec, configured) is spec  # as_configured: the run as given
+
+
+def test_launch_time_check_uses_the_granted_world_size():
+    """The plan is made for train.gpus; Snakemake may grant fewer, and ZeRO then needs more per GPU."""
+    result = make({**SEVEN_B, "num_layers": 8}, train_dict(gpus=4, global_batch_size=16), gib=None)
+    ok, line = plan.check_devices(result, world=4, device_gib=80.0, host_gib=256)
+    assert ok and "zero2 on 4 GPU(s) needs" in line
+    ok, message = plan.check_devices(result, world=1, device_gib=24.0, host_gib=256)
+    assert not ok and "does not fit" in message
+    # gpu_memory_gib caps a larger GPU: 2 ranks would fit 139.8 GiB but not 24.
+    assert plan.check_devices(result, world=2, device_gib=139.8, host_gib=256)[0]
+    capped = {**result, "gpu_memory_gib": 24}
+    ok, message = plan.check_devices(capped, world=2, device_gib=139.8, host_gib=256)
+    assert not ok and "gpu_memory_gib 24" in message
+    assert plan.check_devices(None, world=1, device_gib=24, host_gib=None)[0]
+
+
+def test_config_keys():
+    cfg = load_config({"gpu_memory_gib": 24, "gpu_ids": [0, "GPU-1"], "train": {"strategy": "auto"}})
+    assert (cfg.gpu_memory_gib, cfg.gpu_ids) == (24.0, ("0", "GPU-1"))
+    assert cfg.experiments["default"].train.strategy == "auto"
+    with pytest.raises(
+        ConfigError, match="'train.strategy': 'fastest' is not allowed; allowed: as_configured, auto"
+    ):
+        load_config({"train": {"strategy": "fastest"}})
+    with pytest.raises(ConfigError, match="'gpu_memory_gib'"):
+        load_config({"gpu_memory_gib": -1})
+    with pytest.raises(ConfigError, match="'gpu_ids'"):
+        load_config({"gpu_ids": "0,1"})
+
+
+# ---- the workflow ----------------------------------------------------------------------------------------------
+
+TOO_BIG = """
+model: {base: "arch:deepseek-llm-7b"}
+tokenize: {max_length: 512}
+train: {gpus: 3, global_batch_size: 12, micro_batch_size: 2}
+gpu_memory_gib: 24
+"""
+
+
+@pytest.mark.slow
+def test_a_config_that_does_not_fit_stops_before_training(tmp_path):
+    from test_gpus import copy_workflow
+
+    workdir = copy_workflow(tmp_path / "wf")
+    extra = tmp_path / "big.yaml"
+    extra.write_text(TOO_BIG)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", plan.ENV_HOST_MEMORY: "256"}
+    cmd = [
+        str(Path(sys.executable).parent / "snakemake"),
+        "results/train/default/summary.json",
+        "--cores",
+        "1",
+        "--resources",
+        "gpu=3",
+        "--configfile",
+        str(REPO / "tests/configs/fast.yaml"),
+        str(extra),
+    ]
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "ERROR in rule plan: PlanError: train.gpus 3 x 24.0 GiB (gpu_memory_gib: 24)" in proc.stderr
+    assert "What would fit: zero3_offload needs" in proc.stderr, proc.stderr[-3000:]
+    # The plan runs first (priority) and its failure stops the workflow: no other job ran.
+    assert "Finished jobid" not in proc.stderr
+    assert not (workdir / "logs/train").exists() and not (workdir / "results/plan/default.json").exists()

@@ -1,0 +1,274 @@
+"""Reproducibility: a change reruns exactly the stages it touches, and every job leaves a provenance record.
+
+One completed run of the fast config in a copy of the workflow; then, for each kind of change, the change
+is applied in the copy (an extra config file, or an edited file whose bytes and timestamps are restored
+afterwards), Snakemake dry-runs, and the rules of its "Job stats" table must be exactly the expected ones.
+The run is made with a hub token in the environment, which must appear in no file it wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from test_workflow import FAST_CONFIG, NOTHING_TO_DO, REPO, RUN_TIMEOUT_S, WORKFLOW_FILES, Result, snakemake
+
+pytestmark = pytest.mark.slow
+
+CONFIG = "fast.yaml"  # copied into the working directory with the workflow
+CHANGE = "change.yaml"  # a second --configfile holding the change under test
+SENTINEL = "hf_" + "reproducibilitySentinel0123456789"  # shaped like a hub token; never written anywhere
+SECRET_ENV = {"HF_TOKEN": SENTINEL, "HUGGING_FACE_HUB_TOKEN": SENTINEL}
+
+# What a change reruns, from the most upstream stage down. Every rerun ends in the manifest (unless only
+# the report changed), the report and `all`.
+END = ("manifest", "report", "all")
+FROM_CONVERSATIONS = ("conversations", "train_tokenizer", "tokenize", "train", "evaluate", *END)
+FROM_DOWNLOAD = ("download", *FROM_CONVERSATIONS)
+FROM_TOKENIZE = ("tokenize", "train", "evaluate", *END)
+FROM_TRAIN = ("train", "evaluate", *END)
+# The memory plan (rule plan) reads the model and train settings and the DeepSpeed files; train and
+# evaluate read the plan.
+FROM_PLAN = ("plan", *FROM_TRAIN)
+FROM_EVALUATE = ("evaluate", *END)
+ONLY_REPORT = ("report", "all")
+
+
+def _config(override: dict) -> tuple[str, dict]:
+    return ("config", override)
+
+
+def _edit(path: str, old: str | None = None, new: str | None = None) -> tuple[str, tuple]:
+    """Replace `old` by `new` in a file of the copy; without them, append a comment line."""
+    return ("file", (path, old, new))
+
+
+CASES = {
+    # config: data
+    "dataset.languages": (_config({"dataset": {"languages": ["en"]}}), FROM_CONVERSATIONS),
+    "dataset.paths": (_config({"dataset": {"paths": "all"}}), FROM_CONVERSATIONS),
+    # config: tokenization and tokenizer
+    "tokenize.packing": (_config({"tokenize": {"packing": False}}), FROM_TOKENIZE),
+    "model.tokenizer": (
+        _config({"model": {"tokenizer": "deepseek-ai/deepseek-llm-7b-base"}}),
+        ("fetch_tokenizer", "plan", *FROM_TOKENIZE),
+    ),
+    "tokenizer vocabulary (rule file)": (
+        _edit("workflow/rules/data.smk", "vocab_size=1024", "vocab_size=1000"),
+        ("train_tokenizer", *FROM_TOKENIZE),
+    ),
+    # config and files: training
+    "train.learning_rate": (_config({"train": {"learning_rate": 1.0e-3}}), FROM_PLAN),
+    "ZeRO config file contents": (
+        _edit("config/deepspeed/zero2.json", '"reduce_bucket_size": 200000000', '"reduce_bucket_size": 5e8'),
+        FROM_PLAN,
+    ),
+    "train.deepspeed (ZeRO-2 -> ZeRO-3)": (
+        _config({"train": {"deepspeed": "config/deepspeed/zero3.json"}}),
+        FROM_PLAN,
+    ),
+    # config: evaluation, experiments
+    "eval.prompts": (_config({"eval": {"prompts": ["What is 2 + 2?"]}}), FROM_EVALUATE),
+    "added experiment": (
+        _config({"experiments": {"default": {}, "lr2": {"train": {"learning_rate": 1.0e-3}}}}),
+        FROM_PLAN,  # one plan, train and evaluate job each, for lr2; the tokenized cache is shared
+    ),
+    # the report has no options of its own: its template modules
+    "report template (report_sections.py)": (_edit("workflow/snaketune/report_sections.py"), ONLY_REPORT),
+    "report.py": (_edit("workflow/snaketune/report.py"), ONLY_REPORT),
+    # each stage's module
+    "download.py": (_edit("workflow/snaketune/download.py"), FROM_DOWNLOAD),
+    # download reads local sources with conversations.read_messages, so it runs conversations.py too
+    "conversations.py": (_edit("workflow/snaketune/conversations.py"), FROM_DOWNLOAD),
+    "tokenizer.py": (_edit("workflow/snaketune/tokenizer.py"), ("train_tokenizer", *FROM_TOKENIZE)),
+    "tokenization.py": (_edit("workflow/snaketune/tokenization.py"), FROM_TOKENIZE),
+    "training.py": (_edit("workflow/snaketune/training.py"), FROM_TRAIN),
+    "evaluate.py": (_edit("workflow/snaketune/evaluate.py"), FROM_EVALUATE),
+    # imported by tokenization, plan, training and evaluate, not by the data stages before them
+    "config.py": (_edit("workflow/snaketune/config.py"), ("plan", *FROM_TOKENIZE)),
+    # records are not outputs: a new record format remakes the manifest, never a stage
+    "provenance.py": (_edit("workflow/snaketune/provenance.py"), END),
+    # Snakemake's own trigger: a script newer than the outputs
+    "workflow/scripts/evaluate.py": (_edit("workflow/scripts/evaluate.py"), FROM_EVALUATE),
+}
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def job_stats(result: Result) -> dict[str, int]:
+    """rule -> job count from the first "Job stats" table of a dry run; {} when nothing is to be done."""
+    out = result.output
+    match = re.search(r"^Job stats:\njob\s+count\n-+\s+-+\n(.*?)^total\s+(\d+)\s*$", out, re.M | re.S)
+    if match is None:
+        assert NOTHING_TO_DO in out, out[-3000:]
+        return {}
+    stats = {
+        name: int(count) for name, count in (line.split() for line in match.group(1).strip().splitlines())
+    }
+    assert sum(stats.values()) == int(match.group(2)), out[-3000:]
+    return stats
+
+
+@contextlib.contextmanager
+def edited(path: Path, old: str | None, new: str | None) -> Iterator[None]:
+    """The file changed for the duration; then its bytes and its timestamps are as before (Snakemake
+    compares input mtimes, so a restored file must not look newer than the outputs)."""
+    data, stat = path.read_bytes(), path.stat()
+    text = data.decode()
+    if old is None:
+        changed = text + "# edited by tests/test_reproducibility.py\n"
+    else:
+        assert text.count(old) == 1, f"{old!r} not found once in {path}"
+        changed = text.replace(old, new)
+    path.write_text(changed)
+    try:
+        yield
+    finally:
+        path.write_bytes(data)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def args(*extra: str, configs: tuple[str, ...] = (CONFIG,)) -> tuple[str, ...]:
+    return (*extra, "--cores", "2", "--resources", "gpu=3", "--configfile", *configs)
+
+
+def dry_run(workdir: Path, configs: tuple[str, ...] = (CONFIG,)) -> dict[str, int]:
+    return job_stats(snakemake(workdir, *args("-n", configs=configs)))
+
+
+# ---- the completed run ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A copy of the workflow (and of the fast config, so that concurrent edits to the repository cannot
+    change it) after one complete run from scratch, made with hub tokens in the environment."""
+    root = tmp_path_factory.mktemp("reproducibility")
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".snakemake", "results", "logs")
+    for name in WORKFLOW_FILES:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, root / name, ignore=ignore)
+        else:
+            shutil.copy2(src, root / name)
+    shutil.copy2(FAST_CONFIG, root / CONFIG)
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in SECRET_ENV.items():
+            mp.setenv(name, value)
+        snakemake(root, *args(), timeout=RUN_TIMEOUT_S)
+    return root
+
+
+def test_a_completed_run_reruns_nothing(workdir):
+    result = snakemake(workdir, "--cores", "all", "--resources", "gpu=3", "--configfile", CONFIG)
+    assert NOTHING_TO_DO in result.output
+    assert result.finished_rules == []
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_change_reruns_exactly_what_it_touches(workdir, case):
+    (kind, change), expected = CASES[case]
+    if kind == "config":
+        (workdir / CHANGE).write_text(json.dumps(change))  # JSON is YAML
+        stats = dry_run(workdir, (CONFIG, CHANGE))
+    else:
+        path, old, new = change
+        with edited(workdir / path, old, new):
+            stats = dry_run(workdir)
+    assert stats == dict.fromkeys(expected, 1), f"{case}: expected {sorted(expected)}, got {stats}"
+
+
+def test_the_changes_left_the_run_complete(workdir):
+    """Every change was undone exactly: the run still has nothing to do (the matrix above relies on it)."""
+    assert dry_run(workdir) == {}
+
+
+# ---- provenance ----------------------------------------------------------------------------------
+
+
+def _records(workdir: Path) -> dict[str, dict]:
+    root = workdir / "results/provenance"
+    return {
+        p.relative_to(root).with_suffix("").as_posix(): json.loads(p.read_text())
+        for p in sorted(root.rglob("*.json"))
+        if p.name != "manifest.json"
+    }
+
+
+def _jobs(workdir: Path) -> list[str]:
+    """The records a run of the fast config leaves (the report's aside), by rule[/wildcards]."""
+    key = next((workdir / "results/tokenized").iterdir()).name
+    return [
+        "download",
+        "conversations",
+        "train_tokenizer",
+        f"tokenize/{key}",
+        "plan/default",
+        "train/default",
+        "evaluate/default",
+    ]
+
+
+def test_every_job_has_a_record(workdir):
+    records = _records(workdir)
+    assert sorted(records) == sorted([*_jobs(workdir), "report"])
+    for name, rec in records.items():
+        assert re.fullmatch(r"[0-9a-f]{16}", rec["code"] or ""), name  # every stage's params hash its code
+        assert rec["start"] <= rec["end"] and rec["wall_s"] >= 0, name
+        assert rec["host"]["hostname"] and rec["gpus"] == [], name  # CPU ranks here
+        assert rec["software"]["python"] and rec["software"]["snakemake"], name
+        assert rec["git"] is None, name  # the copy is not a git checkout
+        for path, entry in {**rec["inputs"], **rec["outputs"]}.items():
+            if entry["type"] == "file":
+                assert entry["sha256"] == hashlib.sha256((workdir / path).read_bytes()).hexdigest(), path
+            else:
+                assert entry["type"] == "directory" and entry["files"], path
+    train = records["train/default"]
+    assert train["seeds"] == {"spec.train.seed": 1234}
+    assert train["params"]["spec"]["train"]["learning_rate"] == 3.0e-3
+    assert "config/deepspeed/zero2.json" in train["inputs"]
+    assert records["download"]["seeds"] == {"spec.builtin_seed": 0}
+
+
+def test_the_manifest_follows_the_records_back(workdir):
+    manifest = json.loads((workdir / "results/provenance/manifest.json").read_text())
+    jobs = manifest["jobs"]
+    assert sorted(job["record"] for job in jobs) == sorted(
+        f"results/provenance/{name}.json" for name in _jobs(workdir)
+    )
+    # In pipeline order: every job comes after the jobs that wrote its inputs.
+    written_by = {out: i for i, job in enumerate(jobs) for out in job["outputs"]}
+    for i, job in enumerate(jobs):
+        assert all(written_by.get(inp, -1) < i for inp in job["inputs"]), job["record"]
+    assert {job["status"] for job in jobs} == {"ok"}
+    assert manifest["missing"] == []
+    assert "config/deepspeed/zero2.json" in manifest["sources"]
+    assert not [src for src in manifest["sources"] if src.startswith("results/")]
+    summary = manifest["summary"]
+    assert summary["jobs"] == len(jobs) and summary["changed"] == []
+    assert list(summary["git"]) == ["not a git checkout"]
+    report = (workdir / "results/report/report.md").read_text()
+    assert "### Jobs" in report
+    for job in jobs:
+        assert f"`{job['record']}`" in report, job["record"]
+
+
+def test_no_token_reaches_any_file(workdir):
+    leaked = [
+        str(p.relative_to(workdir))
+        for top in ("results", "logs", "benchmarks", ".snakemake")
+        for p in (workdir / top).rglob("*")
+        if p.is_file() and SENTINEL.encode() in p.read_bytes()
+    ]
+    assert leaked == []
+    for rec in _records(workdir).values():
+        assert not set(rec["env"]) & set(SECRET_ENV)
