@@ -104,6 +104,22 @@ CASES = [
         "10.6, host 69 (FACTS.md)",
         limit_s=330,
     ),
+    Case(
+        "zero3_14",
+        14,
+        "zero3.json",
+        {"micro_batch_size": 4, "global_batch_size": 8},
+        "",
+    ),
+    Case(
+        "zero3_offload_14_24g",
+        14,
+        "zero3_offload.json",
+        {"micro_batch_size": 2, "global_batch_size": 8, "gradient_checkpointing": True},
+        "must stay under 24",
+        gpu_memory_gib=24,
+        limit_s=330,
+    ),
 ]
 
 

@@ -149,6 +149,8 @@ def test_a_waiting_job_gets_gpus_when_they_are_freed(tmp_path, caplog):
 
 
 def test_in_process_sets_cuda_visible_devices(tmp_path, monkeypatch):
+    # in_process() sets variables for the rest of its process: give it a copy, so no later test sees them.
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     monkeypatch.setenv(gpus.ENV_FAKE, "0,1")
     monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
