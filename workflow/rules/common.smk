@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
 from snaketune import keys  # noqa: E402
 from snaketune.config import ConfigError, load_config, to_dict  # noqa: E402
+from snaketune.io import sha256_file  # noqa: E402
 
 try:
     CFG = load_config(config)
@@ -129,7 +130,7 @@ def train_params(wildcards):
         "train": to_dict(exp.train),
         "max_length": exp.tokenize.max_length,
         "data_key": keys.data_key(exp),
-        "deepspeed_sha256": keys.file_hash(exp.train.deepspeed),
+        "deepspeed_sha256": sha256_file(exp.train.deepspeed),
         "code": keys.code_hash("train"),
     }
     return {**spec, "run_key": keys.short_hash(spec)}

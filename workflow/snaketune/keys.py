@@ -132,8 +132,3 @@ def tokenize_settings(tok: TokenizeConfig) -> dict:
 
 def short_hash(obj) -> str:
     return _short(stable_json(obj), 16)
-
-
-def file_hash(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()

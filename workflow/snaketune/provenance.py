@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from snaketune.io import write_json
+from snaketune.io import sha256_file, write_json
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,6 @@ HUB_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{20,}")
 """The shape of a Hugging Face token, redacted even when it is not in the environment."""
 SKIPPED_FILES = (".snakemake_timestamp",)
 """Snakemake's marker in directory outputs: written after the job, so never part of what a job made."""
-_CHUNK = 1 << 20
 
 
 # ---- where records live --------------------------------------------------------------------------
@@ -92,14 +91,6 @@ def _wildcards(smk) -> dict[str, str]:
 # ---- describing files ----------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def describe(path: str | os.PathLike) -> dict[str, Any]:
     """sha256 and size of a file; for a directory, of every file under it, and a digest over the sorted
     `relative path NUL sha256` lines, so that equal trees give equal digests wherever they lie."""
@@ -107,11 +98,11 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
     if not p.exists():
         return {"type": "missing"}
     if p.is_file():
-        return {"type": "file", "sha256": _sha256(p), "bytes": p.stat().st_size}
+        return {"type": "file", "sha256": sha256_file(p), "bytes": p.stat().st_size}
     files = {}
     for f in sorted(p.rglob("*")):
         if f.is_file() and f.name not in SKIPPED_FILES:
-            files[f.relative_to(p).as_posix()] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
+            files[f.relative_to(p).as_posix()] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
     digest = hashlib.sha256("".join(f"{rel}\0{e['sha256']}\n" for rel, e in files.items()).encode())
     return {
         "type": "directory",

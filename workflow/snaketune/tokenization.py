@@ -12,12 +12,8 @@ block-diagonal mask itself), or pass ``snaketune.batching.packed_attention_mask(
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
-import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +23,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from snaketune.config import CHAT_TEMPLATES
+from snaketune.io import atomic_dir, sha256_file, sha256_text
 from snaketune.tokenizer import DEEPSEEK_CHAT_TEMPLATE
 
 IGNORE_INDEX = -100
@@ -94,10 +91,6 @@ def chat_template_text(tokenizer) -> str:
     return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
 
 
-def _sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 def _render(tokenizer, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
     return tokenizer.apply_chat_template(
         list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
@@ -124,7 +117,7 @@ def assistant_spans(tokenizer, messages: Sequence[Message]) -> tuple[str, list[t
                 "the chat template renders turns differently in context, so assistant tokens cannot be marked: "
                 f"rendering messages[:{i}] with the generation prompt, or messages[:{i + 1}], is not a prefix of "
                 f"the whole conversation (tokenizer {tokenizer.name_or_path!r}, chat template sha256 "
-                f"{_sha256_text(chat_template_text(tokenizer))[:12]}); use tokenize.chat_template: deepseek "
+                f"{sha256_text(chat_template_text(tokenizer))[:12]}); use tokenize.chat_template: deepseek "
                 "or a template that renders earlier turns unchanged"
             )
         if len(turn) > len(prompt):
@@ -209,19 +202,10 @@ def pack(examples: Sequence[Example], max_length: int) -> list[Example]:
     return blocks
 
 
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def tokenizer_hashes(tokenizer_dir: str | Path) -> dict[str, str]:
     """sha256 of the tokenizer files that decide tokenization, for those the directory has."""
     directory = Path(tokenizer_dir)
-    return {name: file_sha256(directory / name) for name in TOKENIZER_FILES if (directory / name).is_file()}
+    return {name: sha256_file(directory / name) for name in TOKENIZER_FILES if (directory / name).is_file()}
 
 
 def _features():
@@ -325,9 +309,9 @@ def tokenize_conversations(
     }
     stats: dict[str, Any] = {
         "settings": settings,
-        "conversation_files_sha256": {s: file_sha256(conv_dir / f"{s}.parquet") for s in SPLITS},
+        "conversation_files_sha256": {s: sha256_file(conv_dir / f"{s}.parquet") for s in SPLITS},
         "tokenizer_files_sha256": tokenizer_hashes(tokenizer_dir),
-        "chat_template_sha256": _sha256_text(chat_template_text(tokenizer)),
+        "chat_template_sha256": sha256_text(chat_template_text(tokenizer)),
         "versions": {
             "datasets": datasets.__version__,
             "tokenizers": tokenizers.__version__,
@@ -335,9 +319,7 @@ def tokenize_conversations(
         },
         "splits": {},
     }
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         for split in SPLITS:
             lengths, kept = tokenize_split(
                 tokenizer,
@@ -358,15 +340,8 @@ def tokenize_conversations(
                     "dropped because no loss token survived truncation (raise tokenize.max_length)"
                 )
             identity = {"split": split, **{k: stats[k] for k in stats if k not in ("splits", "versions")}}
-            fingerprint = _sha256_text(json.dumps(identity, sort_keys=True))[:16]
+            fingerprint = sha256_text(json.dumps(identity, sort_keys=True))[:16]
             save_rows(rows, tmp / split, split=split, fingerprint=fingerprint)
             stats["splits"][split] = split_stats
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return stats
