@@ -20,6 +20,9 @@ PATHS_MODES = ("top1", "all")
 CHAT_TEMPLATES = ("deepseek", "model")
 PRECISIONS = ("auto", "bf16", "fp32")
 STRATEGIES = ("as_configured", "auto")
+BF16_OPTIMIZERS = ("auto", "snaketune", "deepspeed")
+OPTIMIZER_KERNELS = ("auto", "triton", "torch")
+ATTENTIONS = ("auto", "varlen", "sdpa")
 EXPERIMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # ISO 639-1 codes plus the regional variants oasst1 uses (pt-BR, zh, ...): shape check only.
 LANG_CODE = re.compile(r"^[a-z]{2,3}(-[A-Za-z]{2,4})?$")
@@ -178,6 +181,23 @@ class TrainConfig:
     """`auto` (bf16 on GPU, fp32 on CPU) | `bf16` | `fp32`."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (costs ~30% speed)."""
+    bf16_optimizer: str = "auto"
+    """Who keeps the fp32 master weights in bf16 training: `snaketune` (bf16 weights and gradients on the GPU, fp32
+    masters and Adam states updated chunk by chunk by a fused AdamW: 16 B/param; ZeRO stage 0 only), `deepspeed`
+    (DeepSpeed's bf16 optimizer or ZeRO, with fp32 gradient copies); `auto`: snaketune at ZeRO stage 0, else deepspeed."""
+    optimizer_kernel: str = "auto"
+    """The step of bf16_optimizer `snaketune`: `triton` (one fused pass per tensor: bf16 gradient in, fp32 master,
+    m, v and bf16 weight out; CUDA with triton), `torch` (fp32 gradient copies + torch's fused AdamW); `auto`: triton
+    where it runs."""
+    fused_cross_entropy: bool = False
+    """Compute the loss from the final hidden states chunk by chunk, never materializing the [tokens, vocabulary]
+    logits (snaketune.losses): less memory for long sequences, 2% slower at 8 x 512 on an H200 (bench/RESULTS.md);
+    not under ZeRO-3, whose partitioned lm_head weight only its own forward gathers."""
+    attention: str = "auto"
+    """`varlen`: packed conversations attend only to themselves through FlashAttention's varlen kernel (CUDA, bf16;
+    block-masked SDPA elsewhere); `sdpa`: SDPA with an explicit block-diagonal mask; `auto`: varlen where it runs."""
+    compile: bool = False
+    """torch.compile every decoder layer (one compiled graph shared by all layers; the first step pays the compile)."""
     strategy: str = "as_configured"
     """`as_configured`: `deepspeed` and `gradient_checkpointing` as given; `auto`: the fastest ZeRO stage, offload
     and checkpointing that fits the GPUs (snaketune.plan; results/plan/<experiment>.json names it)."""
@@ -220,6 +240,18 @@ class TrainConfig:
             _fail("train.precision", f"{self.precision!r} is not allowed; allowed: {', '.join(PRECISIONS)}")
         if self.strategy not in STRATEGIES:
             _fail("train.strategy", f"{self.strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
+        if self.bf16_optimizer not in BF16_OPTIMIZERS:
+            _fail(
+                "train.bf16_optimizer",
+                f"{self.bf16_optimizer!r} is not allowed; allowed: {', '.join(BF16_OPTIMIZERS)}",
+            )
+        if self.optimizer_kernel not in OPTIMIZER_KERNELS:
+            _fail(
+                "train.optimizer_kernel",
+                f"{self.optimizer_kernel!r} is not allowed; allowed: {', '.join(OPTIMIZER_KERNELS)}",
+            )
+        if self.attention not in ATTENTIONS:
+            _fail("train.attention", f"{self.attention!r} is not allowed; allowed: {', '.join(ATTENTIONS)}")
         if self.keep_checkpoints < 1:
             _fail("train.keep_checkpoints", f"{self.keep_checkpoints} must be >= 1")
         if not self.deepspeed.endswith(".json"):

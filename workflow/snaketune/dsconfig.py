@@ -46,8 +46,21 @@ def _is_auto(value) -> bool:
     return value == "auto" or (isinstance(value, dict) and value.get("enabled") == "auto")
 
 
-def build_ds_config(file_cfg: dict, train: TrainConfig, *, world_size: int, bf16: bool, source: str) -> dict:
-    """The full DeepSpeed config for a run; errors name the file and the key."""
+def build_ds_config(
+    file_cfg: dict,
+    train: TrainConfig,
+    *,
+    world_size: int,
+    bf16: bool,
+    source: str,
+    master_weights: bool = False,
+) -> dict:
+    """The full DeepSpeed config for a run; errors name the file and the key.
+
+    With `master_weights` (snaketune.optim.MasterWeightAdamW: bf16 model, fp32 masters in the optimizer)
+    DeepSpeed's own bf16 handling stays off, so that it neither casts the model nor adds fp32 gradient
+    copies; the optimizer clips (in fp32), and gradients are all-reduced in fp32 unless the file says
+    otherwise (a bf16 sum over ranks would round every step's gradient)."""
     import difflib
 
     for key, value in file_cfg.items():
@@ -70,10 +83,18 @@ def build_ds_config(file_cfg: dict, train: TrainConfig, *, world_size: int, bf16
         train_batch_size=train.global_batch_size,
         train_micro_batch_size_per_gpu=train.micro_batch_size,
         gradient_accumulation_steps=gas,
-        gradient_clipping=train.grad_clip,
-        bf16={"enabled": bf16},
+        gradient_clipping=0.0 if master_weights else train.grad_clip,
+        bf16={"enabled": bf16 and not master_weights},
         fp16={"enabled": False},
     )
+    if master_weights:
+        if zero_stage(cfg) != 0:
+            raise ConfigError(
+                f"{source}: train.bf16_optimizer 'snaketune' needs zero_optimization.stage 0 (found "
+                f"{zero_stage(cfg)}); use config/deepspeed/zero0.json or train.bf16_optimizer: deepspeed"
+            )
+        if world_size > 1:
+            cfg.setdefault("communication_data_type", "fp32")
     cfg.setdefault("steps_per_print", 10**9)  # our own logger reports; keep DeepSpeed's quiet
     if zero_stage(cfg) and "offload_optimizer" in zero and zero["offload_optimizer"].get("device") == "cpu":
         # A client torch optimizer is fine on CPU-only machines (DeepSpeedCPUAdam would JIT-compile).

@@ -42,6 +42,13 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
+def alloc_retries(device: torch.device) -> int | None:
+    """How often the CUDA caching allocator had to free its cache and retry cudaMalloc (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak allocated accelerator memory, or the process's peak resident set size on CPU."""
     if device.type == "cuda":
@@ -104,14 +111,17 @@ class Throughput:
         self.seconds = 0.0
         self.tokens = 0
         self.loss_tokens = 0
+        self.padded = 0
         self.steps = 0
 
-    def update(self, tokens: int, loss_tokens: int, seconds: float) -> None:
+    def update(self, tokens: int, loss_tokens: int, seconds: float, *, padded: int | None = None) -> None:
+        """`tokens`: real tokens; `padded`: the positions computed, pads included (default: tokens)."""
         self.steps_seen += 1
         if self.steps_seen <= self.warmup:
             return
         self.tokens += tokens
         self.loss_tokens += loss_tokens
+        self.padded += tokens if padded is None else padded
         self.seconds += seconds
         self.steps += 1
 
@@ -123,6 +133,7 @@ class Throughput:
         out = {
             "perf/tokens_per_s_per_gpu": tps,
             "perf/loss_tokens_per_s_per_gpu": self.loss_tokens / self.seconds,
+            "perf/padded_tokens_per_s_per_gpu": self.padded / self.seconds,
             "perf/step_time_s": self.seconds / self.steps,
             "perf/mfu": tps * self.flops_per_token / self.peak if self.peak else None,
         }

@@ -17,8 +17,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
+from snaketune import attention
 from snaketune.architectures import BUILTIN_TINY, DEEPSEEK_LLM_7B
+from snaketune.batching import packed_attention_mask, token_loss_sum
 from snaketune.config import LoraConfig, ModelConfig
+from snaketune.losses import causal_targets, fused_linear_cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +111,9 @@ def load_model(
     return net
 
 
-def apply_lora(net: PreTrainedModel, lora: LoraConfig) -> PreTrainedModel:
-    """Wrap with peft LoRA adapters on the configured modules; only adapters stay trainable."""
+def apply_lora(net: PreTrainedModel, lora: LoraConfig, *, fp32_adapters: bool = True) -> PreTrainedModel:
+    """Wrap with peft LoRA adapters on the configured modules; only adapters stay trainable. `fp32_adapters`
+    (peft's default) keeps them in fp32 when the model is bf16; else they take the model's dtype."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -126,7 +130,7 @@ def apply_lora(net: PreTrainedModel, lora: LoraConfig) -> PreTrainedModel:
         target_modules=list(lora.targets),
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(net, cfg)
+    return get_peft_model(net, cfg, autocast_adapter_dtype=fp32_adapters)
 
 
 def count_params(net: torch.nn.Module) -> tuple[int, int]:
@@ -156,3 +160,64 @@ def flops_per_token(net: torch.nn.Module, seq_len: int, *, lora: bool) -> float:
 def save_pretrained(net: PreTrainedModel, out_dir: str | Path, state_dict: dict | None = None) -> None:
     """HF layout: config.json, generation_config.json, model*.safetensors."""
     net.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+
+
+def causal_lm(net: torch.nn.Module) -> PreTrainedModel:
+    """The transformers causal LM inside a peft wrapper (or `net` itself)."""
+    return net.get_base_model() if hasattr(net, "get_base_model") else net
+
+
+class LossModel(torch.nn.Module):
+    """What DeepSpeed trains: the causal LM plus its loss. forward(input_ids, labels, position_ids[, cu_seqlens])
+    returns the sum of the next-token losses of the batch (the trainer normalizes by the loss tokens of the
+    whole global batch, snaketune.training).
+
+    - `packed_attention`: conversations in a packed row attend only to themselves through
+      snaketune.attention (FlashAttention varlen on CUDA; `cu_seqlens` required); otherwise SDPA with an
+      explicit block-diagonal mask (snaketune.batching.packed_attention_mask).
+    - `fused_cross_entropy`: snaketune.losses.fused_linear_cross_entropy on the final hidden states and the
+      lm_head weight, never materializing the logits; otherwise logits + snaketune.batching.token_loss_sum.
+    The two switches change memory and speed, not the result (tests/test_fast_path.py).
+    """
+
+    def __init__(self, net: torch.nn.Module, *, packed_attention: bool, fused_cross_entropy: bool):
+        super().__init__()
+        self.net = net
+        self.packed_attention = packed_attention
+        self.fused_cross_entropy = fused_cross_entropy
+        if packed_attention:
+            causal_lm(net).set_attn_implementation(attention.register())
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        kwargs: dict = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+        if self.packed_attention:
+            kwargs.update(cu_seqlens=cu_seqlens, max_seqlen=input_ids.shape[1])
+        else:
+            dtype = self.net.get_input_embeddings().weight.dtype
+            kwargs["attention_mask"] = packed_attention_mask(position_ids, dtype)
+        if not self.fused_cross_entropy:
+            return token_loss_sum(self.net(**kwargs).logits, labels, position_ids)
+        lm = causal_lm(self.net)
+        hidden = lm.model(**kwargs).last_hidden_state
+        targets = causal_targets(labels, position_ids)
+        return fused_linear_cross_entropy(hidden.flatten(0, 1), lm.lm_head.weight, targets.flatten())
+
+    def restore_attention(self) -> None:
+        """Back to SDPA before saving, so the saved model loads anywhere without snaketune's registration."""
+        if self.packed_attention:
+            causal_lm(self.net).set_attn_implementation("sdpa")
+
+
+def compile_layers(net: torch.nn.Module) -> int:
+    """torch.compile each decoder layer (torchtitan's per-block compile: every layer reuses one compiled
+    graph, so compile time does not grow with depth); returns how many layers were compiled."""
+    layers = causal_lm(net).model.layers
+    for layer in layers:
+        layer.compile()
+    return len(layers)

@@ -76,6 +76,12 @@ weights need no saved inputs for weight gradients, and peft's adapters save only
 FACTS.md's 45.4 GiB for that setup came from other training code."""
 LOGIT_BYTES = 12
 """Per token and vocabulary entry: bf16 logits 2 + contiguous copy 2 + fp32 upcast 4 + log-softmax 4."""
+FUSED_LOGIT_BYTES = 8
+"""The same for one chunk of the fused loss (snaketune.losses): bf16 product 2 + fp32 copy 4 + bf16 gradient 2."""
+FUSED_CHUNK_BYTES = 2**30
+"""snaketune.losses.CHUNK_BYTES (kept here so that the plan does not import torch)."""
+MASTER_CHUNK_ELEMENTS = 2**28
+"""snaketune.optim.CHUNK_ELEMENTS (the same reason)."""
 CUDA_OVERHEAD_GIB = 1.0
 """CUDA context (~0.5 GiB on Hopper), NCCL buffers and workspaces that the caching allocator does not count."""
 FRAGMENTATION = 0.05
@@ -240,6 +246,8 @@ class Setup:
     """Weights in host memory too (DeepSpeed offload_param, ZeRO-3)."""
     gradient_checkpointing: bool = False
     micro_batch: int = 1
+    accumulation: int = 1
+    """Micro-batches per optimizer step and rank."""
     seq_len: int = 512
     precision: str = "bf16"
     """bf16 | fp32 | autocast (fp32 weights, bf16 autocast: plain torch, FACTS.md's reference runs)."""
@@ -248,6 +256,12 @@ class Setup:
     lora_targets: tuple[str, ...] = ()
     engine: str = "deepspeed"
     """deepspeed | torch (torch AdamW, no DeepSpeed: FACTS.md's reference runs only)."""
+    master_weights: bool = False
+    """bf16 weights and gradients, fp32 masters in snaketune.optim.MasterWeightAdamW (ZeRO-0 only)."""
+    fused_cross_entropy: bool = False
+    """snaketune.losses.fused_linear_cross_entropy: one chunk of logits at a time."""
+    varlen: bool = False
+    """snaketune.attention's varlen kernel: no (micro_batch, 1, seq, seq) mask tensor."""
     reduce_bucket: float = 5e8
     prefetch_bucket: float = 5e7
     sub_group: float = 1e9
@@ -320,7 +334,9 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
     weights = 0.0 if s.offload_params else w * total / (n if stage == 3 else 1)
     if s.precision == "autocast":
         weights += 2 * total  # autocast's bf16 copies of the weights, saved for backward
-    if torch_engine or stage == 0:
+    if s.master_weights and stage == 0:
+        grads = float(w * trained)  # the model's own bf16 gradients; fp32 only one chunk at a time
+    elif torch_engine or stage == 0:
         grads = 4.0 * trained
     elif stage == 1:
         grads = float(w * trained)
@@ -347,7 +363,9 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
     transient_grad = 0.0 if torch_engine else w * largest
 
     step_extra = 0.0
-    if not (torch_engine or s.offload_optimizer or stage == 0):
+    if s.master_weights and stage == 0:
+        step_extra = 4.0 * min(trained, MASTER_CHUNK_ELEMENTS)  # one chunk of fp32 gradients
+    elif not (torch_engine or s.offload_optimizer or stage == 0):
         step_extra = (w + master) * (trained / n if stage < 3 else min(trained / n, s.sub_group))
 
     tokens = s.micro_batch * s.seq_len
@@ -363,11 +381,28 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
     else:
         acts = tokens * arch.layers * per_layer * factor
     acts += tokens * norm  # the final norm
-    logits = LOGIT_BYTES * tokens * arch.vocab + s.micro_batch * s.seq_len**2 * (a + 1)
+    if s.fused_cross_entropy:
+        # At the end of the forward pass, on top of every layer's saved activations: one chunk of logits (bf16
+        # product, fp32 copy turned into the gradient in place, its bf16 cast), the hidden states' gradient, and
+        # with several chunks the fp32 sum of the lm_head weight's gradient (its w-byte result becomes the .grad
+        # that `grads` counts).
+        chunk = min(tokens, max(256, FUSED_CHUNK_BYTES // (4 * arch.vocab) // 256 * 256))
+        logits = FUSED_LOGIT_BYTES * chunk * arch.vocab + a * tokens * h
+        if not s.lora_rank and chunk < tokens:
+            logits += 4 * arch.vocab * h
+    else:
+        logits = LOGIT_BYTES * tokens * arch.vocab
+    if not s.varlen:
+        logits += s.micro_batch * s.seq_len**2 * (a + 1)  # the packed block-diagonal mask
 
     states = weights + grads + optim
     # The buckets live from the first gradient to the end of backward (DeepSpeed releases them there).
     forward_backward = states + buffers + transient_grad + acts + logits
+    if s.master_weights and stage == 0 and s.accumulation == 1:
+        # The gradients are freed after every step (DeepSpeed's zero_grad) and, with one micro-batch per step,
+        # grow during backward while the activations are freed: the peak is at the start of backward, with
+        # all activations and (nearly) no gradients. Measured: 95.5 GiB for 24 layers at 8 x 512 (bench/RESULTS.md).
+        forward_backward = weights + optim + max(transient_grad + acts + logits, grads)
     step = states + step_extra
     peak = max(forward_backward, step)
     host = HOST_PER_RANK_GIB * GIB * n
@@ -484,8 +519,23 @@ def detect_budget(gpu_memory_gib: float | None, *, devices=None, host_gib: float
 
 
 def _setup_for(train: dict, ds: dict, *, world: int, seq_len: int, precision: str, **changes) -> Setup:
+    """The Setup a training with these train settings and this DeepSpeed file runs (snaketune.training decides
+    the same way: MasterWeightAdamW at ZeRO-0 in bf16 without offload unless train.bf16_optimizer says
+    deepspeed; the fused loss except under ZeRO-3; varlen attention in bf16 unless train.attention is sdpa)."""
     lora = train.get("lora") or {}
+    zero = ds.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+    choice = train.get("bf16_optimizer", "auto")
+    master = precision == "bf16" and (
+        choice == "snaketune" or (choice == "auto" and stage == 0 and not offload)
+    )
+    world_micro = int(train["micro_batch_size"]) * world
     fields = dict(
+        accumulation=max(1, int(train.get("global_batch_size", world_micro)) // world_micro),
+        master_weights=master,
+        fused_cross_entropy=bool(train.get("fused_cross_entropy", True)) and stage != 3,
+        varlen=precision == "bf16" and train.get("attention", "auto") != "sdpa",
         world=world,
         gradient_checkpointing=bool(train.get("gradient_checkpointing")),
         micro_batch=int(train["micro_batch_size"]),

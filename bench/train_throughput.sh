@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Run ON THE LENT H200 MACHINE from the repo root, with .whl/ carried (bench/prepare_device_wheels.sh fills it
+# here): installs the wheels to /tmp/site, runs the GPU-only tests of the fast path, then
+# bench/train_throughput.py, and samples GPU memory once a second the whole time. Everything lands in $OUT:
+# throughput.{json,md}, logs.tar.gz, device.log (versions, nvidia-smi, the run's output, memory samples).
+#   CASES=seed24,b24,... BUDGET_S=520 bash bench/train_throughput.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/device.log") 2>&1
+echo "=== [$(date -u +%H:%M:%S)] install carried wheels"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD/workflow
+export PATH=/tmp/site/bin:$PATH
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv
+python3 -c 'import torch, deepspeed, transformers, snakemake; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "transformers", transformers.__version__, "snakemake", snakemake.__version__)'
+git log -1 --format='commit %H %s' 2>/dev/null || true
+git status --short 2>/dev/null | head -20 || true
+nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu,clocks.sm,power.draw --format=csv,noheader -lms 1000 \
+  >"$OUT/gpu_samples.csv" 2>&1 &
+SMI=$!
+echo "=== [$(date -u +%H:%M:%S)] GPU tests"
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fast_path.py -m gpu -rA 2>&1 | tail -5
+echo "=== [$(date -u +%H:%M:%S)] bench/train_throughput.py"
+ARGS=(--out "$OUT" --budget-s "${BUDGET_S:-520}")
+[ -n "${CASES:-}" ] && ARGS+=(--only "$CASES")
+python3 bench/train_throughput.py "${ARGS[@]}"
+echo "=== [$(date -u +%H:%M:%S)] exit code $?"
+kill "$SMI" 2>/dev/null
+python3 - "$OUT/gpu_samples.csv" <<'EOF'
+import sys
+rows = []
+for line in open(sys.argv[1]):
+    parts = [p.strip() for p in line.split(",")]
+    try:
+        rows.append((parts[0], int(parts[1].split()[0])))
+    except (IndexError, ValueError):
+        pass
+if rows:
+    peak = max(rows, key=lambda r: r[1])
+    print(f"nvidia-smi: {len(rows)} samples, peak memory.used {peak[1] / 1024:.1f} GiB at {peak[0]}")
+EOF

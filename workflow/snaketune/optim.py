@@ -1,0 +1,279 @@
+"""Optimizers of the train stage: torch's AdamW, and AdamW over fp32 master copies of bf16 weights.
+
+`MasterWeightAdamW` is mixed-precision training as Megatron-LM and torchtitan do it, without DeepSpeed's
+extra gradient copies: the model's weights and gradients stay bf16 on the GPU and the optimizer keeps, per
+trained parameter, an fp32 master weight and Adam's fp32 m and v (2 + 2 + 4 + 8 = 16 B/param,
+../shared/FACTS.md). DeepSpeed's own bf16 path at ZeRO stage 0 flattens the bf16 gradients and casts them to
+fp32 for the step (22 B/param at its peak on one GPU, like ZeRO-2): 7B full fine-tuning then does not fit a
+141 GB H200, while with this optimizer it does. The step works through the parameters in chunks of at most
+`CHUNK_ELEMENTS`: the chunk's gradients are cast to fp32, clipped by the global norm, and one fused AdamW
+kernel updates the fp32 masters, which are then copied (rounded to nearest) into the bf16 weights. Only one
+chunk of fp32 gradients exists at a time.
+
+DeepSpeed still drives training (backward scaling, accumulation boundaries, the all-reduce of gradients,
+checkpoints): the trainer gives it this optimizer as a client optimizer with DeepSpeed's own bf16 handling
+off (snaketune.dsconfig), so DeepSpeed treats the model as it would an fp32 one and leaves its dtype alone.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.optim.adam import adam as _adam_functional
+
+CHUNK_ELEMENTS = 2**28
+"""Most parameters whose fp32 gradients exist at once in a step (1 GiB of fp32)."""
+KERNELS = ("auto", "triton", "torch")
+TRITON_BLOCK = 4096
+
+
+def triton_available(device: torch.device) -> bool:
+    """Whether the fused Triton AdamW below can run: a CUDA device and an importable Triton."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _triton_adamw():
+    """One pass per parameter: read the bf16 gradient and the fp32 master, m and v; write master, m, v and the
+    bf16 weight (28 B per parameter). torch's path needs an fp32 copy of each gradient, the fused AdamW over it
+    and a copy back to bf16 (40 B per parameter and two extra kernels): on a 5.7B model that is ~70 GB less
+    memory traffic per step. Same arithmetic as torch.optim.AdamW (decoupled decay, bias correction)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adamw(
+        weight_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, divisor_ptr, n,
+        lr, beta1, beta2, eps, decay, step_size, bc2_sqrt,
+        HAS_DIVISOR: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DIVISOR:
+            g = g / tl.load(divisor_ptr)
+        p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        p = p * (1.0 - lr * decay)
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        p = p - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+        tl.store(master_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        tl.store(weight_ptr + offs, p.to(weight_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+    return adamw
+
+
+def param_groups(net: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on norms and biases (1-D tensors), as nanoGPT and litgpt do."""
+    decay, no_decay = [], []
+    for p in net.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _chunks(items: list, sizes: list[int], limit: int) -> list[list[int]]:
+    """Indices of `items` in consecutive groups of at most `limit` total size (a bigger item alone)."""
+    out, current, total = [], [], 0
+    for idx, n in enumerate(sizes):
+        if current and total + n > limit:
+            out.append(current)
+            current, total = [], 0
+        current.append(idx)
+        total += n
+    if current:
+        out.append(current)
+    return out
+
+
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, as torch.optim.AdamW) on fp32 master copies of low-precision weights.
+
+    The optimizer's own parameters are the fp32 masters (so torch's state_dict/load_state_dict keep m and v
+    in fp32); `model_params` are the bf16 tensors the model computes with, whose `.grad` the step reads.
+    The masters are saved in the state dict under "master_weights", so a resumed run continues from the
+    exact fp32 values rather than from their bf16 rounding. Gradient clipping happens here, in fp32, on the
+    global norm (which is reported as `_global_grad_norm`, where DeepSpeed's engine looks for it).
+    """
+
+    def __init__(
+        self,
+        groups: list[dict],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float = 1e-8,
+        grad_clip: float = 0.0,
+        fused: bool | None = None,
+        kernel: str = "auto",
+    ):
+        self.model_params: list[list[torch.Tensor]] = []
+        master_groups = []
+        for group in groups:
+            params = [p for p in group["params"] if p.requires_grad]
+            if not params:
+                continue  # DeepSpeed drops empty groups from param_groups; model_params must stay aligned
+            self.model_params.append(params)
+            masters = [p.detach().float().clone() for p in params]
+            master_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
+        super().__init__(master_groups, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 0.0})
+        self.grad_clip = grad_clip
+        device = next((p.device for ps in self.model_params for p in ps), torch.device("cpu"))
+        # torch's fused AdamW kernels exist for CUDA (and CPU); foreach is the portable fallback.
+        self.fused = device.type == "cuda" if fused is None else fused
+        if kernel not in KERNELS:
+            raise ValueError(
+                f"config key 'train.optimizer_kernel': {kernel!r}; allowed: {', '.join(KERNELS)}"
+            )
+        if kernel == "triton" and not triton_available(device):
+            raise ValueError(
+                f"config key 'train.optimizer_kernel': 'triton' needs a CUDA device and the triton package "
+                f"(device {device}); allowed here: auto, torch"
+            )
+        self.kernel = (
+            "triton" if kernel == "triton" or (kernel == "auto" and triton_available(device)) else "torch"
+        )
+        self._global_grad_norm: torch.Tensor | None = None
+
+    def _state(self, master: torch.Tensor) -> dict:
+        state = self.state[master]
+        if not state:
+            state["step"] = torch.zeros(
+                (), dtype=torch.float32, device=master.device if self.fused else "cpu"
+            )
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the model's gradients, accumulated in fp32 (stays on the device)."""
+        grads = [p.grad for ps in self.model_params for p in ps if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MasterWeightAdamW.step takes no closure")
+        norm = self.grad_norm()
+        self._global_grad_norm = norm  # a device tensor: read (synced) only when a step is logged
+        # Clipping as torch.nn.utils.clip_grad_norm_ does it (coefficient max_norm / (norm + 1e-6), at most 1),
+        # as a divisor that stays on the device: the fused kernel divides the gradients by it in the same pass
+        # (its grad_scale input, meant for AMP's loss scale), so clipping costs no host sync and no extra pass.
+        divisor = None
+        if self.grad_clip > 0:
+            divisor = torch.clamp((norm.float() + 1e-6) / self.grad_clip, min=1.0)
+        if self.kernel == "triton":
+            self._step_triton(divisor)
+            return None
+        for group, params in zip(self.param_groups, self.model_params, strict=True):
+            live = [i for i, p in enumerate(params) if p.grad is not None]
+            beta1, beta2 = group["betas"]
+            for chunk in _chunks(live, [params[i].numel() for i in live], CHUNK_ELEMENTS):
+                idx = [live[j] for j in chunk]
+                masters = [group["params"][i] for i in idx]
+                states = [self._state(m) for m in masters]
+                grads = [params[i].grad.float() for i in idx]
+                if divisor is not None and not self.fused:
+                    torch._foreach_div_(grads, divisor)
+                _adam_functional(
+                    masters,
+                    grads,
+                    [s["exp_avg"] for s in states],
+                    [s["exp_avg_sq"] for s in states],
+                    [],
+                    [s["step"] for s in states],
+                    foreach=not self.fused,
+                    fused=self.fused,
+                    grad_scale=divisor if self.fused else None,
+                    decoupled_weight_decay=True,
+                    amsgrad=False,
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=False,
+                )
+                del grads
+                torch._foreach_copy_([params[i] for i in idx], masters)
+        return None
+
+    def _step_triton(self, divisor: torch.Tensor | None) -> None:
+        kernel = _triton_adamw()
+        for group, params in zip(self.param_groups, self.model_params, strict=True):
+            beta1, beta2 = group["betas"]
+            lr, decay, eps = group["lr"], group["weight_decay"], group["eps"]
+            for master, weight in zip(group["params"], params, strict=True):
+                if weight.grad is None:
+                    continue
+                state = self._state(master)
+                state["step"] += 1  # on the host (see _state): the bias corrections need no device sync
+                step = float(state["step"])
+                bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+                n = master.numel()
+                kernel[((n + TRITON_BLOCK - 1) // TRITON_BLOCK,)](
+                    weight, weight.grad, master, state["exp_avg"], state["exp_avg_sq"],
+                    divisor if divisor is not None else master, n,
+                    lr, beta1, beta2, eps, decay, lr / bc1, bc2**0.5,
+                    HAS_DIVISOR=divisor is not None, BLOCK=TRITON_BLOCK,
+                )  # fmt: skip
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["master_weights"] = [m for g in self.param_groups for m in g["params"]]
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        masters = state_dict.pop("master_weights", None)
+        super().load_state_dict(state_dict)
+        if masters is None:
+            return  # an older checkpoint: the masters stay the (loaded) bf16 weights, upcast
+        mine = [m for g in self.param_groups for m in g["params"]]
+        if len(masters) != len(mine):
+            raise ValueError(
+                f"optimizer checkpoint has {len(masters)} master weights, this model trains {len(mine)}"
+            )
+        with torch.no_grad():
+            for dst, src in zip(mine, masters, strict=True):
+                dst.copy_(src)
+            for group, params in zip(self.param_groups, self.model_params, strict=True):
+                torch._foreach_copy_(params, group["params"])
+
+
+def build_optimizer(
+    net: torch.nn.Module,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    device: torch.device,
+    master_weights: bool,
+    grad_clip: float,
+    offload: bool,
+    kernel: str = "auto",
+) -> torch.optim.Optimizer:
+    """The optimizer the trainer hands to deepspeed.initialize."""
+    groups = param_groups(net, weight_decay)
+    if master_weights:
+        return MasterWeightAdamW(groups, lr=lr, betas=betas, eps=1e-8, grad_clip=grad_clip, kernel=kernel)
+    if offload and device.type == "cuda":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=device.type == "cuda")
