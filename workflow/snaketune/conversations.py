@@ -145,10 +145,9 @@ _At = tuple[_Source, int, Any]
 
 
 def _bad_value(at: _At, column: str, value: Any, allowed: str) -> DataError:
-    return DataError(
-        f"{_where(at[0], column, at[1], at[2])}: {value!r} ({type(value).__name__}) is not allowed; "
-        f"allowed: {allowed}"
-    )
+    # One word for every kind of null: pandas shows a missing string as None, NaN or <NA> by dtype and version.
+    shown = "null" if _is_null(value) else f"{value!r} ({type(value).__name__})"
+    return DataError(f"{_where(at[0], column, at[1], at[2])}: {shown} is not allowed; allowed: {allowed}")
 
 
 def _column(messages: pd.DataFrame, name: str) -> list[Any]:
@@ -772,7 +771,9 @@ def read_messages(path: str | os.PathLike[str]) -> pd.DataFrame:
         frame = _read_jsonl(p)
     elif p.suffix == ".parquet":
         try:
-            frame = pq.read_table(p).to_pandas()
+            # integer_object_nulls: an int column with gaps stays ints (pandas would make 7 into 7.0), so
+            # errors quote the value the file holds.
+            frame = pq.read_table(p).to_pandas(integer_object_nulls=True)
         except pa.ArrowException as e:
             raise DataError(f"{p}: not a readable Parquet file ({e}); allowed: a Parquet file") from e
     else:
