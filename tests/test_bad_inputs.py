@@ -681,28 +681,38 @@ def test_template_that_rewrites_history_names_the_conversation(tmp_path, conv_di
     )
 
 
-def test_max_length_too_small_for_any_exchange(tmp_path, conv_dir, tokenized, tiny_data):
+def test_max_length_too_small_for_any_exchange(tmp_path, tokenized, tiny_data):
+    # Train: a long question first, then a shorter one; the message must name the shorter (the minimum).
+    records = [
+        m("a", None, "prompter", LONG_PROMPT + " " + LONG_PROMPT, "a"),
+        m("a-a", "a", "assistant", "Yes.", "a"),
+        m("b", None, "prompter", LONG_PROMPT, "b"),
+        m("b-a", "b", "assistant", "No.", "b"),
+        m("c", None, "prompter", "Short?", "c"),
+        m("c-a", "c", "assistant", "Short.", "c"),
+    ]
+    records = [{**r, "split": "validation" if r["message_tree_id"] == "c" else "train"} for r in records]
+    conv = data_chain(tmp_path / "data", records)
+    train = conv / "train.parquet"
     text = fails_and_keeps(
-        tokenized, ValueError, tokenize, conv_dir, tiny_data.tokenizer_dir, tokenized, max_length=8
+        tokenized, ValueError, tokenize, conv, tiny_data.tokenizer_dir, tokenized, max_length=8
     )
-    prefix = f"{conv_dir / 'train.parquet'}: tokenize.max_length 8 keeps no conversation: all "
-    assert text.startswith(prefix)
     need = int(text.rsplit(">= ", 1)[1])
-    assert (
-        need > 8 and f"the shortest first user->assistant exchange needs {need} tokens (conversation " in text
+    assert need > 16  # the config's own lower bound does not catch this one
+    assert text == (
+        f"{train}: tokenize.max_length 8 keeps none of its 2 conversations (no loss token survives truncation); "
+        f"the shortest first user->assistant exchange needs {need} tokens (conversation 'b-a'); "
+        f"allowed: tokenize.max_length >= {need}"
     )
-    # The number is exact: one token fewer still keeps nothing of train, that many keeps something.
+    # The number is exact: one token fewer keeps nothing, that many keeps b's first reply token.
     below = fails_and_keeps(
-        tokenized, ValueError, tokenize, conv_dir, tiny_data.tokenizer_dir, tokenized, max_length=need - 1
+        tokenized, ValueError, tokenize, conv, tiny_data.tokenizer_dir, tokenized, max_length=need - 1
     )
-    assert below.startswith(
-        f"{conv_dir / 'train.parquet'}: tokenize.max_length {need - 1} keeps no conversation"
+    assert below.startswith(f"{train}: tokenize.max_length {need - 1} keeps none of its 2 conversations")
+    stats = tokenize(conv, tiny_data.tokenizer_dir, tmp_path / "at_need", max_length=need)
+    assert (
+        stats["splits"]["train"]["sequences"] == 1 and stats["splits"]["train"]["dropped_no_loss_tokens"] == 1
     )
-    try:
-        stats = tokenize(conv_dir, tiny_data.tokenizer_dir, tmp_path / "at_need", max_length=need)
-        assert stats["splits"]["train"]["sequences"] >= 1
-    except ValueError as e:  # validation's shortest exchange may be longer than train's
-        assert str(e).startswith(f"{conv_dir / 'validation.parquet'}: tokenize.max_length {need} keeps no")
 
 
 def test_max_length_that_cuts_some_conversations_counts_them(tmp_path, tiny_data):

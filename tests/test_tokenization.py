@@ -393,7 +393,7 @@ def test_a_split_without_rows_is_an_error(tmp_path, tok_dir):
     write_conversations(conv / "validation.parquet", [conversation(rng, 1, (60, 80)) for _ in range(4)])
     with pytest.raises(
         ValueError,
-        match=r"validation\.parquet: tokenize\.max_length 16 keeps no conversation: all 4 conversations",
+        match=r"validation\.parquet: tokenize\.max_length 16 keeps none of its 4 conversations",
     ):
         tokenize_conversations(
             conv,

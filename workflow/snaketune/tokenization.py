@@ -344,8 +344,8 @@ def _no_rows_error(parquet_path: Path, lengths: list[int], shortest, max_length:
         )
     need, conversation_id = shortest
     return ValueError(
-        f"{parquet_path}: tokenize.max_length {max_length} keeps no conversation: all {len(lengths)} "
-        f"conversations were dropped because no loss token survived truncation; the shortest first "
+        f"{parquet_path}: tokenize.max_length {max_length} keeps none of its {len(lengths)} "
+        f"conversation{'s' * (len(lengths) != 1)} (no loss token survives truncation); the shortest first "
         f"user->assistant exchange needs {need} tokens (conversation {conversation_id!r}); "
         f"allowed: tokenize.max_length >= {need}"
     )
