@@ -384,12 +384,16 @@ def test_bad_role_names_value_row_and_allowed():
         ("deleted", "yes", "true, false or null"),
         ("deleted", 1, "true, false or null"),
         ("review_result", "false", "true, false or null"),
-        ("rank", "first", "a number or null"),
-        ("rank", True, "a number or null"),
+        ("rank", "first", "a finite number or null"),
+        ("rank", True, "a finite number or null"),
         ("parent_id", 7, "a string or null"),
         ("message_id", 3, "a string"),
         ("lang", ["en"], "a string or null"),
-        ("created_date", 20230101, "an ISO date string, a timestamp or null"),
+        (
+            "created_date",
+            20230101,
+            "an ISO 8601 date string (e.g. 2023-02-05T14:23:50.983374+00:00), a timestamp or null",
+        ),
     ],
 )
 def test_wrong_column_type(column, value, allowed):
@@ -414,12 +418,25 @@ def test_duplicate_message_id():
 
 
 def test_nothing_left_names_filters_and_counts():
+    rows = [*pair("r"), *pair("s"), msg("t", None, "prompter", lang="fr")]
     with pytest.raises(
-        DataError, match=r"left no conversations \(languages=\['fr'\], paths='top1'.*'language': 6"
+        DataError,
+        match=r"left no conversations \(dataset\.languages: \['fr'\], dataset\.paths: 'top1'\): 5 messages "
+        r"in 3 trees; trees outside dataset\.languages: 2 \(4 messages\);.*paths dropped: no_exchange 1",
     ):
-        build_conversations(frame(*pair("r"), *pair("s"), *pair("t")), languages=["fr"])
+        build_conversations(frame(*rows), languages=["fr"])
     with pytest.raises(DataError, match="no_exchange"):
         build_conversations(frame(msg("r", None, "prompter")))
+
+
+def test_a_language_no_tree_has_lists_the_languages_there_are():
+    rows = [*pair("r"), *pair("s"), *pair("t", lang="de")]
+    with pytest.raises(
+        DataError,
+        match=r"'dataset\.languages': 'fr' occurs in no tree of m\.parquet .*allowed: the languages the data "
+        r"has: en \(2 trees\), de \(1 tree\)$",
+    ):
+        build_conversations(frame(*rows), languages=["en", "fr"], source_name="m.parquet")
 
 
 def test_bad_arguments():

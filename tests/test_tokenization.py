@@ -403,7 +403,10 @@ def test_a_split_without_rows_is_an_error(tmp_path, tok_dir):
     write_conversations(conv / "train.parquet", [conversation(rng, 1) for _ in range(5)])
     # Prompts far longer than max_length: no reply token survives truncation.
     write_conversations(conv / "validation.parquet", [conversation(rng, 1, (60, 80)) for _ in range(4)])
-    with pytest.raises(ValueError, match=r"split 'validation'.*max_length 16.*4 conversations, 4 dropped"):
+    with pytest.raises(
+        ValueError,
+        match=r"validation\.parquet: tokenize\.max_length 16 keeps none of its 4 conversations",
+    ):
         tokenize_conversations(
             conv,
             tok_dir,

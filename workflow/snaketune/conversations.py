@@ -103,20 +103,51 @@ def _is_null(value: Any) -> bool:
     )
 
 
-def _where(source_name: str, column: str, row: int, message_id: Any = None) -> str:
-    at = f"row {row}" if message_id is None else f"row {row} (message_id {message_id!r})"
-    return f"{source_name}: column {column!r}, {at}"
+SOURCE_ATTR = "snaketune_source"
+"""``DataFrame.attrs`` key under which :func:`read_messages` keeps the file name (the default source_name)."""
+LINES_ATTR = "snaketune_source_lines"
+"""``DataFrame.attrs`` key under which :func:`read_messages` keeps the 1-based line of each JSONL row, so
+that errors found later (in :func:`check_messages`) name the line of the text file, not a row number."""
 
 
-# Where a cell sits: (source_name, row, message_id); message_id is None until it has been read.
-_At = tuple[str, int, Any]
+@dataclass(frozen=True)
+class _Source:
+    """Where the rows came from: a file name and, for a text file, the line of each row."""
+
+    name: str
+    lines: np.ndarray | None = None
+
+    def at(self, row: int) -> str:
+        return f"line {self.lines[row]}" if self.lines is not None else f"row {row}"
+
+
+def _source(messages: pd.DataFrame, source_name: str) -> _Source:
+    lines = messages.attrs.get(LINES_ATTR)
+    # Only trust the line numbers when the table is still the one read_messages made.
+    ok = isinstance(lines, np.ndarray) and len(lines) == len(messages)
+    return _Source(source_name, lines if ok else None)
+
+
+def _where(src: _Source, column: str, row: int, message_id: Any = None) -> str:
+    who = "" if message_id is None else f" (message_id {message_id!r})"
+    if src.lines is not None:
+        return f"{src.name}: {src.at(row)}{who}, key {column!r}"
+    return f"{src.name}: column {column!r}, {src.at(row)}{who}"
+
+
+def where(messages: pd.DataFrame, source_name: str, column: str, row: int) -> str:
+    """How an error names a cell: ``file: line N, key 'k'`` for JSONL, ``file: column 'k', row N`` else."""
+    return _where(_source(messages, source_name), column, row)
+
+
+# Where a cell sits: (source, row, message_id); message_id is None until it has been read.
+_At = tuple[_Source, int, Any]
 
 
 def _bad_value(at: _At, column: str, value: Any, allowed: str) -> DataError:
-    return DataError(
-        f"{_where(at[0], column, at[1], at[2])}: {value!r} ({type(value).__name__}) is not allowed; "
-        f"allowed: {allowed}"
-    )
+    # One word for every kind of null: pandas shows a missing string as None, NaN or <NA> by dtype and version.
+    shown = "null" if _is_null(value) else f"{value!r} ({type(value).__name__})"
+    return DataError(f"{_where(at[0], column, at[1], at[2])}: {shown} is not allowed; allowed: {allowed}")
 
 
 def _column(messages: pd.DataFrame, name: str) -> list[Any]:
@@ -131,14 +162,15 @@ def _check_columns(messages: pd.DataFrame, source_name: str) -> None:
         raise DataError(
             f"{source_name}: expected a pandas DataFrame of messages, got {type(messages).__name__}"
         )
+    # Empty first: a file without rows has no columns either, and "missing column" would mislead.
+    if len(messages) == 0:
+        raise DataError(f"{source_name}: no messages (the table is empty); allowed: one row per message")
     missing = [c for c in REQUIRED_COLUMNS if c not in messages.columns]
     if missing:
         raise DataError(
             f"{source_name}: missing required column(s) {', '.join(missing)}; "
             f"required: {', '.join(REQUIRED_COLUMNS)} (optional: {', '.join(OPTIONAL_COLUMNS)})"
         )
-    if len(messages) == 0:
-        raise DataError(f"{source_name}: no messages (the table is empty)")
     duplicated = messages.columns[messages.columns.duplicated()].tolist()
     if duplicated:
         raise DataError(f"{source_name}: column(s) {', '.join(map(str, duplicated))} appear more than once")
@@ -165,27 +197,36 @@ def _as_bool(value: Any, default: bool, at: _At, column: str) -> bool:
 
 def _as_rank(value: Any, at: _At) -> float | None:
     if _is_null(value):
-        return None  # unranked; oasst1 parquet stores this as NaN in a float column
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise _bad_value(at, "rank", value, "a number or null")
+        return None  # unranked; oasst1 parquet stores this as NaN in a float column (JSON NaN reads the same)
+    # Infinity would sort before (or after) every real rank: refused rather than silently best or worst.
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or math.isinf(value):
+        raise _bad_value(at, "rank", value, "a finite number or null")
     return float(value)
+
+
+_DATE_ALLOWED = "an ISO 8601 date string (e.g. 2023-02-05T14:23:50.983374+00:00), a timestamp or null"
 
 
 def _as_date(value: Any, at: _At) -> str:
     if _is_null(value):
         return ""
     if isinstance(value, str):
+        # Dates order siblings (rank ties); a string that is no date would order them by its letters.
+        try:
+            datetime.fromisoformat(value)
+        except ValueError:
+            raise _bad_value(at, "created_date", value, _DATE_ALLOWED) from None
         return value
     # pd.Timestamp is a datetime; isoformat matches oasst1's string form (2023-02-05T14:23:50.983374+00:00).
     if isinstance(value, datetime):
         return value.isoformat()
-    raise _bad_value(at, "created_date", value, "an ISO date string, a timestamp or null")
+    raise _bad_value(at, "created_date", value, _DATE_ALLOWED)
 
 
-def _parse_row(cols: dict[str, list[Any]], row: int, source_name: str, has_split: bool) -> _Message:
+def _parse_row(cols: dict[str, list[Any]], row: int, src: _Source, has_split: bool) -> _Message:
     """One row, type-checked, with the defaults of absent optional columns filled in."""
-    message_id = _as_str(cols["message_id"][row], False, (source_name, row, None), "message_id")
-    at: _At = (source_name, row, message_id)
+    message_id = _as_str(cols["message_id"][row], False, (src, row, None), "message_id")
+    at: _At = (src, row, message_id)
     role = cols["role"][row]
     if not isinstance(role, str) or role not in ROLES:
         raise _bad_value(at, "role", role, ", ".join(ROLES))
@@ -209,23 +250,81 @@ def _parse_row(cols: dict[str, list[Any]], row: int, source_name: str, has_split
     )
 
 
-def _parse_messages(messages: pd.DataFrame, source_name: str) -> list[_Message]:
+def _parse_messages(messages: pd.DataFrame, src: _Source) -> list[_Message]:
     """Check every cell once and return typed messages (row = 0-based position in the table)."""
-    _check_columns(messages, source_name)
+    _check_columns(messages, src.name)
     has_split = "split" in messages.columns and bool(messages["split"].notna().any())
     cols = {name: _column(messages, name) for name in REQUIRED_COLUMNS + OPTIONAL_COLUMNS}
     out: list[_Message] = []
     first_row: dict[str, int] = {}
     for row in range(len(messages)):
-        message = _parse_row(cols, row, source_name, has_split)
+        message = _parse_row(cols, row, src, has_split)
         if message.message_id in first_row:
             raise DataError(
-                f"{_where(source_name, 'message_id', row)}: duplicate message_id {message.message_id!r} "
-                f"(first seen in row {first_row[message.message_id]}); message ids must be unique"
+                f"{_where(src, 'message_id', row)}: duplicate message_id {message.message_id!r} "
+                f"(first seen in {src.at(first_row[message.message_id])}); message ids must be unique"
             )
         first_row[message.message_id] = row
         out.append(message)
     return out
+
+
+def _tree_id(root: _Message) -> str:
+    return root.message_tree_id or root.message_id  # oasst1: the tree id is the root's message id
+
+
+def _check_tree_ids(parsed: list[_Message], src: _Source) -> None:
+    """A reply is in its parent's tree, and a tree has one root.
+
+    Either break means the export's tree ids and its parent links disagree. Conversations carry their root's
+    tree id and are split by it, so two roots under one id would pass as one tree, and a reply filed under
+    another tree says the links are not what the ids claim; no guess repairs that, so it is an error.
+    """
+    by_id = {m.message_id: m for m in parsed}
+    for m in parsed:
+        parent = by_id.get(m.parent_id) if m.parent_id is not None else None
+        if parent is None or m.message_tree_id is None or parent.message_tree_id is None:
+            continue
+        if m.message_tree_id != parent.message_tree_id:
+            raise DataError(
+                f"{_where(src, 'message_tree_id', m.row, m.message_id)}: {m.message_tree_id!r} differs from "
+                f"the tree of its parent {parent.message_id!r} ({src.at(parent.row)}: "
+                f"{parent.message_tree_id!r}); allowed: the parent's message_tree_id"
+            )
+    first_root: dict[str, _Message] = {}
+    for m in parsed:
+        if m.parent_id is not None:
+            continue
+        tree_id = _tree_id(m)
+        other = first_root.setdefault(tree_id, m)
+        if other is not m:
+            raise DataError(
+                f"{_where(src, 'message_tree_id', m.row, m.message_id)}: tree {tree_id!r} has a second root "
+                f"(parent_id null); its first root is {other.message_id!r} ({src.at(other.row)}); "
+                "allowed: one root per message_tree_id"
+            )
+
+
+def _parse(messages: pd.DataFrame, source_name: str | None) -> tuple[list[_Message], _Source]:
+    """Every check on the messages' own data: cell types, unique ids, tree ids; the typed messages."""
+    if not isinstance(messages, pd.DataFrame):
+        _check_columns(messages, str(source_name or "<messages>"))
+    name = source_name if source_name is not None else str(messages.attrs.get(SOURCE_ATTR, "<messages>"))
+    src = _source(messages, name)
+    parsed = _parse_messages(messages, src)
+    _check_tree_ids(parsed, src)
+    return parsed, src
+
+
+def check_messages(messages: pd.DataFrame, source_name: str | None = None) -> None:
+    """Raise DataError for anything in the messages' own data that :func:`build_conversations` would refuse.
+
+    The download stage calls it on the source as read, so an error names the source file (and the line of
+    a JSONL file) rather than the Parquet file it would have written. Settings (languages, paths) are not
+    checked here: they belong to the conversations stage. source_name defaults to the file read_messages
+    read, else ``<messages>``.
+    """
+    _parse(messages, source_name)
 
 
 # ---- tree structure -----------------------------------------------------------------------------------
@@ -347,7 +446,7 @@ def split_hash(message_tree_id: str) -> float:
 
 
 def _assign_splits(
-    tree_roots: dict[str, _Message], validation_fraction: float, use_source: bool, source_name: str
+    tree_roots: dict[str, _Message], validation_fraction: float, use_source: bool, src: _Source
 ) -> tuple[dict[str, str], dict[str, str] | None]:
     """Split per tree id; return the assignment and the fallback move made (if any)."""
     assignment: dict[str, str] = {}
@@ -355,7 +454,7 @@ def _assign_splits(
         if use_source:
             if root.split is None:
                 raise DataError(
-                    f"{_where(source_name, 'split', root.row, root.message_id)}: "
+                    f"{_where(src, 'split', root.row, root.message_id)}: "
                     f"the root of tree {tree_id!r} has no split while other rows have one; "
                     f"allowed: {', '.join(SPLITS)}"
                 )
@@ -404,7 +503,7 @@ def _tree_rows(
     root: _Message, kept_children: dict[str, list[_Message]], paths: str, counts: _Counts
 ) -> list[dict[str, Any]]:
     """The output rows of one pruned tree."""
-    tree_id = root.message_tree_id or root.message_id  # oasst1: the tree id is the root's message id
+    tree_id = _tree_id(root)
     select = _top1_path if paths == "top1" else _all_paths
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -448,21 +547,63 @@ def _split_stats(rows: list[dict[str, Any]]) -> tuple[dict[str, int], float]:
     return dict(sorted(by_lang.items())), round(turns, 4)
 
 
+def _counted(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items() if v) or "none"
+
+
+def _check_languages(wanted: set[str], roots: list[_Message], src: _Source) -> None:
+    """A wanted language that no tree has is a typo (pt for pt-BR) or the wrong file: say what there is."""
+    have: dict[str, int] = {}
+    for root in roots:
+        have[root.lang] = have.get(root.lang, 0) + 1
+    absent = sorted(wanted - have.keys())
+    if absent:
+        listing = ", ".join(
+            f"{lang} ({n} tree{'s' * (n != 1)})"
+            for lang, n in sorted(have.items(), key=lambda x: (-x[1], x[0]))
+        )
+        codes = ", ".join(map(repr, absent))
+        raise DataError(
+            f"config key 'dataset.languages': {codes} {'occurs' if len(absent) == 1 else 'occur'} in no tree "
+            f"of {src.name} (the filter reads the lang of each tree's root message); allowed: the languages "
+            f"the data has: {listing}"
+        )
+
+
+def _nothing_left(
+    src: _Source, wanted: set[str], paths: str, n_messages: int, n_trees: int, counts: _Counts
+) -> DataError:
+    dropped = dict(counts.dropped)
+    unreachable = {k: dropped.pop(k) for k in ("orphan", "loop")}
+    in_language = dropped.pop("language")
+    return DataError(
+        f"{src.name}: the filters left no conversations (dataset.languages: {sorted(wanted) or 'all'}, "
+        f"dataset.paths: {paths!r}): {n_messages} messages in {n_trees} trees; "
+        f"trees outside dataset.languages: {counts.trees_dropped_language} ({in_language} messages); "
+        f"messages dropped with their subtrees: {_counted(dropped)}; "
+        f"messages skipped as orphans or loops: {_counted(unreachable)}; "
+        f"paths dropped: {_counted(counts.paths_dropped)} (a conversation needs a prompter message answered "
+        "by an assistant reply, roles alternating from a prompter root); allowed: data where at least one "
+        "tree keeps such an exchange"
+    )
+
+
 def build_conversations(
     messages: pd.DataFrame,
     *,
     languages: Sequence[str] = (),
     paths: str = "top1",
     validation_fraction: float = 0.05,
-    source_name: str = "<messages>",
+    source_name: str | None = None,
 ) -> Conversations:
     """Turn oasst1-format messages into train/validation conversations.
 
     languages: keep trees whose root message has one of these ``lang`` codes (empty keeps all).
     paths: ``top1`` follows the best-ranked surviving child from each root to a leaf; ``all`` yields every
     root-to-leaf path. validation_fraction: share of trees held out when the data has no ``split`` column.
-    source_name: the file name that error messages cite.
-    Raises DataError for malformed input, or when the filters leave no conversation at all.
+    source_name: the file name that error messages cite (default: the file read_messages read).
+    Raises DataError for malformed input, for a language that no tree has, or when the filters leave no
+    conversation at all. Orphans, parent loops and everything the filters drop are counted, not errors.
     """
     if isinstance(languages, str):
         raise TypeError(f"languages must be a sequence of codes, not the string {languages!r}")
@@ -471,7 +612,7 @@ def build_conversations(
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction {validation_fraction} must be >= 0 and < 1")
 
-    parsed = _parse_messages(messages, source_name)
+    parsed, src = _parse(messages, source_name)
     root_of, unreachable = _find_roots({m.message_id: m for m in parsed})
     counts = _Counts(
         dropped=dict.fromkeys(MESSAGE_DROP_REASONS, 0), paths_dropped=dict.fromkeys(PATH_DROP_REASONS, 0)
@@ -485,6 +626,7 @@ def build_conversations(
 
     wanted = set(languages)
     roots = sorted((m for m in parsed if m.parent_id is None), key=lambda m: m.message_id)
+    _check_languages(wanted, roots, src)
     rows: list[dict[str, Any]] = []
     tree_roots: dict[str, _Message] = {}
     for root in roots:
@@ -501,15 +643,10 @@ def build_conversations(
             rows.extend(tree)
 
     if not rows:
-        raise DataError(
-            f"{source_name}: the filters left no conversations (languages={sorted(wanted) or 'all'}, "
-            f"paths={paths!r}; {len(parsed)} messages in {len(roots)} trees; messages dropped: "
-            f"{counts.dropped}; paths dropped: {counts.paths_dropped}; "
-            f"{counts.trees_dropped_language} trees not in the languages)"
-        )
+        raise _nothing_left(src, wanted, paths, len(parsed), len(roots), counts)
 
     use_source = any(m.split is not None for m in parsed)
-    assignment, fallback = _assign_splits(tree_roots, validation_fraction, use_source, source_name)
+    assignment, fallback = _assign_splits(tree_roots, validation_fraction, use_source, src)
     split_rows: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
     for r in rows:
         split_rows[assignment[r["message_tree_id"]]].append(r)
@@ -561,8 +698,21 @@ def write_conversations(result: Conversations, out_dir: str | os.PathLike[str]) 
     write_json(out / "stats.json", result.stats)
 
 
+def _object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    record = dict(pairs)
+    if len(record) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                # json.loads would keep the last value silently; which one the author meant is a guess.
+                raise ValueError(f"key {key!r} appears twice in one object")
+            seen.add(key)
+    return record
+
+
 def _read_jsonl(path: Path) -> pd.DataFrame:
     records: list[dict[str, Any]] = []
+    lines: list[int] = []
     with path.open("rb") as fh:
         for line_no, raw in enumerate(fh, start=1):
             try:
@@ -570,33 +720,63 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
                 line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(
-                    f"{path}: line {line_no}: invalid UTF-8 at byte {e.start}; allowed: UTF-8 text"
+                    f"{path}: line {line_no}: invalid UTF-8 at byte {e.start} of the line; allowed: UTF-8 text"
                 ) from e
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                # Without the line end: an unclosed string would otherwise end in "invalid control character".
+                record = json.loads(line.rstrip("\r\n"), object_pairs_hook=_object_without_duplicate_keys)
             except json.JSONDecodeError as e:
                 raise DataError(
-                    f"{path}: line {line_no}: malformed JSON ({e.msg} at column {e.colno})"
+                    f"{path}: line {line_no}: malformed JSON at column {e.colno} ({e.msg}); "
+                    "allowed: one JSON object per line"
                 ) from e
+            except ValueError as e:  # from the duplicate-key hook
+                raise DataError(f"{path}: line {line_no}: {e}; allowed: each key once per message") from e
             if not isinstance(record, dict):
                 raise DataError(
                     f"{path}: line {line_no}: expected a JSON object (one message), "
-                    f"got {type(record).__name__}"
+                    f"got {type(record).__name__}; allowed: one JSON object per line"
+                )
+            # A key left out would read as null: a missing parent_id would make a reply a root, a missing
+            # text would drop it as empty. In a table the column is there or not; in JSONL ask every line.
+            missing = [key for key in REQUIRED_COLUMNS if key not in record]
+            if missing:
+                raise DataError(
+                    f"{path}: line {line_no}: missing required key(s) {', '.join(missing)}; "
+                    f"required on every line: {', '.join(REQUIRED_COLUMNS)} (parent_id null for a root)"
                 )
             records.append(record)
-    return pd.DataFrame.from_records(records)
+            lines.append(line_no)
+    if not records:
+        raise DataError(
+            f"{path}: no messages (the file is empty or has only blank lines); allowed: one JSON object per line"
+        )
+    # dtype=object keeps each value as the JSON had it: pandas would otherwise turn 0 into 0.0 and null into
+    # NaN in a column with gaps, and an error would then quote a value the file does not contain.
+    frame = pd.DataFrame(records, dtype=object)
+    frame.attrs[LINES_ATTR] = np.asarray(lines, dtype=np.int64)
+    return frame
 
 
 def read_messages(path: str | os.PathLike[str]) -> pd.DataFrame:
-    """Read an oasst1-format message table from .parquet or .jsonl (one JSON object per line)."""
+    """Read an oasst1-format message table from .parquet or .jsonl (one JSON object per line).
+
+    The file name (and, for JSONL, each row's line) travel in ``DataFrame.attrs`` so that the checks of
+    :func:`check_messages` and :func:`build_conversations` can name them.
+    """
     p = Path(path)
     if p.suffix == ".jsonl":
-        return _read_jsonl(p)
-    if p.suffix == ".parquet":
+        frame = _read_jsonl(p)
+    elif p.suffix == ".parquet":
         try:
-            return pq.read_table(p).to_pandas()
-        except pa.ArrowInvalid as e:
-            raise DataError(f"{p}: not a readable Parquet file ({e})") from e
-    raise DataError(f"{p}: unsupported file type {p.suffix!r}; allowed: .parquet, .jsonl")
+            # integer_object_nulls: an int column with gaps stays ints (pandas would make 7 into 7.0), so
+            # errors quote the value the file holds.
+            frame = pq.read_table(p).to_pandas(integer_object_nulls=True)
+        except pa.ArrowException as e:
+            raise DataError(f"{p}: not a readable Parquet file ({e}); allowed: a Parquet file") from e
+    else:
+        raise DataError(f"{p}: unsupported file type {p.suffix!r}; allowed: .parquet, .jsonl")
+    frame.attrs[SOURCE_ATTR] = str(p)
+    return frame

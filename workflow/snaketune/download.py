@@ -8,18 +8,22 @@ Sources (config key `dataset.source`):
 
 Output: `<out_dir>/messages.parquet` (one row per message; column `split` when the source has splits),
 `<out_dir>/SHA256SUMS` and `<out_dir>/source.json` (what was read, from where, how many rows).
+
+The messages are checked (snaketune.conversations.check_messages) before anything is written, so a bad
+source fails here, naming its own file and line, and the outputs of the last good run stay as they were.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
 
 from snaketune import builtin_data
-from snaketune.conversations import DataError, read_messages
+from snaketune.conversations import DataError, check_messages, read_messages, where
 from snaketune.io import sha256_file, write_json, write_parquet, write_sha256sums
 
 log = logging.getLogger(__name__)
@@ -37,8 +41,12 @@ def load_source(
     if source.startswith("hub:"):
         return _load_hub(source.removeprefix("hub:"), revision)
     path = Path(source)
-    if not path.exists():
-        raise DataError(f"config key 'dataset.source': file {source!r} does not exist")
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise DataError(
+            f"config key 'dataset.source': {source!r} {what}; allowed: builtin | hub:<dataset id> | "
+            "an existing .jsonl or .parquet file"
+        )
     return read_messages(path)
 
 
@@ -56,14 +64,42 @@ def _load_hub(dataset_id: str, revision: str) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
-def _to_table(messages: pd.DataFrame) -> pa.Table:
+def _to_table(messages: pd.DataFrame, source_name: str) -> pa.Table:
     # Nested oasst1 columns (detoxify, emojis, labels) are kept only when they are all null: their
     # struct types vary between exports and nothing downstream reads them.
     frame = messages.copy()
+    # attrs (the source's name and lines, from read_messages) would land in the Parquet's pandas metadata:
+    # a path in the output breaks byte-identical reruns elsewhere.
+    frame.attrs = {}
     for col in ("detoxify", "emojis", "labels"):
         if col in frame and frame[col].notna().any():
             frame = frame.drop(columns=col)
-    return pa.Table.from_pandas(frame, preserve_index=False)
+    try:
+        return pa.Table.from_pandas(frame, preserve_index=False)
+    except pa.ArrowException as e:
+        raise _unstorable(frame, messages, source_name, e) from e
+
+
+def _unstorable(frame: pd.DataFrame, messages: pd.DataFrame, source_name: str, error: Exception) -> DataError:
+    """Name the column Parquet cannot store (values of several types, in a JSONL file) and where each starts."""
+    for col in frame.columns:
+        try:
+            pa.Table.from_pandas(frame[[col]], preserve_index=False)
+            continue
+        except pa.ArrowException:
+            pass
+        first: dict[str, int] = {}
+        for row, value in enumerate(frame[col].tolist()):
+            if value is not None and not (isinstance(value, float) and math.isnan(value)):
+                first.setdefault(type(value).__name__, row)
+        kinds = "; ".join(
+            f"{kind} first at {where(messages, source_name, col, row)}" for kind, row in first.items()
+        )
+        return DataError(
+            f"{source_name}: column {col!r} cannot be stored in Parquet: its values have several types "
+            f"({kinds}); allowed: one type per column (and null)"
+        )
+    return DataError(f"{source_name}: the messages cannot be stored in Parquet ({error})")
 
 
 def materialize(
@@ -76,11 +112,12 @@ def materialize(
 ) -> dict:
     """Write messages.parquet, SHA256SUMS and source.json into out_dir; return the source record."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     messages = load_source(source, builtin_trees=builtin_trees, builtin_seed=builtin_seed, revision=revision)
-    if messages.empty:
-        raise DataError(f"dataset.source {source!r}: the source holds no messages")
-    write_parquet(_to_table(messages), out_dir / "messages.parquet")
+    # Everything that can fail runs before the first write: a failed run leaves the old outputs alone.
+    check_messages(messages, source)
+    table = _to_table(messages, source)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_parquet(table, out_dir / "messages.parquet")
     sums = write_sha256sums(out_dir, ["messages.parquet"])
     record = {
         "source": source,

@@ -19,12 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from snaketune.config import CHAT_TEMPLATES
 from snaketune.io import atomic_dir, sha256_file, sha256_text
-from snaketune.tokenizer import DEEPSEEK_CHAT_TEMPLATE
+from snaketune.tokenizer import (
+    DEEPSEEK_CHAT_TEMPLATE,
+    check_tokenizer_dir,
+    load_fast_tokenizer,
+    read_conversations_file,
+)
 
 IGNORE_INDEX = -100
 """Label of tokens without loss (torch's cross-entropy ignore_index, which transformers' losses use)."""
@@ -53,17 +57,12 @@ def load_tokenizer(path: str | Path, chat_template: str):
     tokenizer keeps its specials: ``<s>``/``</s>`` stay as they are); ``model`` keeps the tokenizer's template.
     A tokenizer without pad gets pad = eos, as DeepSeek's: padded positions carry no loss.
     """
-    from transformers import AutoTokenizer  # slow import: keep `import snaketune.tokenization` cheap
-
     if chat_template not in CHAT_TEMPLATES:
         raise TemplateError(
             f"tokenize.chat_template {chat_template!r} is not allowed; allowed: {', '.join(CHAT_TEMPLATES)}"
         )
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(
-            f"tokenizer {str(path)!r} is not a fast tokenizer; assistant masking needs offset mappings"
-        )
+    check_tokenizer_dir(path, "tokenizer directory")
+    tokenizer = load_fast_tokenizer(path, "tokenizer directory")
     if tokenizer.eos_token is None:
         raise TemplateError(
             f"tokenizer {str(path)!r} has no eos token, so assistant turns have no end-of-turn token"
@@ -77,7 +76,8 @@ def load_tokenizer(path: str | Path, chat_template: str):
         tokenizer.chat_template = DEEPSEEK_CHAT_TEMPLATE
     elif not tokenizer.chat_template:
         raise TemplateError(
-            f"tokenizer {str(path)!r} has no chat template of its own; set tokenize.chat_template to one of: "
+            f"tokenizer {str(path)!r} has no chat template of its own (tokenize.chat_template: model needs "
+            "one in tokenizer_config.json or chat_template.jinja); set tokenize.chat_template to one of: "
             f"{', '.join(CHAT_TEMPLATES)} (deepseek uses the DeepSeek-LLM chat format)"
         )
     if tokenizer.pad_token is None:
@@ -112,17 +112,64 @@ def assistant_spans(tokenizer, messages: Sequence[Message]) -> tuple[str, list[t
             continue
         prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
         turn = _render(tokenizer, messages[: i + 1])
-        if not (text.startswith(prompt) and text.startswith(turn) and len(prompt) <= len(turn)):
+        if not (text.startswith(prompt) and text.startswith(turn) and len(prompt) < len(turn)):
+            template = (
+                f"tokenizer {tokenizer.name_or_path!r}, chat template sha256 "
+                f"{sha256_text(chat_template_text(tokenizer))[:12]}"
+            )
+            if turn in (prompt, _render(tokenizer, messages[:i])):
+                raise TemplateError(
+                    f"the chat template renders assistant message {i} without its reply (adding it adds nothing "
+                    f"beyond the generation prompt), so there are no tokens to train on ({template}); allowed: a "
+                    "template that renders the content of role 'assistant' messages, e.g. "
+                    "tokenize.chat_template: deepseek"
+                )
             raise TemplateError(
                 "the chat template renders turns differently in context, so assistant tokens cannot be marked: "
                 f"rendering messages[:{i}] with the generation prompt, or messages[:{i + 1}], is not a prefix of "
-                f"the whole conversation (tokenizer {tokenizer.name_or_path!r}, chat template sha256 "
-                f"{sha256_text(chat_template_text(tokenizer))[:12]}); use tokenize.chat_template: deepseek "
+                f"the whole conversation ({template}); use tokenize.chat_template: deepseek "
                 "or a template that renders earlier turns unchanged"
             )
-        if len(turn) > len(prompt):
-            spans.append((len(prompt), len(turn)))
+        spans.append((len(prompt), len(turn)))
     return text, spans
+
+
+# Two exchanges: the second assistant turn is rendered after an earlier one, which is where templates that
+# rewrite history (or ignore a role) show it.
+_PROBE = (
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "It is 4."},
+    {"role": "user", "content": "And 3 + 3?"},
+    {"role": "assistant", "content": "It is 6."},
+)
+
+
+def check_chat_template(tokenizer) -> None:
+    """Raise TemplateError unless the template renders a plain two-exchange conversation with its replies
+    in assistant spans: checked once before tokenizing, so a broken template fails before any data is read.
+    """
+    where = (
+        f"tokenizer {tokenizer.name_or_path!r}, chat template sha256 "
+        f"{sha256_text(chat_template_text(tokenizer))[:12]}"
+    )
+    try:
+        text, spans = assistant_spans(tokenizer, _PROBE)
+    except TemplateError:
+        raise
+    except Exception as e:  # jinja2 errors, raise_exception() in the template, missing variables
+        raise TemplateError(
+            f"the chat template cannot render a user/assistant conversation ({where}): "
+            f"{type(e).__name__}: {e}; allowed: a template for roles user and assistant, "
+            "e.g. tokenize.chat_template: deepseek"
+        ) from e
+    replies = [m["content"] for m in _PROBE if m["role"] == "assistant"]
+    for reply, (start, end) in zip(replies, spans, strict=True):
+        if reply not in text[start:end]:
+            raise TemplateError(
+                f"the chat template does not put the assistant's reply {reply!r} in the assistant's turn "
+                f"(rendered: {text!r}; {where}); allowed: a template that renders message['content'] of "
+                "assistant messages, e.g. tokenize.chat_template: deepseek"
+            )
 
 
 def encode_conversation(
@@ -276,18 +323,48 @@ def _split_stats(
 
 def tokenize_split(
     tokenizer, parquet_path: Path, *, max_length: int, assistant_only_loss: bool, desc: str
-) -> tuple[list[int], list[Example]]:
-    """Untruncated lengths of all conversations of one file, and the examples that keep a loss token."""
-    conversations = pq.read_table(parquet_path, columns=["messages"]).column("messages").to_pylist()
+) -> tuple[list[int], list[Example], tuple[int, str] | None]:
+    """Untruncated lengths of all conversations of one file, the examples that keep a loss token, and the
+    fewest tokens any conversation needs to keep one (with its conversation_id; None when none has one).
+    """
+    columns = read_conversations_file(parquet_path, ["conversation_id", "messages"])
     lengths: list[int] = []
     kept: list[Example] = []
-    for messages in tqdm(conversations, desc=desc, unit="conv", file=sys.stderr, mininterval=2.0):
-        input_ids, labels = encode_conversation(tokenizer, messages, assistant_only_loss=assistant_only_loss)
+    shortest: tuple[int, str] | None = None
+    pairs = zip(columns["conversation_id"], columns["messages"], strict=True)
+    total = len(columns["messages"])
+    progress = tqdm(pairs, total=total, desc=desc, unit="conv", file=sys.stderr, mininterval=2.0)
+    for conversation_id, messages in progress:
+        try:
+            input_ids, labels = encode_conversation(
+                tokenizer, messages, assistant_only_loss=assistant_only_loss
+            )
+        except TemplateError as e:
+            raise TemplateError(f"{parquet_path}: conversation {conversation_id!r}: {e}") from e
         lengths.append(len(input_ids))
+        # max_length must reach the first trained token (in the first assistant reply) for it to count.
+        first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
+        if first is not None and (shortest is None or first + 1 < shortest[0]):
+            shortest = (first + 1, conversation_id)
         example = truncate(input_ids, labels, max_length)
         if example is not None:
             kept.append(example)
-    return lengths, kept
+    return lengths, kept, shortest
+
+
+def _no_rows_error(parquet_path: Path, lengths: list[int], shortest, max_length: int) -> ValueError:
+    if shortest is None:
+        return ValueError(
+            f"{parquet_path}: none of its {len(lengths)} conversations has a token to train on (no assistant "
+            "reply renders to a token); allowed: conversations with a non-empty assistant reply"
+        )
+    need, conversation_id = shortest
+    return ValueError(
+        f"{parquet_path}: tokenize.max_length {max_length} keeps none of its {len(lengths)} "
+        f"conversation{'s' * (len(lengths) != 1)} (no loss token survives truncation); the shortest first "
+        f"user->assistant exchange needs {need} tokens (conversation {conversation_id!r}); "
+        f"allowed: tokenize.max_length >= {need}"
+    )
 
 
 def tokenize_conversations(
@@ -317,6 +394,7 @@ def tokenize_conversations(
 
     conv_dir, out_dir = Path(conv_dir), Path(out_dir)
     tokenizer = load_tokenizer(tokenizer_dir, chat_template)
+    check_chat_template(tokenizer)
     settings = {
         "max_length": max_length,
         "packing": packing,
@@ -337,7 +415,7 @@ def tokenize_conversations(
     }
     with atomic_dir(out_dir) as tmp:
         for split in SPLITS:
-            lengths, kept = tokenize_split(
+            lengths, kept, shortest = tokenize_split(
                 tokenizer,
                 conv_dir / f"{split}.parquet",
                 max_length=max_length,
@@ -350,11 +428,7 @@ def tokenize_conversations(
             split_stats = _split_stats(lengths, kept, blocks, max_length)
             split_stats["sequences"] = len(rows)
             if not rows:
-                raise ValueError(
-                    f"split {split!r}: no sequence left after tokenizing with max_length {max_length}: "
-                    f"{split_stats['conversations']} conversations, {split_stats['dropped_no_loss_tokens']} "
-                    "dropped because no loss token survived truncation (raise tokenize.max_length)"
-                )
+                raise _no_rows_error(conv_dir / f"{split}.parquet", lengths, shortest, max_length)
             identity = {"split": split, **{k: stats[k] for k in stats if k not in ("splits", "versions")}}
             fingerprint = sha256_text(json.dumps(identity, sort_keys=True))[:16]
             save_rows(rows, tmp / split, split=split, fingerprint=fingerprint)

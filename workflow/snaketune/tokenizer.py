@@ -20,6 +20,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from snaketune.io import atomic_dir, atomic_path
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 BUILTIN_VOCAB_SIZE = 1024
@@ -47,12 +49,42 @@ DEEPSEEK_CHAT_TEMPLATE = (
 _TURN_FORMAT = {"user": "User: {}\n\n", "assistant": "Assistant: {}", "system": "{}\n\n"}
 
 
+class TokenizerError(ValueError):
+    """A tokenizer directory is missing, incomplete or unreadable; the message names it and what is allowed."""
+
+
+def read_conversations_file(parquet_path: str | Path, columns: list[str]) -> dict[str, list]:
+    """The named columns of a conversations file (from the conversations stage) as Python lists.
+
+    Raises ValueError naming the file when it is no such file: another Parquet file put in its place, or a
+    split left with no conversations.
+    """
+    try:
+        table = pq.read_table(parquet_path)
+    except Exception as e:
+        raise ValueError(f"{parquet_path}: not a readable conversations file ({e})") from e
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise ValueError(
+            f"{parquet_path}: no column(s) {', '.join(missing)}; allowed: a file the conversations stage "
+            f"wrote (columns conversation_id, message_tree_id, lang, messages), found: {', '.join(table.column_names)}"
+        )
+    if table.num_rows == 0:
+        raise ValueError(
+            f"{parquet_path}: no conversations; every split needs at least one, so the data must keep "
+            "conversations in at least 2 trees (see trees_by_split in the conversations stage's stats.json)"
+        )
+    return {c: table.column(c).to_pylist() for c in columns}
+
+
 def conversation_texts(parquet_path: str | Path) -> Iterator[str]:
-    """Every message of a conversations parquet file as the chat template renders it, without specials."""
-    table = pq.read_table(parquet_path, columns=["messages"])
-    for messages in table.column("messages").to_pylist():
-        for message in messages:
-            yield _TURN_FORMAT[message["role"]].format(message["content"])
+    """Every message of a conversations parquet file as the chat template renders it, without specials.
+
+    The file is read (and checked) at the call, not at the first iteration, so an empty or foreign file fails
+    here rather than inside the Rust trainer that consumes the texts.
+    """
+    conversations = read_conversations_file(parquet_path, ["messages"])["messages"]
+    return (_TURN_FORMAT[m["role"]].format(m["content"]) for messages in conversations for m in messages)
 
 
 def build_bpe_trainer(vocab_size: int) -> trainers.BpeTrainer:
@@ -111,10 +143,48 @@ def train_tokenizer(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
     )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / "tokenizer.json"), pretty=True)
+    with atomic_path(out / "tokenizer.json") as tmp:
+        tokenizer.save(str(tmp), pretty=True)
     config = json.dumps(tokenizer_config(model_max_length), indent=2, sort_keys=True, ensure_ascii=False)
-    (out / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")
+    with atomic_path(out / "tokenizer_config.json") as tmp:
+        tmp.write_text(config + "\n", encoding="utf-8")
+
+
+def looks_like_a_path(name: str) -> bool:
+    """True for names that can only be local paths: a hub id is `name` or `owner/name`, never these."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def check_tokenizer_dir(path: str | Path, what: str) -> Path:
+    """The directory, if it holds a fast tokenizer's tokenizer.json; else TokenizerError naming ``what``."""
+    directory = Path(path).expanduser()
+    allowed = "allowed: a directory with a fast tokenizer (tokenizer.json, as save_pretrained writes it)"
+    if not directory.is_dir():
+        raise TokenizerError(f"{what} {str(path)!r}: no such directory; {allowed}, a hub id, or 'auto'")
+    if not (directory / "tokenizer.json").is_file():
+        present = ", ".join(sorted(p.name for p in directory.iterdir())[:10]) or "nothing"
+        raise TokenizerError(
+            f"{what} {str(path)!r}: no tokenizer.json in that directory (it has: {present}); {allowed}"
+        )
+    return directory
+
+
+def load_fast_tokenizer(name: str | Path, what: str, **kwargs):
+    """AutoTokenizer.from_pretrained, with a message that names the directory when the files are bad."""
+    from transformers import AutoTokenizer  # slow import
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(name), **kwargs)
+    except Exception as e:  # transformers raises anything from OSError to a Rust parse error here
+        raise TokenizerError(
+            f"{what} {str(name)!r}: the tokenizer cannot be loaded ({type(e).__name__}: {e}); "
+            "allowed: a directory with a readable tokenizer.json (and tokenizer_config.json), or a hub id"
+        ) from e
+    if not getattr(tokenizer, "is_fast", False):
+        raise TokenizerError(
+            f"{what} {str(name)!r} has no fast tokenizer (tokenizer.json); assistant masking needs its offsets"
+        )
+    return tokenizer
 
 
 def fetch_tokenizer(
@@ -124,21 +194,19 @@ def fetch_tokenizer(
 
     Needs network access for hub ids (not exercised in CI). ``trust_remote_code`` stays off unless the config
     turns it on (model.trust_remote_code): a tokenizer class shipped with a model is code from its authors.
-    Hub tokens come from the environment (HF_TOKEN) and are never written anywhere.
+    Hub tokens come from the environment (HF_TOKEN) and are never written anywhere. ``out_dir`` is replaced
+    as a whole, and only once the tokenizer has loaded and saved: a failure keeps the previous one.
     """
-    from transformers import AutoTokenizer
-
-    local = Path(name)
-    if local.exists() and not (local / "tokenizer.json").exists():
-        raise FileNotFoundError(
-            f"model.tokenizer / model.base {name!r}: no tokenizer.json in that directory; "
-            "allowed: a directory with a fast tokenizer (tokenizer.json), a hub id, or 'auto'"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(
-        name, revision=revision, trust_remote_code=trust_remote_code, use_fast=True
+    what = "model.tokenizer / model.base"
+    local = Path(name).expanduser()
+    if local.exists() or looks_like_a_path(name):
+        check_tokenizer_dir(name, what)
+    tokenizer = load_fast_tokenizer(
+        local if local.exists() else name,
+        what,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+        use_fast=True,
     )
-    if not tokenizer.is_fast:
-        raise ValueError(f"{name!r} has no fast tokenizer (tokenizer.json); snaketune needs offsets from one")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(out)
+    with atomic_dir(out_dir) as tmp:
+        tokenizer.save_pretrained(tmp)
