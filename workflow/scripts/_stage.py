@@ -39,8 +39,10 @@ def run(snakemake, main: Callable[[object], None], *, record: bool = True) -> No
         main(snakemake)
     except Exception as e:
         traceback.print_exc(file=stream)
-        # The one-line reason also reaches the terminal through Snakemake's error report.
-        print(f"ERROR in rule {snakemake.rule}: {type(e).__name__}: {e}", file=sys.__stderr__)
+        # The one-line reason also reaches the terminal through Snakemake's error report, with the notes
+        # that name what failed (snaketune.io: the output being written, the cause, what was kept).
+        notes = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
+        print(f"ERROR in rule {snakemake.rule}: {type(e).__name__}: {e}{notes}", file=sys.__stderr__)
         raise SystemExit(1) from None
     if record:
         try:

@@ -1,8 +1,7 @@
 import _stage
 
-from pathlib import Path
-
 from snaketune.conversations import build_conversations, read_messages, write_conversations
+from snaketune.io import atomic_files
 
 
 def main(smk):
@@ -14,7 +13,9 @@ def main(smk):
         validation_fraction=spec["validation_fraction"],
         source_name=smk.input.messages,
     )
-    write_conversations(result, Path(smk.output.train).parent)
+    # All three files or none (snaketune.io.atomic_files).
+    with atomic_files(*smk.output) as (train, _, _):
+        write_conversations(result, train.parent)
 
 
 _stage.run(snakemake, main)

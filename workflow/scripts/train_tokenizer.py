@@ -1,13 +1,13 @@
 import _stage
 
-from pathlib import Path
-
+from snaketune.io import atomic_files
 from snaketune.tokenizer import conversation_texts, train_tokenizer
 
 
 def main(smk):
-    out_dir = Path(smk.output.tokenizer).parent
-    train_tokenizer(conversation_texts(smk.input.train), smk.params.vocab_size, out_dir)
+    # train_tokenizer writes in place: both files go to a staging directory and are renamed together.
+    with atomic_files(*smk.output) as (tokenizer, _):
+        train_tokenizer(conversation_texts(smk.input.train), smk.params.vocab_size, tokenizer.parent)
 
 
 _stage.run(snakemake, main)

@@ -34,7 +34,7 @@ import torch
 from snaketune import batching, gpus
 from snaketune.builtin_data import eval_examples
 from snaketune.config import ModelConfig, _build
-from snaketune.io import atomic_path, write_json
+from snaketune.io import atomic_files, write_json
 from snaketune.model import load_model
 from snaketune.tokenization import load_tokenizer
 
@@ -376,7 +376,9 @@ def evaluate(
         }
         for i, p in enumerate(prompts)
     ]
-    with atomic_path(generations_out) as tmp:
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    write_json(metrics_out, metrics)
+    # Both files or neither: renamed into place together once both are written.
+    with atomic_files(metrics_out, generations_out) as (metrics_tmp, generations_tmp):
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        generations_tmp.write_text(text, encoding="utf-8")
+        write_json(metrics_tmp, metrics)
     return metrics

@@ -21,12 +21,14 @@ from snaketune.io import stable_json
 # Where each stage starts running package code. code_hash() follows the `snaketune` imports of these modules
 # (snakemake#2192: Snakemake itself does not see edits to modules a script imports), so a module a stage
 # starts to import is covered without an edit here. snaketune.training is named because snaketune.launch
-# starts it in the ranks with `python -m`, which is not an import. tests/test_keys.py checks that every
-# script's imports fall inside its stage and that the import scan agrees with Python's own parser.
+# starts it in the ranks with `python -m`, which is not an import. snaketune.io is named for the tokenizer
+# stage because its scripts write the tokenizer through io's atomic writers, which snaketune.tokenizer does
+# not import. tests/test_keys.py checks that every script's imports fall inside its stage and that the
+# import scan agrees with Python's own parser.
 STAGE_MODULES = {
     "download": ("snaketune.download",),
     "conversations": ("snaketune.conversations",),
-    "tokenizer": ("snaketune.tokenizer",),
+    "tokenizer": ("snaketune.tokenizer", "snaketune.io"),
     "tokenize": ("snaketune.tokenization",),
     "plan": ("snaketune.plan",),
     "train": ("snaketune.launch", "snaketune.training"),

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune import report_plots as plots
-from snaketune.io import atomic_path, write_json
+from snaketune.io import atomic_files, write_json
 from snaketune.report_render import Para, to_html, to_markdown
 from snaketune.report_sections import (
     comparison_section,
@@ -33,6 +33,7 @@ from snaketune.report_sections import (
     evaluation_section,
     overview,
     provenance_section,
+    remote_code_allowed,
     short_commit,
     training_section,
 )
@@ -273,6 +274,8 @@ def experiment_summary(exp: Experiment) -> dict[str, Any]:
     memory = [m for m in s.get("peak_memory_gib_per_rank") or [] if m is not None]
     return {
         "model": exp.config.get("model", {}).get("base", ev.get("model")),
+        # Whether code shipped with the hub model or tokenizer was allowed to run (off unless configured).
+        "trust_remote_code": remote_code_allowed(exp),
         "parameters": s.get("parameters"),
         "trainable_parameters": s.get("trainable_parameters"),
         "lora": s.get("lora"),
@@ -407,6 +410,24 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
         "job_software": {k: v for k, v in summary_of_jobs.get("software", {}).items() if len(v) > 1},
     }
     summary = make_summary(data, experiments, provenance)
+    # Every file of the report, or none: all are written into a staging directory (the plots under their own
+    # names, which report.md links to) and renamed into place together.
+    with atomic_files(*(out_dir / name for name in OUTPUTS.values())) as staged:
+        write_report(data, experiments, summary, provenance, benchmarks, inputs.config, staged[0].parent)
+    log.info("report written to %s", out_dir / OUTPUTS["html"])
+    return summary
+
+
+def write_report(
+    data: dict,
+    experiments: list[Experiment],
+    summary: dict,
+    provenance: dict,
+    benchmarks: list[dict],
+    config: dict,
+    out_dir: Path,
+) -> None:
+    """The files of OUTPUTS, into out_dir as it is (build_report gives a staging directory)."""
     plot_paths = make_plots(experiments, out_dir)
     blocks = (
         overview(data, experiments, summary)
@@ -414,19 +435,15 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
         + training_section(experiments, summary, plot_paths)
         + evaluation_section(experiments, summary)
         + comparison_section(experiments, summary)
-        + provenance_section(data, experiments, provenance, benchmarks, inputs.config)
+        + provenance_section(data, experiments, provenance, benchmarks, config)
     )
     names = ", ".join(exp.name for exp in experiments)
     subtitle = (
         f"{len(experiments)} experiment{'s' if len(experiments) > 1 else ''} ({names}) on `{data['source'].get('source')}` "
         f"data · generated {provenance['generated']} · {short_commit(provenance['git_commit'])}"
     )
-    with atomic_path(out_dir / OUTPUTS["html"]) as tmp:
-        tmp.write_text(to_html(TITLE, subtitle, blocks), encoding="utf-8")
-    with atomic_path(out_dir / OUTPUTS["markdown"]) as tmp:
-        tmp.write_text(to_markdown(TITLE, [Para(subtitle, muted=True), *blocks]), encoding="utf-8")
+    (out_dir / OUTPUTS["html"]).write_text(to_html(TITLE, subtitle, blocks), encoding="utf-8")
+    (out_dir / OUTPUTS["markdown"]).write_text(
+        to_markdown(TITLE, [Para(subtitle, muted=True), *blocks]), encoding="utf-8"
+    )
     write_json(out_dir / OUTPUTS["summary"], summary)
-    for name in ("html", "markdown", "summary"):
-        os.chmod(out_dir / OUTPUTS[name], 0o644)  # temporary files are created 0600; a report is for sharing
-    log.info("report written to %s", out_dir / OUTPUTS["html"])
-    return summary

@@ -469,6 +469,7 @@ def provenance_section(
                 ["host CPU", f"{hw['cpu']} ({hw['cpu_count']} logical CPUs{mem})"],
                 ["training devices", ", ".join(devices)],
                 ["platform", f"{hw['platform']}, Python {hw['python']}"],
+                ["remote code (`model.trust_remote_code`)", remote_code_line(experiments)],
             ]
             + [[f"`{name}`", version] for name, version in prov["versions"].items()],
             numeric=[False, False],
@@ -522,6 +523,19 @@ def provenance_section(
         )
     )
     return blocks
+
+
+def remote_code_allowed(exp: Experiment) -> bool:
+    """model.trust_remote_code as the stages used it (from the resolved config, where it defaults to False)."""
+    return exp.config.get("model", {}).get("trust_remote_code") is True
+
+
+def remote_code_line(experiments: list[Experiment]) -> str:
+    """Whether any experiment let a hub model or tokenizer run code of its own."""
+    allowed = [e.name for e in experiments if remote_code_allowed(e)]
+    if not allowed:
+        return "not allowed (off for every experiment)"
+    return "**allowed** for " + ", ".join(f"`{name}`" for name in allowed) + " (the config turned it on)"
 
 
 def jobs_blocks(prov: dict) -> list[Block]:

@@ -1,0 +1,321 @@
+"""Security: remote code only when the config asks for it (and the report says whether it did), weights only
+as safetensors, no unpickling of untrusted files, hub tokens only from the environment and never written
+anywhere, and no config value that makes a rule write outside results/, logs/ or benchmarks/.
+
+The source checks read the package and the Snakemake scripts with Python's own parser. The token check greps
+every file of test_faults' uninterrupted reference run of the fast workflow, which had fake tokens in its
+environment (shared: the run is made once per session). The path checks dry-run the workflow on
+adversarial configs and read every output, log and benchmark path of the resulting jobs.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+from snaketune.config import ConfigError, load_config
+from snaketune.report_sections import remote_code_line
+from test_faults import FAKE_TOKENS, new_workdir, reference_run
+from test_workflow import FAST_CONFIG, snakemake
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCES = sorted((REPO / "workflow/snaketune").glob("*.py")) + sorted(
+    (REPO / "workflow/scripts").glob("*.py")
+)
+WRITABLE_ROOTS = ("results", "logs", "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    return reference_run(tmp_path_factory)
+
+
+# ---- reading the source ------------------------------------------------------------------------------
+
+
+def calls(attribute: str) -> Iterator[tuple[str, ast.Call]]:
+    """(file:line, call) of every call of `<anything>.attribute(...)` or `attribute(...)` in the sources."""
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                if name == attribute:
+                    yield f"{path.relative_to(REPO)}:{node.lineno}", node
+
+
+def keyword(call: ast.Call, name: str) -> ast.expr | None:
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def receiver(call: ast.Call) -> str:
+    """The source of what a method is called on: `AutoTokenizer`, `self.tokenizer`, `net`."""
+    return ast.unparse(call.func.value) if isinstance(call.func, ast.Attribute) else ""
+
+
+def is_true(node: ast.expr | None) -> bool:
+    return isinstance(node, ast.Constant) and node.value is True
+
+
+def is_tokenizer(call: ast.Call) -> bool:
+    return "tokenizer" in receiver(call).lower()
+
+
+# Loads of the workflow's own tokenizer directory (results/tokenizer/<id>/, written by the tokenizer stage),
+# not of a name from the config: transformers' default refuses remote code there.
+OWN_TOKENIZER_LOADS = {"workflow/snaketune/tokenization.py"}
+
+
+def test_sources_are_found():
+    assert len(SOURCES) > 20
+    assert len(list(calls("from_pretrained"))) >= 4  # model.py, evaluate.py, tokenizer.py, tokenization.py
+
+
+def test_remote_code_is_never_allowed_literally_and_comes_from_the_config():
+    loads = list(calls("from_pretrained"))
+    for where, call in loads:
+        value = keyword(call, "trust_remote_code")
+        assert not is_true(value), f"{where}: trust_remote_code=True"
+        if where.split(":")[0] in OWN_TOKENIZER_LOADS:
+            assert value is None or "trust_remote_code" in ast.unparse(value), where
+            continue
+        # model.trust_remote_code, spec["trust_remote_code"] or a parameter of that name, nothing else.
+        assert value is not None and "trust_remote_code" in ast.unparse(value), (
+            f"{where}: {ast.unparse(call)[:200]} does not pass trust_remote_code from the config"
+        )
+    for where, call in calls("load_dataset"):
+        assert not is_true(keyword(call, "trust_remote_code")), where
+    # Every default of a trust_remote_code parameter in the package is off.
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.arguments):
+                args = node.posonlyargs + node.args + node.kwonlyargs
+                defaults = [None] * (len(node.posonlyargs + node.args) - len(node.defaults)) + node.defaults
+                defaults += node.kw_defaults
+                for arg, default in zip(args, defaults, strict=True):
+                    if arg.arg == "trust_remote_code":
+                        assert not is_true(default), f"{path.relative_to(REPO)}:{arg.lineno}"
+
+
+def test_remote_code_is_off_in_every_shipped_config():
+    import yaml
+
+    for path in [REPO / "config/config.yaml", FAST_CONFIG, *sorted((REPO / "bench/configs").glob("*.yaml"))]:
+        cfg = load_config(yaml.safe_load(path.read_text()))
+        for name, exp in cfg.experiments.items():
+            assert exp.model.trust_remote_code is False, f"{path.name}: experiment {name}"
+    assert load_config({}).experiments["default"].model.trust_remote_code is False
+
+
+@pytest.mark.slow  # a whole workflow run
+def test_the_report_says_whether_remote_code_was_allowed(reference):
+    summary = json.loads((reference / "results/report/summary.json").read_text())
+    assert summary["experiments"]["default"]["trust_remote_code"] is False
+    for name in ("report.md", "index.html"):
+        text = (reference / "results/report" / name).read_text()
+        assert "remote code" in text and "not allowed (off for every experiment)" in text, name
+
+    class Exp:
+        def __init__(self, name, allowed):
+            self.name, self.config = name, {"model": {"trust_remote_code": allowed}}
+
+    line = remote_code_line([Exp("base", False), Exp("custom", True)])
+    assert line.startswith("**allowed** for `custom`") and "base" not in line
+
+
+def test_weights_are_read_and_written_as_safetensors_only():
+    for where, call in calls("from_pretrained"):
+        if not is_tokenizer(call):  # tokenizers hold no weights
+            assert is_true(keyword(call, "use_safetensors")), f"{where}: {ast.unparse(call)[:160]}"
+    saves = [(w, c) for w, c in calls("save_pretrained") if not is_tokenizer(c)]
+    assert len(saves) >= 3
+    for where, call in saves:
+        assert is_true(keyword(call, "safe_serialization")), f"{where}: {ast.unparse(call)[:160]}"
+
+
+@pytest.mark.slow  # a whole workflow run
+def test_the_run_wrote_no_pickled_weights(reference):
+    # What the run wrote: safetensors for the model; pickled .pt files only in the resumable checkpoints
+    # (DeepSpeed's format, and the RNG states, read back with weights_only=True).
+    model = reference / "results/train/default/model"
+    assert (model / "model.safetensors").is_file()
+    pickled = [
+        str(p.relative_to(reference))
+        for p in (reference / "results").rglob("*")
+        if p.suffix in (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+        and not p.is_relative_to(reference / "results/checkpoints")
+    ]
+    assert pickled == []
+
+
+def test_nothing_is_unpickled():
+    """torch.load only with weights_only=True; no pickle, dill, joblib, marshal, shelve, pandas pickles,
+    numpy object arrays or unsafe YAML anywhere in the package or the scripts."""
+    loads = list(calls("load"))
+    torch_loads = [(w, c) for w, c in loads if receiver(c) == "torch"]
+    assert torch_loads, "no torch.load found: the scan is broken"
+    for where, call in torch_loads:
+        assert is_true(keyword(call, "weights_only")), f"{where}: torch.load without weights_only=True"
+    for where, call in loads + list(calls("loads")) + list(calls("Unpickler")):
+        assert receiver(call) not in (
+            "pickle",
+            "cPickle",
+            "dill",
+            "joblib",
+            "marshal",
+            "shelve",
+            "cloudpickle",
+        ), f"{where}: {ast.unparse(call)[:120]}"
+    for where, call in loads:
+        if receiver(call) in ("np", "numpy"):
+            assert not is_true(keyword(call, "allow_pickle")), where
+        if receiver(call) == "yaml":
+            loader = keyword(call, "Loader")
+            assert loader is not None and "Safe" in ast.unparse(loader), (
+                f"{where}: yaml.load without SafeLoader"
+            )
+    for name in ("read_pickle", "unsafe_load", "full_load"):
+        assert list(calls(name)) == [], name
+    for path in SOURCES:
+        tree = ast.parse(path.read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not imported & {"pickle", "cPickle", "dill", "joblib", "marshal", "shelve"}, path
+
+
+# ---- hub tokens ---------------------------------------------------------------------------------------
+
+
+def test_hub_tokens_come_from_the_environment_only():
+    # No config key can hold one (the schema and the typed config know no token; a typo is refused)...
+    import yaml
+
+    def keys(node) -> Iterator[str]:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield str(k)
+                yield from keys(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from keys(v)
+
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
+    secret_words = {"token", "auth", "secret", "password", "credential", "apikey", "key"}
+    assert "tokenizer" in set(keys(schema))  # the walk sees property names
+    secretive = [k for k in keys(schema) if secret_words & set(k.lower().split("_"))]
+    assert secretive == [], secretive
+    for raw in ({"model": {"token": "hf_x"}}, {"hub_token": "hf_x"}, {"model": {"use_auth_token": "hf_x"}}):
+        with pytest.raises(ConfigError, match="unknown key"):
+            load_config(raw)
+    # ...and no code passes one: the hub libraries read HF_TOKEN from the environment themselves.
+    for attribute in ("from_pretrained", "load_dataset", "hf_hub_download", "snapshot_download"):
+        for where, call in calls(attribute):
+            for kw in ("token", "use_auth_token"):
+                assert keyword(call, kw) is None, f"{where}: passes {kw}="
+
+
+@pytest.mark.slow  # a whole workflow run
+def test_hub_tokens_never_reach_an_output_log_or_record(reference):
+    """Every file under results/, logs/, benchmarks/ and .snakemake/ of a whole run with the tokens in its
+    environment, binary files too, as bytes."""
+    roots = [reference / d for d in (*WRITABLE_ROOTS, ".snakemake")]
+    files = [p for root in roots for p in root.rglob("*") if p.is_file()]
+    names = {str(p.relative_to(reference)) for p in files}
+    for expected in (
+        "results/report/index.html",
+        "results/provenance/manifest.json",
+        "results/train/default/model/model.safetensors",
+        "logs/train/default.log",
+    ):
+        assert expected in names, expected
+    assert any(n.startswith(".snakemake/log/") for n in names)
+    assert len(files) > 50
+    leaks = [
+        f"{p.relative_to(reference)}: {name}"
+        for p in files
+        for name, token in FAKE_TOKENS.items()
+        if token.encode() in p.read_bytes()
+    ]
+    assert leaks == []
+
+
+# ---- paths from the config ----------------------------------------------------------------------------
+
+
+REJECTED = {
+    "experiment ../x": ({"experiments": {"../x": {}}}, "experiments.../x"),
+    "experiment /abs": ({"experiments": {"/tmp/abs": {}}}, "experiments./tmp/abs"),
+    "experiment a/b": ({"experiments": {"a/b": {}}}, "experiments.a/b"),
+    "experiment ..": ({"experiments": {"..": {}}}, "experiments..."),
+}
+"""Configs that validation refuses, with the key its message names."""
+
+
+def accepted_configs(outside: Path) -> dict[str, dict]:
+    """Adversarial configs that are valid: their names and paths must still lead only into results/."""
+    return {
+        "experiment x..y": {"experiments": {"x..y": {}, "default": {}}},
+        "model and tokenizer with ..": {
+            "model": {"base": "../../outside/model", "tokenizer": "../../../etc/passwd"}
+        },
+        "absolute model": {"model": {"base": "/abs/outside/model", "revision": "../../../tmp/evil"}},
+        "hub id with ..": {"model": {"base": "hub/../../x"}},
+        "source outside the repo": {"dataset": {"source": str(outside / "messages.parquet")}},
+        "relative source outside": {"dataset": {"source": f"../{outside.name}/messages.parquet"}},
+        "deepspeed outside": {"train": {"deepspeed": str(outside / "zero2.json")}},
+    }
+
+
+def dag_paths(output: str) -> list[str]:
+    """Every output, log and benchmark path of the jobs a dry run lists."""
+    found = []
+    for line in output.splitlines():
+        m = re.match(r"^\s+(output|log|benchmark): (.+)$", line)
+        if m:
+            found += [p.strip() for p in m.group(2).split(", ")]
+    return found
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return new_workdir(tmp_path_factory, "security_paths")
+
+
+@pytest.mark.parametrize("case", list(REJECTED))
+def test_config_names_that_leave_results_are_refused(workdir, tmp_path, case):
+    override, key = REJECTED[case]
+    config = tmp_path / "adversarial.yaml"
+    config.write_text(json.dumps(override))  # JSON is YAML
+    result = snakemake(
+        workdir, "-n", "--cores", "1", "--configfile", str(FAST_CONFIG), str(config), check=False
+    )
+    assert result.returncode != 0
+    assert "Invalid configuration" in result.output and f"config key '{key}'" in result.output, result.output[
+        -2000:
+    ]
+    assert "experiment names use letters, digits" in result.output
+    with pytest.raises(ConfigError):
+        load_config(override)
+
+
+@pytest.mark.parametrize("case", list(accepted_configs(Path("x"))))
+def test_config_paths_lead_only_into_results(workdir, tmp_path_factory, case):
+    outside = tmp_path_factory.mktemp("outside")  # beside the working directory, not inside it
+    (outside / "messages.parquet").write_bytes(b"")  # only its existence matters to a dry run
+    (outside / "zero2.json").write_text((REPO / "config/deepspeed/zero2.json").read_text())
+    override = accepted_configs(outside)[case]
+    config = outside / "adversarial.yaml"
+    config.write_text(json.dumps(override))
+    result = snakemake(workdir, "-n", "--cores", "1", "--configfile", str(FAST_CONFIG), str(config))
+    paths = dag_paths(result.output)
+    assert {"train", "report"} <= set(result.planned_rules), result.output[-2000:]
+    assert len(paths) >= 20, paths
+    for path in paths:
+        p = PurePosixPath(path)
+        assert not p.is_absolute() and ".." not in p.parts, path
+        assert p.parts[0] in WRITABLE_ROOTS, path
