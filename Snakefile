@@ -13,6 +13,8 @@
 #     checkpoints/<experiment>/    resumable DeepSpeed checkpoints (not an output: survives failures)
 # logs/ and benchmarks/ mirror the rules.
 
+import re
+
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -30,7 +32,7 @@ include: "workflow/rules/common_plan.smk"
 
 
 wildcard_constraints:
-    experiment="|".join(EXPERIMENTS),
+    experiment="|".join(re.escape(name) for name in EXPERIMENTS),  # a.b must not match axb
     key="[0-9a-f]{16}",
     tokenizer="[A-Za-z0-9-]+",
 

@@ -53,6 +53,27 @@ def test_defaults_match_config_yaml():
         (("train", "precision"), "fp16", "allowed: auto, bf16, fp32"),
         (("train", "global_batch_size"), 10, "not a multiple of train.micro_batch_size 4"),
         (("model", "base"), "arch:llama-70b", "allowed arch: models: arch:deepseek-llm-7b"),
+        (("train", "bf16_optimizer"), "apex", "allowed: auto, snaketune, deepspeed"),
+        (
+            ("train", "attention"),
+            "flash",
+            "'train.attention': 'flash' is not allowed; allowed: auto, varlen, sdpa",
+        ),
+        (("train", "optimizer_kernel"), "cuda", "allowed: auto, triton, torch"),
+        # Wrong types (a --config value arrives as a string) name the key and the type, not a TypeError.
+        (
+            ("dataset", "builtin_trees"),
+            "1500",
+            "config key 'dataset.builtin_trees': '1500' (str) is not allowed; allowed: an integer",
+        ),
+        (("train", "gradient_checkpointing"), "yes", "'yes' (str) is not allowed; allowed: true or false"),
+        (
+            ("train", "adam_betas"),
+            [0.9, "x"],
+            "'train.adam_betas': 'x' (str) is not allowed; allowed: a number",
+        ),
+        (("train", "max_steps"), 1.5, "allowed: an integer or null"),
+        (("model", "revision"), "../../etc", "'model.revision': '../../etc' is not a git revision"),
     ],
 )
 def test_bad_values_name_key_and_allowed(path, value, expected):
@@ -137,6 +158,25 @@ def test_bad_deepspeed_configs(file_cfg, expected):
     with pytest.raises(ConfigError) as e:
         build_ds_config(copy.deepcopy(file_cfg), TrainConfig(), world_size=1, bf16=False, source="x.json")
     assert expected in str(e.value) and "x.json" in str(e.value)
+
+
+def test_master_weights_need_zero_stage_0():
+    with pytest.raises(ConfigError) as e:
+        build_ds_config(
+            {"zero_optimization": {"stage": 2}},
+            TrainConfig(),
+            world_size=1,
+            bf16=True,
+            source="x.json",
+            master_weights=True,
+        )
+    assert "x.json: train.bf16_optimizer 'snaketune' needs zero_optimization.stage 0 (found 2)" in str(
+        e.value
+    )
+    # With fp32 masters DeepSpeed leaves precision and clipping to the optimizer; several ranks reduce in fp32.
+    ds = build_ds_config({}, TrainConfig(), world_size=3, bf16=True, source="x.json", master_weights=True)
+    assert ds["bf16"] == {"enabled": False} and ds["gradient_clipping"] == 0.0
+    assert ds["communication_data_type"] == "fp32"
 
 
 def test_auto_values_are_accepted():

@@ -92,6 +92,40 @@ def test_plan_matches_this_projects_own_h200_run():
     assert est.peak_allocated_gib * 2**30 / est.params == pytest.approx(22, rel=0.01)
 
 
+FAST_PATH_RUN = REPO / "bench/runs/2026-12-01_h200_final/throughput.json"
+
+
+@pytest.mark.parametrize(
+    ("case", "layers", "micro", "lora", "deepspeed"),
+    [
+        ("b24", 24, 8, False, "zero0.json"),
+        ("b30", 30, 4, False, "zero0.json"),
+        ("lora30", 30, 8, True, "zero0.json"),
+        ("b24_ds_zero2", 24, 4, False, "zero2.json"),
+    ],
+)
+def test_plan_matches_the_fast_path_on_an_h200(case, layers, micro, lora, deepspeed):
+    """bench/RESULTS.md (issue #7): the train rule with the shipped defaults (fp32 masters in
+    MasterWeightAdamW at ZeRO-0, varlen attention, logits + cross-entropy), 8 x 512 per step, one H200; the
+    Setup comes from the train settings the way the plan rule builds it."""
+    result = next(r for r in json.loads(FAST_PATH_RUN.read_text())["results"] if r["case"] == case)
+    train = {
+        "gpus": 1,
+        "micro_batch_size": micro,
+        "global_batch_size": 8,
+        "lora": {"enabled": lora, "rank": 16},
+    }
+    if case == "b24_ds_zero2":
+        train.update(bf16_optimizer="deepspeed", attention="sdpa")
+    setup = plan._setup_for(
+        train, json.loads(Path(DEEPSPEED[deepspeed]).read_text()), world=1, seq_len=512, precision="bf16"
+    )
+    assert setup.master_weights == (case != "b24_ds_zero2") and setup.varlen == (case != "b24_ds_zero2")
+    assert setup.accumulation == 8 // micro
+    est = plan.estimate(deepseek(layers), setup)
+    assert est.peak_allocated_gib == pytest.approx(result["peak_gib"], rel=TOLERANCE), est
+
+
 def test_parameter_counts_are_exact():
     assert deepseek(30).params() == 6_910_365_696  # FACTS.md
     assert deepseek(30).lora_params(16, ALL_LINEAR) == 37_478_400

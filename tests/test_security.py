@@ -71,13 +71,28 @@ def is_tokenizer(call: ast.Call) -> bool:
 OWN_TOKENIZER_LOADS = {"workflow/snaketune/tokenization.py"}
 
 
+# snaketune.tokenizer.load_fast_tokenizer(name, what, **kwargs) forwards its keywords to
+# AutoTokenizer.from_pretrained: its callers are held to the rules of a from_pretrained call instead.
+FORWARDING_LOADERS = {"workflow/snaketune/tokenizer.py": "load_fast_tokenizer"}
+
+
+def forwards_kwargs(where: str, call: ast.Call) -> bool:
+    return where.split(":")[0] in FORWARDING_LOADERS and any(k.arg is None for k in call.keywords)
+
+
+def tokenizer_and_model_loads() -> list[tuple[str, ast.Call]]:
+    loads = [(w, c) for w, c in calls("from_pretrained") if not forwards_kwargs(w, c)]
+    return loads + [x for name in FORWARDING_LOADERS.values() for x in calls(name)]
+
+
 def test_sources_are_found():
     assert len(SOURCES) > 20
-    assert len(list(calls("from_pretrained"))) >= 4  # model.py, evaluate.py, tokenizer.py, tokenization.py
+    assert len(list(calls("from_pretrained"))) >= 3  # model.py, evaluate.py, tokenizer.py
+    assert len(list(calls("load_fast_tokenizer"))) >= 2  # tokenizer.py (fetch), tokenization.py (own dir)
 
 
 def test_remote_code_is_never_allowed_literally_and_comes_from_the_config():
-    loads = list(calls("from_pretrained"))
+    loads = tokenizer_and_model_loads()
     for where, call in loads:
         value = keyword(call, "trust_remote_code")
         assert not is_true(value), f"{where}: trust_remote_code=True"
@@ -188,6 +203,84 @@ def test_nothing_is_unpickled():
         assert not imported & {"pickle", "cPickle", "dill", "joblib", "marshal", "shelve"}, path
 
 
+class _Planted:
+    """Unpickling this runs a shell command: what a tampered checkpoint file would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory):
+    """A 3-step ZeRO-0 training on a small builtin sample with a complete checkpoint at step 2."""
+    from conftest import TinyData, run_training
+    from snaketune import conversations, download, tokenization, tokenizer
+
+    root = tmp_path_factory.mktemp("checkpointed")
+    data = TinyData(root / "raw", root / "conv", root / "tok", root / "tokd", 128)
+    download.materialize("builtin", data.raw_dir, builtin_trees=40)
+    result = conversations.build_conversations(conversations.read_messages(data.raw_dir / "messages.parquet"))
+    conversations.write_conversations(result, data.conversations_dir)
+    tokenizer.train_tokenizer(
+        tokenizer.conversation_texts(data.conversations_dir / "train.parquet"), 512, data.tokenizer_dir
+    )
+    tokenization.tokenize_conversations(
+        data.conversations_dir,
+        data.tokenizer_dir,
+        data.data_dir,
+        max_length=128,
+        packing=True,
+        assistant_only_loss=True,
+        chat_template="deepseek",
+    )
+    run = run_training(root / "run", data, train_overrides=CHECKPOINTED, deepspeed="zero0")
+    assert (run.checkpoint_dir / "step00000002" / "COMPLETE.json").is_file()
+    return data, run
+
+
+CHECKPOINTED = dict(max_steps=3, checkpoint_every=2)
+
+
+@pytest.mark.parametrize("damage", ["planted pickle", "truncated file"])
+def test_resume_refuses_a_damaged_checkpoint(checkpointed_run, tmp_path, damage):
+    """DeepSpeed loads its checkpoint files with torch.load(weights_only=False); the ranks force weights_only
+    (snaketune.training._safe_checkpoint_loading), so a file that would run code is refused, and so is a
+    truncated one, with a message naming the checkpoint and what to delete; the planted code never runs.
+    An intact checkpoint resumes (tests/test_training.py, test_fast_path.py)."""
+    import shutil
+
+    import torch
+
+    from conftest import run_training
+    from snaketune.launch import LaunchError
+
+    data, first = checkpointed_run
+    ckpt_root = tmp_path / "checkpoints"
+    shutil.copytree(first.checkpoint_dir, ckpt_root)
+    ckpt = ckpt_root / "step00000002"
+    states = ckpt / "mp_rank_00_model_states.pt"
+    marker = tmp_path / "code-ran"
+    if damage == "planted pickle":
+        torch.save({"module": _Planted(marker)}, states)
+        cause = "UnpicklingError: Weights only load failed"
+    else:
+        states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])
+        cause = "could not be loaded ("
+    with pytest.raises(LaunchError, match="training failed"):
+        run_training(
+            tmp_path, data, train_overrides=CHECKPOINTED, deepspeed="zero0", checkpoint_dir=ckpt_root
+        )
+    log = (tmp_path / "train.log").read_text()
+    assert f"checkpoint {ckpt} could not be loaded (" in log and cause in log
+    assert f"delete {ckpt} to resume from an older checkpoint, or {ckpt_root} to restart" in log
+    assert not marker.exists()
+
+
 # ---- hub tokens ---------------------------------------------------------------------------------------
 
 
@@ -252,8 +345,11 @@ REJECTED = {
     "experiment /abs": ({"experiments": {"/tmp/abs": {}}}, "experiments./tmp/abs"),
     "experiment a/b": ({"experiments": {"a/b": {}}}, "experiments.a/b"),
     "experiment ..": ({"experiments": {"..": {}}}, "experiments..."),
+    "revision with ..": ({"model": {"revision": "../../../tmp/evil"}}, "model.revision"),
 }
-"""Configs that validation refuses, with the key its message names."""
+ALLOWED_TEXT = {"model.revision": "is not a git revision"}
+"""What the message says is allowed, by key (experiment names otherwise)."""
+"""Configs that validation refuses, with the key its message names (the hub's cache uses a revision as a path)."""
 
 
 def accepted_configs(outside: Path) -> dict[str, dict]:
@@ -263,7 +359,7 @@ def accepted_configs(outside: Path) -> dict[str, dict]:
         "model and tokenizer with ..": {
             "model": {"base": "../../outside/model", "tokenizer": "../../../etc/passwd"}
         },
-        "absolute model": {"model": {"base": "/abs/outside/model", "revision": "../../../tmp/evil"}},
+        "absolute model": {"model": {"base": "/abs/outside/model", "revision": "refs/pr/1"}},
         "hub id with ..": {"model": {"base": "hub/../../x"}},
         "source outside the repo": {"dataset": {"source": str(outside / "messages.parquet")}},
         "relative source outside": {"dataset": {"source": f"../{outside.name}/messages.parquet"}},
@@ -298,7 +394,7 @@ def test_config_names_that_leave_results_are_refused(workdir, tmp_path, case):
     assert "Invalid configuration" in result.output and f"config key '{key}'" in result.output, result.output[
         -2000:
     ]
-    assert "experiment names use letters, digits" in result.output
+    assert ALLOWED_TEXT.get(key, "experiment names use letters, digits") in result.output
     with pytest.raises(ConfigError):
         load_config(override)
 

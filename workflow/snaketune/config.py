@@ -96,6 +96,13 @@ class ModelConfig:
             _fail("model.base", f"{self.base!r} is unknown; allowed arch: models: arch:deepseek-llm-7b")
         if self.num_layers is not None and (self.num_layers < 1 or not self.base.startswith("arch:")):
             _fail("model.num_layers", "must be >= 1 and is only allowed with an arch: model")
+        # A hub revision names a branch, tag or commit; huggingface_hub uses it as a path in its cache.
+        if not re.match(r"^[\w][\w.\-/]*$", self.revision) or ".." in self.revision:
+            _fail(
+                "model.revision",
+                f"{self.revision!r} is not a git revision; allowed: a branch, tag or commit "
+                "(letters, digits, '_', '-', '.', '/'; no '..', not starting with '/' or '.')",
+            )
 
     @property
     def is_builtin(self) -> bool:
@@ -356,6 +363,44 @@ def _check_keys(mapping: dict, allowed: list[str], where: str) -> None:
             _fail(f"{where}{key}", f"unknown key{hint} allowed: {', '.join(allowed)}")
 
 
+_TYPE_NAMES = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "tuple": "a list",
+    "LoraConfig": "a mapping of LoRA settings",
+}
+
+
+def _type_ok(value: Any, name: str) -> bool:
+    if name == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if name == "float":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if name == "bool":
+        return isinstance(value, bool)
+    if name == "str":
+        return isinstance(value, str)
+    if name == "tuple":
+        return isinstance(value, list | tuple)
+    return isinstance(value, dict)  # a nested section (LoraConfig)
+
+
+def _check_type(key: str, value: Any, annotation: str) -> None:
+    """The value has the field's type (`int | None`, `tuple[str, ...]`, ...): a YAML or --config value of the
+    wrong type gets the key and the expected type, not a TypeError from a comparison in __post_init__."""
+    options = [part.strip().split("[")[0] for part in annotation.split("|")]
+    if value is None and "None" in options:
+        return
+    if any(_type_ok(value, name) for name in options if name != "None"):
+        return
+    allowed = " or ".join(_TYPE_NAMES.get(name, name) for name in options if name != "None")
+    if "None" in options:
+        allowed += " or null"
+    _fail(key, f"{value!r} ({type(value).__name__}) is not allowed; allowed: {allowed}")
+
+
 def _build(cls: type, values: dict | None, where: str) -> Any:
     values = dict(values or {})
     names = [f.name for f in dataclasses.fields(cls)]
@@ -365,6 +410,11 @@ def _build(cls: type, values: dict | None, where: str) -> Any:
         if f.name not in values:
             continue
         v = values[f.name]
+        _check_type(f"{where}{f.name}", v, str(f.type))
+        if isinstance(v, list | tuple) and f.name in ("adam_betas", "languages", "targets", "prompts"):
+            item = "float" if f.name == "adam_betas" else "str"
+            for x in v:
+                _check_type(f"{where}{f.name}", x, item)
         if f.name == "lora":
             v = _build(LoraConfig, v, f"{where}lora.")
         elif isinstance(v, list):

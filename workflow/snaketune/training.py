@@ -236,12 +236,18 @@ class Trainer:
                 f"checkpoint {path} was written by {meta.get('world_size')} ranks but {self.world} were granted; "
                 f"rerun with --resources gpu={meta.get('world_size')} to resume, or delete {self.ckpt_root} to restart"
             )
-        load_path, _ = self.engine.load_checkpoint(str(self.ckpt_root), tag=path.name)
+        try:
+            load_path, _ = self.engine.load_checkpoint(str(self.ckpt_root), tag=path.name)
+            checkpoint.load_rng(path, self.rank)
+        except Exception as e:  # a truncated file, a foreign pickle refused by weights_only, a shape mismatch
+            raise RuntimeError(
+                f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                f"delete {path} to resume from an older checkpoint, or {self.ckpt_root} to restart"
+            ) from e
         if load_path is None:
             raise RuntimeError(
                 f"checkpoint {path} could not be loaded; delete it to fall back to an older one"
             )
-        checkpoint.load_rng(path, self.rank)
         if self.rank == 0:
             log.info("resuming from checkpoint %s at step %d of %d", path, step, self.total_steps)
         return step
@@ -550,6 +556,20 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _safe_checkpoint_loading() -> None:
+    """DeepSpeed's resume calls torch.load(weights_only=False): a file planted in results/checkpoints/ could run
+    code. Force weights_only for every torch.load of this rank and allow the only non-tensor classes that
+    DeepSpeed's checkpoints hold (found by loading every file of ZeRO-0, -2, -3 and LoRA checkpoints with
+    weights_only=True; tests/test_security.py resumes from a planted pickle)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    torch.serialization.add_safe_globals([LossScaler, ZeroStageEnum, fragment_address])
+
+
 def main(argv: list[str]) -> int:
     _die_with_parent()
     logging.basicConfig(
@@ -567,6 +587,7 @@ def main(argv: list[str]) -> int:
     spec = RunSpec.read(argv[0])
     import deepspeed
 
+    _safe_checkpoint_loading()
     t0 = time.perf_counter()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     try:
