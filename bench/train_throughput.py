@@ -48,6 +48,7 @@ import length_mix  # noqa: E402
 SEQ = 512
 STEPS = 14
 WARMUP = 2
+TINY_STEPS = 3  # --tiny: one timed step after the warm-up, enough to check the script
 MEASURED_MATMUL_FLOPS = 790e12  # ../shared/FACTS.md: 8192^3 bf16 matmul on the lent H200
 ZERO0 = "config/deepspeed/zero0.json"
 BEST = dict(
@@ -181,7 +182,7 @@ def bench_config(work: Path, cases: list[Case], tiny: bool) -> Path:
         gpus=1,
         learning_rate=1e-5,
         warmup_steps=WARMUP,
-        max_steps=6 if tiny else STEPS,
+        max_steps=TINY_STEPS if tiny else STEPS,
         global_batch_size=8,
         log_every=1,
         eval_every=0,
@@ -472,7 +473,7 @@ def main(argv: list[str]) -> int:
                 "--layers",
                 str(case.layers),
                 "--steps",
-                str(6 if args.tiny else STEPS),
+                str(TINY_STEPS if args.tiny else STEPS),
                 "--out",
                 str(report),
             ] + (["--tiny"] if args.tiny else [])

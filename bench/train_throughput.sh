@@ -8,16 +8,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/device.log") 2>&1
-echo "=== [$(date -u +%H:%M:%S)] install carried wheels"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD/workflow
-export PATH=/tmp/site/bin:$PATH
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv
-python3 -c 'import torch, deepspeed, transformers, snakemake; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "transformers", transformers.__version__, "snakemake", snakemake.__version__)'
-git log -1 --format='commit %H %s' 2>/dev/null || true
-git status --short 2>/dev/null | head -20 || true
+source bench/device_env.sh
 nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu,clocks.sm,power.draw --format=csv,noheader -lms 1000 \
   >"$OUT/gpu_samples.csv" 2>&1 &
 SMI=$!

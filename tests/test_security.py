@@ -216,31 +216,15 @@ class _Planted:
 
 
 @pytest.fixture(scope="module")
-def checkpointed_run(tmp_path_factory):
-    """A 3-step ZeRO-0 training on a small builtin sample with a complete checkpoint at step 2."""
-    from conftest import TinyData, run_training
-    from snaketune import conversations, download, tokenization, tokenizer
+def checkpointed_run(tiny_data, tmp_path_factory):
+    """A 3-step ZeRO-0 training with a complete checkpoint at step 2."""
+    from conftest import run_training
 
-    root = tmp_path_factory.mktemp("checkpointed")
-    data = TinyData(root / "raw", root / "conv", root / "tok", root / "tokd", 128)
-    download.materialize("builtin", data.raw_dir, builtin_trees=40)
-    result = conversations.build_conversations(conversations.read_messages(data.raw_dir / "messages.parquet"))
-    conversations.write_conversations(result, data.conversations_dir)
-    tokenizer.train_tokenizer(
-        tokenizer.conversation_texts(data.conversations_dir / "train.parquet"), 512, data.tokenizer_dir
+    run = run_training(
+        tmp_path_factory.mktemp("checkpointed"), tiny_data, train_overrides=CHECKPOINTED, deepspeed="zero0"
     )
-    tokenization.tokenize_conversations(
-        data.conversations_dir,
-        data.tokenizer_dir,
-        data.data_dir,
-        max_length=128,
-        packing=True,
-        assistant_only_loss=True,
-        chat_template="deepseek",
-    )
-    run = run_training(root / "run", data, train_overrides=CHECKPOINTED, deepspeed="zero0")
     assert (run.checkpoint_dir / "step00000002" / "COMPLETE.json").is_file()
-    return data, run
+    return tiny_data, run
 
 
 CHECKPOINTED = dict(max_steps=3, checkpoint_every=2)
