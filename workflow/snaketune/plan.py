@@ -11,9 +11,12 @@ Memory model, bytes per GPU. P parameters, T of them trained (P, or the LoRA ada
 weight (2 bf16, 4 fp32); bf16 training keeps an fp32 master copy (4 B) and Adam's m and v (8 B) per trained
 parameter (../shared/FACTS.md: 16 B/param for mixed-precision Adam):
 - weights: w*P, or w*P/N under ZeRO-3 (frozen weights too).
-- gradients: ZeRO-0 4*T (DeepSpeed's bf16 optimizer accumulates in fp32), ZeRO-1 w*T, ZeRO-2/3 w*T/N, none
-  on the GPU with optimizer offload; while backward runs, the largest trained tensor's gradient also
-  exists whole before it is reduced (the 102,400 x 4,096 embedding for DeepSeek-7B).
+- gradients: ZeRO-0 4*T (DeepSpeed's bf16 optimizer accumulates in fp32), or w*T with snaketune's fp32
+  masters (snaketune.optim.MasterWeightAdamW: the model's bf16 gradients, cast to fp32 one chunk at a time in
+  the step); ZeRO-1 w*T, ZeRO-2/3 w*T/N, none on the GPU with optimizer offload; while backward runs, the
+  largest trained tensor's gradient also exists whole before it is reduced (the 102,400 x 4,096 embedding for
+  DeepSeek-7B). With snaketune's masters and one micro-batch per step the gradients are freed after every
+  step and grow while backward frees the activations, so the peak holds all activations and no gradients.
 - optimizer: (4 + 8)*T, divided by N from ZeRO-1 on; on the host with offload.
 - buffers, while backward runs (DeepSpeed frees them at its end): ZeRO-1/2 gradient buckets
   (reduce_bucket_size x w, twice with overlap_comm); ZeRO-3 reduce and prefetch buckets, and with N > 1 the
@@ -27,7 +30,9 @@ parameter (../shared/FACTS.md: 16 B/param for mixed-precision Adam):
   workspaces, allocator rounding). With gradient checkpointing: each layer's input (w*h) plus one
   layer's activations while it is recomputed.
 - logits: 12 B per token and vocabulary entry: the logits (bf16), the contiguous copy the loss slices, the
-  fp32 upcast and log-softmax output of the loss (snaketune.batching.token_loss_sum); and the packed
+  fp32 upcast and log-softmax output of the loss (snaketune.batching.token_loss_sum); with the fused loss
+  (snaketune.losses) 8 B per entry of one chunk of tokens, the hidden states' gradient and, with several
+  chunks, an fp32 sum of the lm_head weight's gradient; and, unless attention is varlen, the packed
   block-diagonal attention mask, micro_batch x seq^2 x (w + 1).
 The peak is the larger of forward/backward and the optimizer step; it is what torch's
 max_memory_allocated reports (summary.json peak_memory_gib_per_rank). A GPU must hold that plus
@@ -39,7 +44,9 @@ HOST_USABLE of the machine's RAM.
 Calibration (tests/test_plan.py): ACTIVATION_FACTOR is fitted to FACTS.md's H200 points where activations
 matter (LoRA 30 layers 8 x 512: 45.4 GiB; torch AdamW 24 and 30 layers 4 x 512: 107.6 and 130.6 GiB); the
 model then gives 116.8 GiB for ZeRO-2 24 layers (measured 116.8, FACTS.md and bench/RESULTS.md) and 10.9 GiB
-GPU / 66.6 GiB host for ZeRO-3 offload 14 layers (measured 10.6 / 69).
+GPU / 66.6 GiB host for ZeRO-3 offload 14 layers (measured 10.6 / 69). With snaketune's masters, varlen
+attention and the plain loss it gives 101.2 / 119.5 / 36.9 GiB for 24 layers, 30 layers and 30-layer LoRA
+(measured 96.2 / 116.2 / 37.6, bench/RESULTS.md issue #7).
 
 Speed order for `train.strategy: auto` (fastest first; STRATEGIES): relative throughputs are assumptions,
 except offload, which FACTS.md measured: ZeRO-0 1.0 and ZeRO-2 0.97 (the same communication volume:
