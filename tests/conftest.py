@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,22 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DEEPSPEED_DIR = REPO / "config" / "deepspeed"
+WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs")
+"""What a copy of the workflow needs (tests run Snakemake in copies, never in the checkout)."""
+
+
+def copy_workflow(dest: Path) -> Path:
+    """Copy the workflow's files into `dest` (without caches, results or logs); returns `dest`."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".snakemake", "results", "logs")
+    for name in WORKFLOW_FILES:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=ignore)
+        else:
+            shutil.copy2(src, dest / name)
+    return dest
+
+
 MAX_LENGTH = 128
 # Settings every training test shares unless it overrides them: a 4-sequence global batch on the tiny model,
 # metrics at every step (per-step losses are what the tests compare), no checkpoints, validation at the end.

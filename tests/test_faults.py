@@ -50,13 +50,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import copy_workflow
 from snaketune import io
 from test_workflow import (
     EXPERIMENT,
     FAST_CONFIG,
     RESUME_FROM_STEP,
     RUN_TIMEOUT_S,
-    WORKFLOW_FILES,
     Result,
     file_bytes,
     finish,
@@ -92,15 +92,7 @@ def workflow_snapshot(tmp_path_factory) -> Path:
     """The repository's workflow files, copied once: every run here starts from this copy, so all get the
     same code hashes (and tokenized-cache key) even while someone edits the sources."""
     if "snapshot" not in _SESSION:
-        snapshot = tmp_path_factory.mktemp("faults_snapshot")
-        ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".snakemake", "results", "logs")
-        for name in WORKFLOW_FILES:
-            src = REPO / name
-            if src.is_dir():
-                shutil.copytree(src, snapshot / name, ignore=ignore)
-            else:
-                shutil.copy2(src, snapshot / name)
-        _SESSION["snapshot"] = snapshot
+        _SESSION["snapshot"] = copy_workflow(tmp_path_factory.mktemp("faults_snapshot"))
     return _SESSION["snapshot"]
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from test_workflow import FAST_CONFIG, NOTHING_TO_DO, REPO, RUN_TIMEOUT_S, WORKFLOW_FILES, Result, snakemake
+from conftest import copy_workflow
+from test_workflow import FAST_CONFIG, NOTHING_TO_DO, RUN_TIMEOUT_S, Result, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -152,14 +153,7 @@ def dry_run(workdir: Path, configs: tuple[str, ...] = (CONFIG,)) -> dict[str, in
 def workdir(tmp_path_factory) -> Path:
     """A copy of the workflow (and of the fast config, so that concurrent edits to the repository cannot
     change it) after one complete run from scratch, made with hub tokens in the environment."""
-    root = tmp_path_factory.mktemp("reproducibility")
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".snakemake", "results", "logs")
-    for name in WORKFLOW_FILES:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, root / name, ignore=ignore)
-        else:
-            shutil.copy2(src, root / name)
+    root = copy_workflow(tmp_path_factory.mktemp("reproducibility"))
     shutil.copy2(FAST_CONFIG, root / CONFIG)
     with pytest.MonkeyPatch.context() as mp:
         for name, value in SECRET_ENV.items():

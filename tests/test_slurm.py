@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import copy_workflow
 from snaketune import hosts
 from test_workflow import FAST_CONFIG, REPO, Result, file_bytes, finish, kill_everything, start
 
@@ -37,7 +38,6 @@ LOCAL_TIMEOUT_S = 240
 FAKE_GPUS = 4  # per node: the one-node experiment takes 3, the two-node one 1 per node, so both run at once
 EXPERIMENT = "default"
 TWO_NODE = "twonode"
-WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs")
 
 
 def _missing() -> str | None:
@@ -78,17 +78,6 @@ def cluster(command: str, state: Path, nodes: int) -> subprocess.CompletedProces
         timeout=CLUSTER_TIMEOUT_S,
         env=env,
     )
-
-
-def copy_workflow(dest: Path) -> Path:
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".snakemake", "results", "logs")
-    for name in WORKFLOW_FILES:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=ignore)
-        else:
-            shutil.copy2(src, dest / name)
-    return dest
 
 
 @dataclass(frozen=True)

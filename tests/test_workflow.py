@@ -25,11 +25,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import copy_workflow
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 FAST_CONFIG = REPO / "tests" / "configs" / "fast.yaml"
-WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs")
 # Snakemake 9's message (snakemake.common.NOTHING_TO_BE_DONE_MSG) when no job needs to run.
 NOTHING_TO_DO = "Nothing to be done (all requested files are present and up to date)."
 RUN_TIMEOUT_S = 420  # one full workflow run; about 40 s when the machine is idle
@@ -255,14 +256,7 @@ def file_bytes(root: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def new_workdir(tmp_path_factory):
     """Factory of fresh working directories, each a copy of one snapshot of the repository's workflow."""
-    snapshot = tmp_path_factory.mktemp("snapshot")
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".snakemake", "results", "logs")
-    for name in WORKFLOW_FILES:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, snapshot / name, ignore=ignore)
-        else:
-            shutil.copy2(src, snapshot / name)
+    snapshot = copy_workflow(tmp_path_factory.mktemp("snapshot"))
 
     def make(name: str) -> Path:
         workdir = tmp_path_factory.mktemp(name)
