@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO / "workflow"))
 sys.path.insert(0, str(REPO / "bench"))
 
 import length_mix  # noqa: E402
+from bookkeeping import sync as copy_workflow  # noqa: E402  (the workflow sources, results kept)
 
 SEQ = 512
 STEPS = 14
@@ -161,17 +162,6 @@ BY_NAME = {c.name: c for c in CASES}
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def copy_workflow(work: Path) -> None:
-    for name in ("Snakefile", "workflow", "config", "envs"):
-        src, dst = REPO / name, work / name
-        if dst.exists():
-            shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
-        if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
-            shutil.copy2(src, dst)
 
 
 def bench_config(work: Path, cases: list[Case], tiny: bool) -> Path:
