@@ -411,10 +411,10 @@ def _build(cls: type, values: dict | None, where: str) -> Any:
             continue
         v = values[f.name]
         _check_type(f"{where}{f.name}", v, str(f.type))
-        if isinstance(v, list | tuple) and f.name in ("adam_betas", "languages", "targets", "prompts"):
-            item = "float" if f.name == "adam_betas" else "str"
+        item = re.match(r"tuple\[(\w+)", str(f.type))  # tuple[str, ...], tuple[float, float]
+        if item and isinstance(v, list | tuple):
             for x in v:
-                _check_type(f"{where}{f.name}", x, item)
+                _check_type(f"{where}{f.name}", x, item.group(1))
         if f.name == "lora":
             v = _build(LoraConfig, v, f"{where}lora.")
         elif isinstance(v, list):

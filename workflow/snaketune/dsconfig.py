@@ -102,5 +102,22 @@ def build_ds_config(
     return cfg
 
 
+def offloads(ds_config: dict, key: str = "offload_optimizer") -> bool:
+    """Whether the file puts the optimizer (or, with key offload_param, the weights) in host memory."""
+    zero = ds_config.get("zero_optimization") or {}
+    return (zero.get(key) or {}).get("device", "none") not in ("none", None)
+
+
+def uses_master_weights(ds_config: dict, bf16_optimizer: str, *, bf16: bool) -> bool:
+    """Whether snaketune.optim.MasterWeightAdamW keeps the fp32 masters (train.bf16_optimizer): only in bf16
+    (fp32 weights are their own masters); `auto` at ZeRO stage 0 without offload. The trainer and the memory
+    plan (snaketune.plan) both decide with this."""
+    if not bf16:
+        return False
+    if bf16_optimizer == "auto":
+        return zero_stage(ds_config) == 0 and not offloads(ds_config)
+    return bf16_optimizer == "snaketune"
+
+
 def zero_stage(ds_config: dict) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))

@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.config import LoraConfig
+from snaketune.dsconfig import offloads, uses_master_weights, zero_stage
 
 log = logging.getLogger("snaketune.plan")
 
@@ -282,15 +283,11 @@ class Setup:
 def setup_from_deepspeed(ds: dict, **fields) -> Setup:
     """A Setup with the ZeRO stage, offload and buckets of a DeepSpeed JSON (DeepSpeed's defaults where absent)."""
     zero = ds.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0))
-
-    def offloaded(key: str) -> bool:
-        return (zero.get(key) or {}).get("device", "none") not in ("none", None)
-
+    stage = zero_stage(ds)
     return Setup(
         zero_stage=stage,
-        offload_optimizer=stage > 0 and offloaded("offload_optimizer"),
-        offload_params=stage == 3 and offloaded("offload_param"),
+        offload_optimizer=stage > 0 and offloads(ds),
+        offload_params=stage == 3 and offloads(ds, "offload_param"),
         reduce_bucket=float(zero.get("reduce_bucket_size", 5e8)),
         prefetch_bucket=float(zero.get("stage3_prefetch_bucket_size", 5e7)),
         sub_group=float(zero.get("sub_group_size", 1e9)),
@@ -530,13 +527,8 @@ def _setup_for(train: dict, ds: dict, *, world: int, seq_len: int, precision: st
     the same way: MasterWeightAdamW at ZeRO-0 in bf16 without offload unless train.bf16_optimizer says
     deepspeed; the fused loss except under ZeRO-3; varlen attention in bf16 unless train.attention is sdpa)."""
     lora = train.get("lora") or {}
-    zero = ds.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0))
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
-    choice = train.get("bf16_optimizer", "auto")
-    master = precision == "bf16" and (
-        choice == "snaketune" or (choice == "auto" and stage == 0 and not offload)
-    )
+    stage = zero_stage(ds)
+    master = uses_master_weights(ds, train.get("bf16_optimizer", "auto"), bf16=precision == "bf16")
     world_micro = int(train["micro_batch_size"]) * world
     fields = dict(
         accumulation=max(1, int(train.get("global_batch_size", world_micro)) // world_micro),

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from snaketune import attention, batching, checkpoint, gpus
 from snaketune.config import ModelConfig, TrainConfig, _build
-from snaketune.dsconfig import build_ds_config, zero_stage
+from snaketune.dsconfig import build_ds_config, offloads, uses_master_weights, zero_stage
 from snaketune.io import atomic_dir, sha256_tree, write_json
 from snaketune.metrics import (
     MetricsWriter,
@@ -119,7 +119,9 @@ class Trainer:
             )
 
         file_cfg = json.loads(Path(spec.deepspeed_config).read_text())
-        self.master_weights = self._master_weights(file_cfg)
+        self.master_weights = uses_master_weights(
+            file_cfg, cfg.bf16_optimizer, bf16=self.dtype == torch.bfloat16
+        )
         self.ds_config = build_ds_config(
             file_cfg,
             cfg,
@@ -175,8 +177,7 @@ class Trainer:
             master_weights=self.master_weights,
             grad_clip=cfg.grad_clip,
             kernel=cfg.optimizer_kernel,
-            offload=self.ds_config["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
-            != "none",
+            offload=offloads(self.ds_config),
         )
         schedule = lr_lambda(cfg, self.total_steps)
         self.engine, _, _, _ = deepspeed.initialize(
@@ -196,17 +197,6 @@ class Trainer:
         self.order = batching.GlobalOrder(len(self.train_split), cfg.seed)
         self.peak = peak_flops(device_name(self.device))
         self._print_plan()
-
-    def _master_weights(self, file_cfg: dict) -> bool:
-        """Whether snaketune.optim.MasterWeightAdamW keeps the fp32 masters (train.bf16_optimizer)."""
-        choice = self.cfg.bf16_optimizer
-        if self.dtype != torch.bfloat16:
-            return False  # fp32 training: the weights are their own master copy
-        zero = file_cfg.get("zero_optimization") or {}
-        offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
-        if choice == "auto":
-            return int(zero.get("stage", 0)) == 0 and not offload
-        return choice == "snaketune"
 
     def _check_data_fingerprint(self) -> dict:
         """Refuse tokenized data made with other tokenizer files than the ones we load (Axolotl #1265);
