@@ -113,10 +113,7 @@ def assistant_spans(tokenizer, messages: Sequence[Message]) -> tuple[str, list[t
         prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
         turn = _render(tokenizer, messages[: i + 1])
         if not (text.startswith(prompt) and text.startswith(turn) and len(prompt) < len(turn)):
-            template = (
-                f"tokenizer {tokenizer.name_or_path!r}, chat template sha256 "
-                f"{sha256_text(chat_template_text(tokenizer))[:12]}"
-            )
+            template = _template_id(tokenizer)
             if turn in (prompt, _render(tokenizer, messages[:i])):
                 raise TemplateError(
                     f"the chat template renders assistant message {i} without its reply (adding it adds nothing "
@@ -144,14 +141,16 @@ _PROBE = (
 )
 
 
+def _template_id(tokenizer) -> str:
+    """How error messages name a tokenizer and its chat template."""
+    return f"tokenizer {tokenizer.name_or_path!r}, chat template sha256 {sha256_text(chat_template_text(tokenizer))[:12]}"
+
+
 def check_chat_template(tokenizer) -> None:
     """Raise TemplateError unless the template renders a plain two-exchange conversation with its replies
     in assistant spans: checked once before tokenizing, so a broken template fails before any data is read.
     """
-    where = (
-        f"tokenizer {tokenizer.name_or_path!r}, chat template sha256 "
-        f"{sha256_text(chat_template_text(tokenizer))[:12]}"
-    )
+    where = _template_id(tokenizer)
     try:
         text, spans = assistant_spans(tokenizer, _PROBE)
     except TemplateError:
