@@ -178,7 +178,7 @@ def test_malformed_json_line(tmp_path, raw_dir):
 def test_json_line_that_is_not_an_object(tmp_path, raw_dir, value, kind):
     src = write_jsonl(tmp_path / "m.jsonl", [GOOD[0], value, GOOD[1]])
     assert download_fails(src, raw_dir) == (
-        f"{src}: line 3: expected a JSON object (one message), got {kind}; allowed: one JSON object per line"
+        f"{src}: line 3: expected a JSON object (one message or one tree), got {kind}; allowed: one JSON object per line"
     )
 
 
@@ -209,7 +209,7 @@ def test_utf8_bom_inside_the_file_names_the_line(tmp_path, raw_dir):
 def test_duplicate_key_in_one_object(tmp_path, raw_dir):
     src = write_jsonl(tmp_path / "m.jsonl", [GOOD[0], b'{"message_id": "a", "text": "x", "text": "y"}'])
     assert download_fails(src, raw_dir) == (
-        f"{src}: line 3: key 'text' appears twice in one object; allowed: each key once per message"
+        f"{src}: line 3: key 'text' appears twice in one object; allowed: each key once per object"
     )
 
 
@@ -273,7 +273,10 @@ def test_parquet_file_that_is_not_parquet(tmp_path, raw_dir):
 def test_unsupported_extension(tmp_path, raw_dir):
     src = tmp_path / "m.csv"
     src.write_text("message_id,parent_id,role,text\n", encoding="utf-8")
-    assert download_fails(src, raw_dir) == f"{src}: unsupported file type '.csv'; allowed: .parquet, .jsonl"
+    assert (
+        download_fails(src, raw_dir)
+        == f"{src}: unsupported file type '.csv'; allowed: .jsonl, .jsonl.gz, .parquet"
+    )
     # Caught earlier still, when the config is read, before any job runs:
     with pytest.raises(ConfigError, match=r"'dataset\.source': 'm\.csv' is not allowed; allowed: builtin"):
         DatasetConfig(source="m.csv")
@@ -310,7 +313,8 @@ def test_missing_required_key_jsonl(tmp_path, raw_dir, key):
     src = write_jsonl(tmp_path / "m.jsonl", records)
     assert download_fails(src, raw_dir) == (
         f"{src}: line {line_of(BAD_ROW)}: missing required key(s) {key}; required on every line: "
-        "message_id, parent_id, role, text (parent_id null for a root)"
+        "message_id, parent_id, role, text (parent_id null for a root); or one nested tree per line "
+        "(LAION's *.trees.jsonl: message_tree_id, prompt with replies)"
     )
 
 
@@ -319,7 +323,7 @@ def test_missing_required_column_parquet(tmp_path, raw_dir, key):
     src = write_parquet(tmp_path / "m.parquet", [{k: v for k, v in r.items() if k != key} for r in GOOD])
     assert download_fails(src, raw_dir) == (
         f"{src}: missing required column(s) {key}; required: message_id, parent_id, role, text "
-        "(optional: lang, created_date, rank, deleted, review_result, message_tree_id, split)"
+        "(optional: lang, created_date, rank, deleted, review_result, message_tree_id, tree_state, split)"
     )
 
 

@@ -198,6 +198,7 @@ def test_drop_counts_by_reason():
         "orphan": 2,
         "loop": 4,
         "language": 0,
+        "tree_state": 0,
         "deleted": 1,
         "review_failed": 1,
         "empty_text": 1,
@@ -284,7 +285,7 @@ def test_language_filter_uses_root_language():
     result = build_conversations(frame(*rows), languages=["en"], paths="all")
     assert ids(result) == ["en1-a"]
     assert result.stats["dropped"]["language"] == 5
-    assert result.stats["trees_dropped"] == {"language": 2}
+    assert result.stats["trees_dropped"] == {"language": 2, "tree_state": 0}
     assert result.stats["languages"] == ["en"]
     unknown = build_conversations(frame(*rows), languages=["unknown"])
     assert ids(unknown) == ["nolang-a"]
@@ -572,12 +573,14 @@ def test_stats_full():
             "orphan": 2,
             "loop": 4,
             "language": 0,
+            "tree_state": 0,
             "deleted": 1,
             "review_failed": 1,
             "empty_text": 1,
             "under_dropped_parent": 2,
         },
-        "trees_dropped": {"language": 0},
+        "tree_states": ["ready_for_export"],
+        "trees_dropped": {"language": 0, "tree_state": 0},
         "paths_dropped": {"non_alternating": 1, "no_exchange": 1, "duplicate": 0},
         "paths_trimmed_prompter": 1,
         "split_source": "hash",
@@ -688,7 +691,9 @@ def test_read_messages_parquet_with_oasst1_types(tmp_path):
 
 
 def test_read_messages_bad_files(tmp_path):
-    with pytest.raises(DataError, match=r"unsupported file type '\.csv'; allowed: \.parquet, \.jsonl"):
+    with pytest.raises(
+        DataError, match=r"unsupported file type '\.csv'; allowed: \.jsonl, \.jsonl\.gz, \.parquet"
+    ):
         read_messages(tmp_path / "m.csv")
     (tmp_path / "bad.parquet").write_bytes(b"not parquet")
     with pytest.raises(DataError, match="bad.parquet: not a readable Parquet file"):

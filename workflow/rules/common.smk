@@ -68,6 +68,7 @@ def conversations_params():
         "languages": list(ds.languages),
         "paths": ds.paths,
         "validation_fraction": ds.validation_fraction,
+        "tree_states": list(ds.tree_states),
         "code": keys.code_hash("conversations"),
     }
 

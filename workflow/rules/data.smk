@@ -93,7 +93,8 @@ rule tokenize:
         "benchmarks/tokenized/{key}.tsv"
     conda:
         "../../envs/data.yaml"
-    threads: 1
+    # The Rust tokenizer encodes each batch on this many threads (capped at --cores); the output is the same.
+    threads: 8
     params:
         spec=tokenize_params,
     script:

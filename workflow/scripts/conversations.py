@@ -11,6 +11,7 @@ def main(smk):
         languages=spec["languages"],
         paths=spec["paths"],
         validation_fraction=spec["validation_fraction"],
+        tree_states=spec["tree_states"],
         source_name=smk.input.messages,
     )
     # All three files or none (snaketune.io.atomic_files).

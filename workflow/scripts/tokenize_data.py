@@ -13,6 +13,7 @@ def main(smk):
         Path(smk.input.tokenizer).parent,
         smk.output[0],
         **spec,
+        threads=smk.threads,
     )
 
 

@@ -16,6 +16,21 @@ from pathlib import Path
 from typing import Any
 
 BUILTIN_MODELS = ("builtin-tiny", "arch:deepseek-llm-7b")
+SOURCE_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+"""snaketune.messages.SUFFIXES (kept here so that the config does not import pandas)."""
+TREE_STATES = (
+    "initial_prompt_review",
+    "prompt_lottery_waiting",
+    "growing",
+    "ranking",
+    "backlog_ranking",
+    "ready_for_scoring",
+    "scoring_failed",
+    "ready_for_export",
+    "aborted_low_grade",
+    "halted_by_moderator",
+)
+"""The message tree states of Open-Assistant's backend (oasst_backend.models.message_tree_state.State)."""
 PATHS_MODES = ("top1", "all")
 CHAT_TEMPLATES = ("deepseek", "model")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -50,15 +65,18 @@ class DatasetConfig:
     """`top1`: the best-ranked path per tree; `all`: every root-to-leaf path."""
     validation_fraction: float = 0.05
     """Share of trees held out for validation when the source has no split of its own."""
+    tree_states: tuple[str, ...] = ("ready_for_export",)
+    """Keep trees whose root has one of these tree_state values (a tree without one is kept); empty keeps all."""
 
     def __post_init__(self) -> None:
         src = self.source
         if not src:
             _fail("dataset.source", "is empty; allowed: builtin | hub:<dataset id> | a .jsonl/.parquet file")
-        if src != "builtin" and not src.startswith("hub:") and not src.endswith((".jsonl", ".parquet")):
+        if src != "builtin" and not src.startswith("hub:") and not src.endswith(SOURCE_SUFFIXES):
             _fail(
                 "dataset.source",
-                f"{src!r} is not allowed; allowed: builtin | hub:<dataset id> | a path ending in .jsonl or .parquet",
+                f"{src!r} is not allowed; allowed: builtin | hub:<dataset id> | a path ending in "
+                f"{', '.join(SOURCE_SUFFIXES)} (flat message rows or LAION's nested trees)",
             )
         if src.startswith("hub:") and not re.match(r"^hub:[\w.-]+(/[\w.-]+)?$", src):
             _fail("dataset.source", f"{src!r} is not a hub dataset id (expected hub:<owner>/<name>)")
@@ -68,6 +86,9 @@ class DatasetConfig:
             _fail("dataset.validation_fraction", f"{self.validation_fraction} must be > 0 and < 1")
         if self.builtin_trees < 10:
             _fail("dataset.builtin_trees", f"{self.builtin_trees} must be >= 10")
+        for state in self.tree_states:
+            if state not in TREE_STATES:
+                _fail("dataset.tree_states", f"{state!r} is not allowed; allowed: {', '.join(TREE_STATES)}")
         for code in self.languages:
             if not isinstance(code, str) or not LANG_CODE.match(code):
                 _fail("dataset.languages", f"{code!r} is not a language code (e.g. en, de, pt-BR)")

@@ -1,9 +1,9 @@
-"""Conversations to training sequences: chat template, assistant-only labels, truncation and packing.
+"""Stage 4, tokenize: conversations to training sequences: assistant-only labels, truncation and packing.
 
-Each conversation is rendered with the chat template and tokenized once; a token is trained on (label = its
-id) when its first character lies in an assistant turn's span: the reply text and its end-of-turn token,
-never the ``Assistant:`` prompt or anything the user wrote. Labels are not shifted: the causal LM's loss
-shifts them itself. Packing concatenates whole conversations into blocks of at most ``max_length`` tokens
+Each conversation is rendered with the chat template and encoded once (snaketune.chat, batched); a token is
+trained on (label = its id) when its first character lies in an assistant turn's span: the reply text and
+its end-of-turn token, never the ``Assistant:`` prompt or anything the user wrote. Labels are not shifted:
+the causal LM's loss shifts them itself. Packing concatenates whole conversations into blocks of at most ``max_length`` tokens
 with position ids restarting at 0 per conversation. The model must keep a block's conversations apart:
 call it with position_ids, no attention_mask and ``use_cache=False`` (transformers then derives the
 block-diagonal mask itself), or pass ``snaketune.batching.packed_attention_mask(position_ids)`` as training does.
@@ -13,25 +13,43 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-from snaketune.config import CHAT_TEMPLATES
-from snaketune.io import atomic_dir, sha256_file, sha256_text
-from snaketune.tokenizer import (
-    DEEPSEEK_CHAT_TEMPLATE,
-    check_tokenizer_dir,
-    load_fast_tokenizer,
-    read_conversations_file,
+from snaketune.chat import (
+    IGNORE_INDEX,
+    Message,
+    TemplateError,
+    assistant_spans,
+    chat_template_text,
+    check_chat_template,
+    encode_conversation,
+    encode_conversations,
+    load_tokenizer,
 )
+from snaketune.io import atomic_dir, sha256_file, sha256_text
+from snaketune.tokenizer import read_conversations_file
 
-IGNORE_INDEX = -100
-"""Label of tokens without loss (torch's cross-entropy ignore_index, which transformers' losses use)."""
+__all__ = [
+    "IGNORE_INDEX",
+    "TemplateError",
+    "assistant_spans",
+    "check_chat_template",
+    "encode_conversation",
+    "load_tokenizer",
+    "pack",
+    "tokenize_conversation",
+    "tokenize_conversations",
+    "truncate",
+]
+
 SPLITS = ("train", "validation")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -42,156 +60,7 @@ TOKENIZER_FILES = (
 """Files of a tokenizer directory whose hashes go into stats.json (those present)."""
 COLUMNS = ("input_ids", "labels", "position_ids")
 
-Message = dict[str, str]
 Example = dict[str, Any]
-
-
-class TemplateError(ValueError):
-    """The chat template is missing or cannot mark assistant tokens; the message says what to change."""
-
-
-def load_tokenizer(path: str | Path, chat_template: str):
-    """A fast tokenizer from a local directory, with the chat template that ``tokenize.chat_template`` names.
-
-    ``deepseek`` installs DEEPSEEK_CHAT_TEMPLATE, which renders the tokenizer's own bos/eos tokens (a foreign
-    tokenizer keeps its specials: ``<s>``/``</s>`` stay as they are); ``model`` keeps the tokenizer's template.
-    A tokenizer without pad gets pad = eos, as DeepSeek's: padded positions carry no loss.
-    """
-    if chat_template not in CHAT_TEMPLATES:
-        raise TemplateError(
-            f"tokenize.chat_template {chat_template!r} is not allowed; allowed: {', '.join(CHAT_TEMPLATES)}"
-        )
-    check_tokenizer_dir(path, "tokenizer directory")
-    tokenizer = load_fast_tokenizer(path, "tokenizer directory")
-    if tokenizer.eos_token is None:
-        raise TemplateError(
-            f"tokenizer {str(path)!r} has no eos token, so assistant turns have no end-of-turn token"
-        )
-    if chat_template == "deepseek":
-        for name in ("bos_token", "eos_token"):
-            token = getattr(tokenizer, name)
-            # The template writes the special as text: it must come back as the one id the model knows.
-            if token is not None and tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id):
-                raise TemplateError(f"tokenizer {str(path)!r}: {name} {token!r} is not in its vocabulary")
-        tokenizer.chat_template = DEEPSEEK_CHAT_TEMPLATE
-    elif not tokenizer.chat_template:
-        raise TemplateError(
-            f"tokenizer {str(path)!r} has no chat template of its own (tokenize.chat_template: model needs "
-            "one in tokenizer_config.json or chat_template.jinja); set tokenize.chat_template to one of: "
-            f"{', '.join(CHAT_TEMPLATES)} (deepseek uses the DeepSeek-LLM chat format)"
-        )
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def chat_template_text(tokenizer) -> str:
-    """The tokenizer's chat template as one string (a dict of named templates as sorted JSON)."""
-    template = tokenizer.chat_template
-    return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
-
-
-def _render(tokenizer, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-    )
-
-
-def assistant_spans(tokenizer, messages: Sequence[Message]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans [start, end) of its assistant turns.
-
-    A span runs from the end of the generation prompt to the end of the turn, so it holds the reply and the
-    end-of-turn token: what the model must produce after the prompt at inference. Spans are found by
-    rendering prefixes of the conversation, which works only if the template renders each turn the same
-    way whatever follows it; templates that rewrite history (e.g. drop earlier replies' reasoning) raise.
-    """
-    text = _render(tokenizer, messages)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        turn = _render(tokenizer, messages[: i + 1])
-        if not (text.startswith(prompt) and text.startswith(turn) and len(prompt) < len(turn)):
-            template = _template_id(tokenizer)
-            if turn in (prompt, _render(tokenizer, messages[:i])):
-                raise TemplateError(
-                    f"the chat template renders assistant message {i} without its reply (adding it adds nothing "
-                    f"beyond the generation prompt), so there are no tokens to train on ({template}); allowed: a "
-                    "template that renders the content of role 'assistant' messages, e.g. "
-                    "tokenize.chat_template: deepseek"
-                )
-            raise TemplateError(
-                "the chat template renders turns differently in context, so assistant tokens cannot be marked: "
-                f"rendering messages[:{i}] with the generation prompt, or messages[:{i + 1}], is not a prefix of "
-                f"the whole conversation ({template}); use tokenize.chat_template: deepseek "
-                "or a template that renders earlier turns unchanged"
-            )
-        spans.append((len(prompt), len(turn)))
-    return text, spans
-
-
-# Two exchanges: the second assistant turn is rendered after an earlier one, which is where templates that
-# rewrite history (or ignore a role) show it.
-_PROBE = (
-    {"role": "user", "content": "What is 2 + 2?"},
-    {"role": "assistant", "content": "It is 4."},
-    {"role": "user", "content": "And 3 + 3?"},
-    {"role": "assistant", "content": "It is 6."},
-)
-
-
-def _template_id(tokenizer) -> str:
-    """How error messages name a tokenizer and its chat template."""
-    return f"tokenizer {tokenizer.name_or_path!r}, chat template sha256 {sha256_text(chat_template_text(tokenizer))[:12]}"
-
-
-def check_chat_template(tokenizer) -> None:
-    """Raise TemplateError unless the template renders a plain two-exchange conversation with its replies
-    in assistant spans: checked once before tokenizing, so a broken template fails before any data is read.
-    """
-    where = _template_id(tokenizer)
-    try:
-        text, spans = assistant_spans(tokenizer, _PROBE)
-    except TemplateError:
-        raise
-    except Exception as e:  # jinja2 errors, raise_exception() in the template, missing variables
-        raise TemplateError(
-            f"the chat template cannot render a user/assistant conversation ({where}): "
-            f"{type(e).__name__}: {e}; allowed: a template for roles user and assistant, "
-            "e.g. tokenize.chat_template: deepseek"
-        ) from e
-    replies = [m["content"] for m in _PROBE if m["role"] == "assistant"]
-    for reply, (start, end) in zip(replies, spans, strict=True):
-        if reply not in text[start:end]:
-            raise TemplateError(
-                f"the chat template does not put the assistant's reply {reply!r} in the assistant's turn "
-                f"(rendered: {text!r}; {where}); allowed: a template that renders message['content'] of "
-                "assistant messages, e.g. tokenize.chat_template: deepseek"
-            )
-
-
-def encode_conversation(
-    tokenizer, messages: Sequence[Message], *, assistant_only_loss: bool
-) -> tuple[list[int], list[int]]:
-    """Token ids and labels of a whole conversation, untruncated.
-
-    ``labels[0]`` is always IGNORE_INDEX: a causal LM never predicts its first token (the loss shifts labels
-    left), and in a packed block that label would otherwise be predicted from the previous conversation.
-    """
-    text, spans = assistant_spans(tokenizer, messages)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = list(encoding["input_ids"])
-    starts = [span[0] for span in spans]
-    labels = []
-    for token_id, (start, _end) in zip(input_ids, encoding["offset_mapping"], strict=True):
-        # Spans are sorted and disjoint: only the last one starting at or before the token can hold it.
-        k = bisect.bisect_right(starts, start) - 1
-        in_reply = k >= 0 and start < spans[k][1]
-        labels.append(token_id if in_reply or not assistant_only_loss else IGNORE_INDEX)
-    if labels:
-        labels[0] = IGNORE_INDEX
-    return input_ids, labels
 
 
 def truncate(input_ids: list[int], labels: list[int], max_length: int) -> Example | None:
@@ -297,7 +166,7 @@ def save_rows(rows: list[Example], path: Path, *, split: str, fingerprint: str) 
 
 
 def _split_stats(
-    lengths: list[int], kept: list[Example], blocks: list[Example], max_length: int
+    lengths: list[int], kept: list[Example], blocks: list[Example], max_length: int, loss_tokens: int
 ) -> dict[str, Any]:
     """Counts for stats.json; ``lengths`` are untruncated token counts of every conversation read."""
     n_conversations = len(lengths)
@@ -309,8 +178,8 @@ def _split_stats(
         "truncated": truncated,
         "truncated_pct": round(100.0 * truncated / max(n_conversations, 1), 3),
         "tokens": tokens,
-        # labels[0] is never a target (see encode_conversation), so this is what the loss averages over.
-        "loss_tokens": sum(label != IGNORE_INDEX for example in kept for label in example["labels"]),
+        # labels[0] is never a target (see snaketune.chat), so this is what the loss averages over.
+        "loss_tokens": loss_tokens,
         # What padding each kept conversation to max_length would waste, and what packing leaves unused.
         "pad_fraction_unpadded_to_max": round(1.0 - tokens / max(len(kept) * max_length, 1), 6),
         "packed_blocks": len(blocks),
@@ -322,33 +191,43 @@ def _split_stats(
 
 def tokenize_split(
     tokenizer, parquet_path: Path, *, max_length: int, assistant_only_loss: bool, desc: str
-) -> tuple[list[int], list[Example], tuple[int, str] | None]:
-    """Untruncated lengths of all conversations of one file, the examples that keep a loss token, and the
-    fewest tokens any conversation needs to keep one (with its conversation_id; None when none has one).
+) -> tuple[list[int], list[Example], tuple[int, str] | None, int]:
+    """Untruncated lengths of all conversations of one file, the examples that keep a loss token, the
+    fewest tokens any conversation needs to keep one (with its conversation_id; None when none has one),
+    and the loss tokens of the kept examples.
     """
     columns = read_conversations_file(parquet_path, ["conversation_id", "messages"])
+    ids_by_row = columns["conversation_id"]
     lengths: list[int] = []
     kept: list[Example] = []
     shortest: tuple[int, str] | None = None
-    pairs = zip(columns["conversation_id"], columns["messages"], strict=True)
-    total = len(columns["messages"])
-    progress = tqdm(pairs, total=total, desc=desc, unit="conv", file=sys.stderr, mininterval=2.0)
-    for conversation_id, messages in progress:
-        try:
-            input_ids, labels = encode_conversation(
-                tokenizer, messages, assistant_only_loss=assistant_only_loss
+    loss_tokens = 0
+    encoded = encode_conversations(tokenizer, columns["messages"], assistant_only_loss=assistant_only_loss)
+    progress = tqdm(encoded, total=len(ids_by_row), desc=desc, unit="conv", file=sys.stderr, mininterval=2.0)
+    try:
+        for row, (input_ids, labels) in enumerate(progress):
+            lengths.append(len(input_ids))
+            trained = np.flatnonzero(labels != IGNORE_INDEX)
+            if not len(trained):
+                continue
+            # max_length must reach the first trained token (in the first assistant reply) for it to count.
+            if shortest is None or trained[0] + 1 < shortest[0]:
+                shortest = (int(trained[0]) + 1, ids_by_row[row])
+            if trained[0] >= max_length:
+                continue
+            loss_tokens += int(np.count_nonzero(trained < max_length))
+            kept.append(
+                {
+                    "input_ids": input_ids[:max_length].tolist(),
+                    "labels": labels[:max_length].tolist(),
+                    "truncated": len(input_ids) > max_length,
+                }
             )
-        except TemplateError as e:
-            raise TemplateError(f"{parquet_path}: conversation {conversation_id!r}: {e}") from e
-        lengths.append(len(input_ids))
-        # max_length must reach the first trained token (in the first assistant reply) for it to count.
-        first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
-        if first is not None and (shortest is None or first + 1 < shortest[0]):
-            shortest = (first + 1, conversation_id)
-        example = truncate(input_ids, labels, max_length)
-        if example is not None:
-            kept.append(example)
-    return lengths, kept, shortest
+    except TemplateError as e:
+        index = str(e).removeprefix("conversation index ").split(":", 1)[0]
+        where = f"conversation {ids_by_row[int(index)]!r}" if index.isdigit() else "a conversation"
+        raise TemplateError(f"{parquet_path}: {where}: {str(e).split(': ', 1)[-1]}") from e
+    return lengths, kept, shortest, loss_tokens
 
 
 def _no_rows_error(parquet_path: Path, lengths: list[int], shortest, max_length: int) -> ValueError:
@@ -375,6 +254,7 @@ def tokenize_conversations(
     packing: bool,
     assistant_only_loss: bool,
     chat_template: str,
+    threads: int = 1,
 ) -> dict[str, Any]:
     """Tokenize conversations/{train,validation}.parquet into out_dir/{train,validation} datasets + stats.json.
 
@@ -387,6 +267,9 @@ def tokenize_conversations(
     off too), mean/max untruncated conversation tokens; and the sha256 of the conversation files, the
     tokenizer files and the chat template, the settings and library versions.
     """
+    # The Rust tokenizer's thread pool starts at its first batch and reads this then; the output does not
+    # depend on it (bench/tokenize_throughput.py compares the bytes across thread counts).
+    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, threads)))
     import datasets
     import tokenizers
     import transformers
@@ -414,7 +297,7 @@ def tokenize_conversations(
     }
     with atomic_dir(out_dir) as tmp:
         for split in SPLITS:
-            lengths, kept, shortest = tokenize_split(
+            lengths, kept, shortest, loss_tokens = tokenize_split(
                 tokenizer,
                 conv_dir / f"{split}.parquet",
                 max_length=max_length,
@@ -424,7 +307,7 @@ def tokenize_conversations(
             # Packed anyway so stats can say what packing saves when it is off.
             blocks = pack(kept, max_length)
             rows = blocks if packing else [with_position_ids(example) for example in kept]
-            split_stats = _split_stats(lengths, kept, blocks, max_length)
+            split_stats = _split_stats(lengths, kept, blocks, max_length, loss_tokens)
             split_stats["sequences"] = len(rows)
             if not rows:
                 raise _no_rows_error(conv_dir / f"{split}.parquet", lengths, shortest, max_length)

@@ -1,0 +1,120 @@
+"""Tokens/s of the tokenize stage with the real DeepSeek-LLM tokenizer on real oasst text, by thread count.
+
+The corpus: every conversation (`paths: all`, every tree state) of the real oasst samples in
+../shared/realdata/oasst (100 English oasst1 trees, 520 oasst2 trees in 30+ languages), repeated under new
+conversation ids until it holds about `--tokens` tokens: the length mix and languages of real oasst data, at
+the scale of the full oasst1 (~21M tokens with `paths: all`) when asked. Each thread count runs the stage
+function (`snaketune.tokenization.tokenize_conversations`, what the tokenize rule calls) in a fresh process,
+as the rule does, and the outputs are compared byte for byte across thread counts.
+
+    .venv/bin/python bench/tokenize_throughput.py [--tokens 5000000] [--threads 1,2]
+
+Prints a table: the process's wall time (Python start and imports included), the stage function's (tokenizer
+load, reading, encoding, packing, writing the Arrow files), and tokens/s over the stage (tokens written, i.e.
+after truncation to 2,048).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+REALDATA = REPO.parent / "shared" / "realdata"
+SOURCES = ("oasst/en_100_tree.jsonl", "oasst/openpaws_oasst2.trees.jsonl")
+TOKENIZER = REALDATA / "deepseek-llm-7b-base"
+
+
+def build_corpus(out: Path, tokens: int) -> dict:
+    sys.path.insert(0, str(REPO / "workflow"))
+    import pandas as pd
+
+    from snaketune.conversations import (
+        OUTPUT_COLUMNS,
+        Conversations,
+        build_conversations,
+        write_conversations,
+    )
+    from snaketune.messages import read_messages
+
+    frames = [
+        build_conversations(read_messages(REALDATA / s), paths="all", tree_states=()).train for s in SOURCES
+    ]
+    base = pd.concat(frames, ignore_index=True)
+    # ~3.4 characters per token in this mix (measured once; the stage's stats give the exact count).
+    chars = sum(len(m["content"]) for msgs in base["messages"] for m in msgs)
+    copies = max(1, round(tokens / (chars / 3.4)))
+    rows = []
+    for k in range(copies):
+        part = base.copy()
+        part["conversation_id"] = part["conversation_id"] + f"-{k}"
+        rows.append(part)
+    train = pd.concat(rows, ignore_index=True)[list(OUTPUT_COLUMNS)]
+    validation = base.head(20)[list(OUTPUT_COLUMNS)]
+    write_conversations(Conversations(train, validation, {"bench": True}), out)
+    return {"conversations": len(train), "copies": copies, "distinct": len(base)}
+
+
+CHILD = r"""
+import json, os, sys, time
+sys.path.insert(0, {workflow!r})
+t0 = time.perf_counter()
+from snaketune.tokenization import tokenize_conversations
+stats = tokenize_conversations({conv!r}, {tok!r}, {out!r}, max_length=2048, packing=True,
+    assistant_only_loss=True, chat_template="deepseek", threads={threads})
+print(json.dumps({{"wall": time.perf_counter() - t0, "stats": stats}}))
+"""
+
+
+def run(conv: Path, out: Path, threads: int) -> dict:
+    code = CHILD.format(workflow=str(REPO / "workflow"), conv=str(conv), tok=str(TOKENIZER), out=str(out),
+                        threads=threads)  # fmt: skip
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "true"}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    if proc.returncode:
+        sys.exit(proc.stderr[-3000:])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["process"] = time.perf_counter() - t0
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=5_000_000)
+    parser.add_argument("--threads", default="1,2")
+    args = parser.parse_args()
+    if not TOKENIZER.is_dir():
+        sys.exit(f"{TOKENIZER} is absent: this benchmark needs ../shared/realdata")
+    sys.path.insert(0, str(REPO / "workflow"))
+    from snaketune.io import sha256_tree
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        corpus = build_corpus(root / "conversations", args.tokens)
+        print(f"corpus: {corpus['conversations']:,} conversations ({corpus['distinct']:,} distinct x "
+              f"{corpus['copies']})")  # fmt: skip
+        rows, hashes = [], {}
+        for threads in (int(t) for t in args.threads.split(",")):
+            out = root / f"tokenized-{threads}"
+            r = run(root / "conversations", out, threads)
+            tokens = sum(s["tokens"] for s in r["stats"]["splits"].values())
+            hashes[threads] = sha256_tree(out)
+            rows.append((threads, r["process"], r["wall"], tokens))
+        print(f"{'threads':>7} {'process s':>10} {'stage s':>8} {'tokens':>12} {'tok/s (stage)':>14}")
+        for threads, proc_s, wall, tokens in rows:
+            print(f"{threads:>7} {proc_s:>10.2f} {wall:>8.2f} {tokens:>12,} {tokens / wall:>14,.0f}")
+        same = len({json.dumps(h, sort_keys=True) for h in hashes.values()}) == 1
+        print(f"outputs byte-identical across thread counts: {same}")
+        if not same:
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
