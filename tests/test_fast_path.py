@@ -241,6 +241,89 @@ def test_master_weight_state_dict_resumes_exactly():
     assert _train(net2, opt2, 3, seed=1) == later  # the fp32 masters came back, not their bf16 rounding
 
 
+def _micro_grads(net, n_micro: int, seed: int) -> list[list[torch.Tensor]]:
+    """Each micro-batch's bf16 gradients of `net` (scaled as the trainer scales them: 1 / n_micro)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_micro):
+        x = torch.randn(16, 8, generator=gen).to(torch.bfloat16)
+        net.zero_grad()
+        ((net(x).float() - 1.0).pow(2).mean() / n_micro).backward()
+        out.append([p.grad.clone() for p in net.parameters()])
+    net.zero_grad()
+    return out
+
+
+def test_fp32_accumulation_equals_the_fp32_sum_of_micro_batch_gradients():
+    """Over 8 micro-batches, MasterWeightAdamW(accumulate_fp32=True) updates with the fp32 sum of the bf16
+    micro-batch gradients, exactly what torch's AdamW on fp32 masters does with that sum; summing in bf16
+    (the model's own .grad) is measurably off, so the comparison would catch the difference."""
+    steps, n_micro = 3, 8
+    net = _mlp(torch.bfloat16)
+    ref_masters = [p.detach().float().clone().requires_grad_() for p in net.parameters()]
+    reference = torch.optim.AdamW(ref_masters, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    opt = optim.MasterWeightAdamW(
+        [{"params": list(net.parameters())}], lr=1e-2, betas=(0.9, 0.95), accumulate_fp32=True
+    )
+    for step in range(steps):
+        # The reference: every micro-batch's bf16 gradient of the same weights, summed in fp32.
+        twin = _mlp(torch.bfloat16)
+        twin.load_state_dict(net.state_dict())
+        micro = _micro_grads(twin, n_micro, seed=step)
+        fp32_sum = [torch.stack([g[i].float() for g in micro]).sum(0) for i in range(len(ref_masters))]
+        bf16_sum = [sum(g[i] for g in micro[1:]) + micro[0][i] for i in range(len(ref_masters))]
+        for master, grad in zip(ref_masters, fp32_sum, strict=True):
+            master.grad = grad
+        reference.step()
+        gen = torch.Generator().manual_seed(step)
+        for _ in range(n_micro):
+            x = torch.randn(16, 8, generator=gen).to(torch.bfloat16)
+            ((net(x).float() - 1.0).pow(2).mean() / n_micro).backward()
+        assert all(p.grad is None for p in net.parameters())  # freed into the fp32 buffer as they came
+        buffered = [v.clone() for v in opt._grad_views[0]]
+        for got, want in zip(buffered, fp32_sum, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+        if step == 0:
+            err = max(
+                ((b.float() - w).norm() / w.norm()).item() for b, w in zip(bf16_sum, fp32_sum, strict=True)
+            )
+            assert err > 1e-4, f"bf16 accumulation should differ measurably from fp32 (relative {err:.1e})"
+        opt.step()
+        net.zero_grad()
+        masters = opt.param_groups[0]["params"]
+        for mine, ref in zip(masters, ref_masters, strict=True):
+            torch.testing.assert_close(mine, ref.detach(), rtol=1e-6, atol=1e-7)
+    assert float(opt.main_grads.abs().max()) == 0.0  # cleared after each step
+
+
+def test_placement_check_names_tensors_on_the_wrong_device_or_dtype():
+    net = _mlp(torch.bfloat16)
+    opt = optim.MasterWeightAdamW(optim.param_groups(net, 0.0), lr=1e-2, betas=(0.9, 0.95))
+    assert optim.check_placement(opt, device=torch.device("cpu"), dtype=torch.float32) > 0
+    with pytest.raises(
+        RuntimeError,
+        match=r"are not where they train: param_groups\[0\]\.params\[0\] on cpu \(expected meta\)",
+    ):
+        optim.check_placement(opt, device=torch.device("meta"), dtype=torch.float32)
+    opt.param_groups[0]["params"][0].data = opt.param_groups[0]["params"][0].data.to(torch.bfloat16)
+    with pytest.raises(
+        RuntimeError, match=r"param_groups\[0\]\.params\[0\] is torch\.bfloat16 \(expected torch\.float32\)"
+    ):
+        optim.check_placement(opt, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_zero3_partitioned_parameters_keep_their_weight_decay_group():
+    """Under ZeRO-3 a parameter is an empty 1-D partition with its real shape in ds_shape: the decay groups
+    must follow ds_shape, not dim() (which would put every weight in the no-decay group)."""
+    net = _mlp()
+    expected = [[id(p) for p in g["params"]] for g in optim.param_groups(net, 0.1)]
+    for p in net.parameters():
+        p.ds_shape = p.shape
+        p.data = torch.empty(0)
+    assert [[id(p) for p in g["params"]] for g in optim.param_groups(net, 0.1)] == expected
+    assert len(expected[0]) == 2 and len(expected[1]) == 4  # two weight matrices; biases and the norm
+
+
 @pytest.mark.gpu
 def test_triton_adamw_matches_torch_adamw():
     """The fused Triton step is torch's fused AdamW on fp32 gradient copies, bf16 weights rounded the same way."""
@@ -333,6 +416,25 @@ def test_fast_path_two_ranks_follow_one(fast_run, tiny_data, tmp_path):
     assert run.summary["world_size"] == 2
     np.testing.assert_allclose(run.losses, fast_run.losses, rtol=LOSS_RTOL)
     assert np.mean(np.abs(np.array(run.losses) - fast_run.losses) / fast_run.losses) < MEAN_LOSS_RTOL
+
+
+def test_fast_path_accumulates_in_fp32_across_ranks(fast_run, tiny_data, tmp_path):
+    """2 ranks x micro-batch 1 x accumulation 2: the fp32 gradient buffer is summed over micro-batches and
+    all-reduced by the optimizer (DeepSpeed's all-reduce of .grad is off), and the run follows 1 rank x 4 x 1."""
+    run = run_training(
+        tmp_path,
+        tiny_data,
+        nproc=2,
+        train_overrides={**FAST, "micro_batch_size": 1, "checkpoint_every": 0},
+        deepspeed="zero0",
+    )
+    s = run.summary
+    assert s["gradient_accumulation_steps"] == 2 and s["fp32_gradient_accumulation"] is True
+    assert "fp32 gradient accumulation" in s["fp32_master_weights"]
+    np.testing.assert_allclose(run.losses, fast_run.losses, rtol=LOSS_RTOL)
+    assert np.mean(np.abs(np.array(run.losses) - fast_run.losses) / fast_run.losses) < MEAN_LOSS_RTOL
+    norms = [row["train/grad_norm"] for row in run.rows]
+    np.testing.assert_allclose(norms[:-1], [r["train/grad_norm"] for r in fast_run.rows][:-1], rtol=0.05)
 
 
 def test_fast_path_lora(tiny_data, tmp_path):

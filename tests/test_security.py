@@ -233,7 +233,7 @@ CHECKPOINTED = dict(max_steps=3, checkpoint_every=2)
 @pytest.mark.parametrize("damage", ["planted pickle", "truncated file"])
 def test_resume_refuses_a_damaged_checkpoint(checkpointed_run, tmp_path, damage):
     """DeepSpeed loads its checkpoint files with torch.load(weights_only=False); the ranks force weights_only
-    (snaketune.training._safe_checkpoint_loading), so a file that would run code is refused, and so is a
+    (snaketune.ranks.safe_checkpoint_loading), so a file that would run code is refused, and so is a
     truncated one, with a message naming the checkpoint and what to delete; the planted code never runs.
     An intact checkpoint resumes (tests/test_training.py, test_fast_path.py)."""
     import shutil

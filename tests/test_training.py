@@ -122,6 +122,9 @@ def test_one_rank_equals_two_ranks(base_run, zero2_run):
 
 def test_zero_stages_agree(zero2_run, zero3_run, zero0_run):
     assert [r.summary["zero_stage"] for r in (zero0_run, zero2_run, zero3_run)] == [0, 2, 3]
+    decayed = zero2_run.summary["weight_decay_parameters"]
+    assert decayed["tensors"] > 0
+    assert all(r.summary["weight_decay_parameters"] == decayed for r in (zero0_run, zero3_run))
     assert_same_steps(zero3_run, zero2_run)
     assert_same_steps(zero0_run, zero2_run)
     # ZeRO-3 gathers its partitioned weights to save them: the saved model is the one ZeRO-2 trained.

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from snaketune import attention
+
 IGNORE = -100
 
 
@@ -35,6 +37,10 @@ class TokenizedSplit:
     @property
     def lengths(self) -> np.ndarray:
         return np.fromiter((len(x) for x in self.input_ids), dtype=np.int64, count=len(self))
+
+    def lengths_of(self, rows) -> np.ndarray:
+        """Real tokens of the given rows (pads excluded)."""
+        return np.fromiter((len(self.input_ids[r]) for r in rows), dtype=np.int64, count=len(rows))
 
 
 def load_split(path: str | Path) -> TokenizedSplit:
@@ -109,6 +115,23 @@ def collate(split: TokenizedSplit, indices: np.ndarray, pad_id: int) -> dict[str
         labels[row, :k] = torch.from_numpy(split.labels[i].astype(np.int64))
         position_ids[row, :k] = torch.from_numpy(split.position_ids[i].astype(np.int64))
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+def pad_id(tokenizer) -> int:
+    """The id rows are padded with: pad, or eos when the tokenizer has none (pads carry no loss)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def device_batch(split: TokenizedSplit, rows, pad: int, device, *, varlen: bool) -> dict[str, torch.Tensor]:
+    """A collated micro-batch on `device`; with varlen attention also the conversations' boundaries
+    (`cu_seqlens`, snaketune.attention.segments), computed on the host from the CPU tensors."""
+    cpu = collate(split, rows, pad)
+    batch = {k: v.to(device, non_blocking=True) for k, v in cpu.items()}
+    if varlen:
+        batch["cu_seqlens"] = attention.segments(cpu["position_ids"], split.lengths_of(rows).tolist()).to(
+            device
+        )
+    return batch
 
 
 def packed_attention_mask(position_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

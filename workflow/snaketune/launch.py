@@ -113,9 +113,11 @@ def launch(
     threads: int,
     nodes: int = 1,
     plan: dict | None = None,
+    module: str = "snaketune.training",
 ) -> None:
     """Write the run spec and run torchrun (through srun on every node when nodes > 1); rank output is
-    appended to log_file. `plan` is the plan rule's results/plan/<experiment>.json, checked against the GPUs."""
+    appended to log_file. `plan` is the plan rule's results/plan/<experiment>.json, checked against the GPUs.
+    `module` is what each rank runs (`python -m module <spec>`): snaketune.training, or snaketune.dpo."""
     import torch
 
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -172,6 +174,7 @@ def launch(
             f"--nnodes={nodes}",
             f"--granted={granted}",
             f"--threads={threads}",
+            f"--module={module}",
             str(spec_path),
         ]
         env = hosts.srun_env(env)
@@ -183,7 +186,7 @@ def launch(
             "--standalone",
             f"--nproc_per_node={nproc}",
             "-m",
-            "snaketune.training",
+            module,
             str(spec_path),
         ]
     log.info("launching: %s", " ".join(cmd))
@@ -207,6 +210,7 @@ def node_main(argv: list[str]) -> None:
     parser.add_argument("--nnodes", type=int, required=True)
     parser.add_argument("--granted", type=int, required=True, help="ranks per node without SLURM GPUs")
     parser.add_argument("--threads", type=int, required=True, help="CPU threads of this node's ranks")
+    parser.add_argument("--module", default="snaketune.training", help="what each rank runs (python -m)")
     parser.add_argument("spec_path")
     args = parser.parse_args(argv)
     slurm = hosts.Allocation.from_env(os.environ)
@@ -225,7 +229,7 @@ def node_main(argv: list[str]) -> None:
         nproc_per_node=nproc,
         run_id=slurm.job_id,
     )
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "-m", "snaketune.training", args.spec_path]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "-m", args.module, args.spec_path]
     print(f"{slurm.describe()}: {nproc} rank(s); {' '.join(cmd)}", flush=True)
     os.execve(sys.executable, cmd, env)
 

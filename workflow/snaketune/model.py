@@ -70,7 +70,9 @@ def load_model(
     device: torch.device | None = None,
 ) -> PreTrainedModel:
     """Build or load the model. With `zero_init_config` (ZeRO-3) parameters are partitioned as they are
-    created, so no rank ever holds the whole fp32 model in CPU memory."""
+    created or loaded, so no rank ever holds the whole model; else hub models load onto `device` and
+    builtin architectures are built there (builtin-tiny is built on the host: its CPU init is the one the
+    evaluate stage rebuilds as the base model)."""
     if zero_init_config is not None:
         import deepspeed
 
@@ -90,11 +92,16 @@ def load_model(
         with init_ctx:
             net = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
         return net
+    placement = {}
     if zero_init_config is not None:
         # transformers partitions weights while loading when it sees a live HfDeepSpeedConfig.
         from transformers.integrations import HfDeepSpeedConfig
 
         _keepalive = HfDeepSpeedConfig(zero_init_config)  # noqa: F841 - must outlive from_pretrained
+    elif device is not None:
+        # Straight onto the rank's device, shard by shard: no full copy in host memory, and every parameter
+        # is where the optimizer will find it.
+        placement["device_map"] = {"": device}
     net = AutoModelForCausalLM.from_pretrained(
         model.base,
         revision=model.revision,
@@ -102,6 +109,7 @@ def load_model(
         dtype=dtype,
         use_safetensors=True,
         attn_implementation=attn_implementation,
+        **placement,
     )
     if net.get_input_embeddings().num_embeddings < vocab_size:
         raise ValueError(

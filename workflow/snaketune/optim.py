@@ -74,12 +74,24 @@ def _triton_adamw():
     return adamw
 
 
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's shape, also under ZeRO-3, whose partitioned parameters are empty 1-D tensors that keep
+    the real shape in `ds_shape`."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def decays(p: torch.Tensor) -> bool:
+    """Weight decay on matrices (linear and embedding weights), none on norms and biases (1-D), as nanoGPT and
+    litgpt do."""
+    return len(full_shape(p)) >= 2
+
+
 def param_groups(net: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on norms and biases (1-D tensors), as nanoGPT and litgpt do."""
+    """Two AdamW groups: decayed parameters and the rest (see `decays`)."""
     decay, no_decay = [], []
     for p in net.parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if decays(p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -95,6 +107,14 @@ def _chunks(items: list, sizes: list[int], limit: int) -> list[list[int]]:
     if current:
         out.append(current)
     return out
+
+
+def _add_to(buffer: torch.Tensor):
+    def hook(param: torch.Tensor) -> None:
+        buffer.add_(param.grad)  # bf16 -> fp32 in the add
+        param.grad = None
+
+    return hook
 
 
 class MasterWeightAdamW(torch.optim.Optimizer):
@@ -117,6 +137,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         grad_clip: float = 0.0,
         fused: bool | None = None,
         kernel: str = "auto",
+        accumulate_fp32: bool = False,
     ):
         self.model_params: list[list[torch.Tensor]] = []
         master_groups = []
@@ -145,21 +166,63 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             "triton" if kernel == "triton" or (kernel == "auto" and triton_available(device)) else "torch"
         )
         self._global_grad_norm: torch.Tensor | None = None
+        self.main_grads: torch.Tensor | None = None
+        self._grad_views: list[list[torch.Tensor]] = []
+        self._hooks: list = []
+        if accumulate_fp32:
+            self._accumulate_in_fp32(device)
+
+    def _accumulate_in_fp32(self, device: torch.device) -> None:
+        """Gradient accumulation in fp32, as Megatron-LM's main_grad: one flat fp32 buffer over the trained
+        parameters (4 B each, against the 2 B of their bf16 .grad), to which each parameter's bf16 gradient is
+        added as soon as backward has produced it (a post-accumulate-grad hook), after which that .grad is
+        freed. Summing micro-batches in bf16 would round the running sum to 8 bits of mantissa at every
+        micro-batch (tests/test_fast_path.py measures the difference). The step reads the buffer; with several
+        ranks it all-reduces it first (the trainer turns DeepSpeed's own all-reduce of .grad off)."""
+        total = sum(p.numel() for ps in self.model_params for p in ps)
+        self.main_grads = torch.zeros(total, dtype=torch.float32, device=device)
+        offset = 0
+        for params in self.model_params:
+            views = []
+            for p in params:
+                view = self.main_grads[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                views.append(view)
+                self._hooks.append(p.register_post_accumulate_grad_hook(_add_to(view)))
+            self._grad_views.append(views)
+
+    def _grads(self, group_index: int) -> list[torch.Tensor | None]:
+        """The gradients the step uses: the fp32 buffer's views, or the model's own .grad."""
+        if self.main_grads is not None:
+            return self._grad_views[group_index]
+        return [p.grad for p in self.model_params[group_index]]
+
+    def reduce_main_grads(self) -> None:
+        """Average the fp32 gradient buffer over the ranks (no-op on one rank or without the buffer)."""
+        import torch.distributed as dist
+
+        if self.main_grads is None or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        dist.all_reduce(self.main_grads)  # SUM: gloo (CPU ranks) has no AVG
+        self.main_grads.div_(dist.get_world_size())
 
     def _state(self, master: torch.Tensor) -> dict:
         state = self.state[master]
+        # torch's fused kernels want the step on the device; the Triton kernel's bias corrections are computed
+        # on the host, so its counter stays there (reading a device counter would sync once per tensor).
+        where = master.device if self.fused and self.kernel == "torch" else torch.device("cpu")
         if not state:
-            state["step"] = torch.zeros(
-                (), dtype=torch.float32, device=master.device if self.fused else "cpu"
-            )
+            state["step"] = torch.zeros((), dtype=torch.float32, device=where)
             state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        elif state["step"].device != where:  # a checkpoint loaded with the other kernel
+            state["step"] = state["step"].to(where)
         return state
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the model's gradients, accumulated in fp32 (stays on the device)."""
-        grads = [p.grad for ps in self.model_params for p in ps if p.grad is not None]
+        """Global L2 norm of the gradients, accumulated in fp32 (stays on the device)."""
+        grads = [g for i in range(len(self.model_params)) for g in self._grads(i) if g is not None]
         if not grads:
             return torch.zeros(())
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
@@ -169,6 +232,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MasterWeightAdamW.step takes no closure")
+        self.reduce_main_grads()
         norm = self.grad_norm()
         self._global_grad_norm = norm  # a device tensor: read (synced) only when a step is logged
         # Clipping as torch.nn.utils.clip_grad_norm_ does it (coefficient max_norm / (norm + 1e-6), at most 1),
@@ -179,15 +243,22 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             divisor = torch.clamp((norm.float() + 1e-6) / self.grad_clip, min=1.0)
         if self.kernel == "triton":
             self._step_triton(divisor)
-            return None
-        for group, params in zip(self.param_groups, self.model_params, strict=True):
-            live = [i for i, p in enumerate(params) if p.grad is not None]
+        else:
+            self._step_torch(divisor)
+        if self.main_grads is not None:
+            self.main_grads.zero_()
+        return None
+
+    def _step_torch(self, divisor: torch.Tensor | None) -> None:
+        for index, (group, params) in enumerate(zip(self.param_groups, self.model_params, strict=True)):
+            model_grads = self._grads(index)
+            live = [i for i, g in enumerate(model_grads) if g is not None]
             beta1, beta2 = group["betas"]
             for chunk in _chunks(live, [params[i].numel() for i in live], CHUNK_ELEMENTS):
                 idx = [live[j] for j in chunk]
                 masters = [group["params"][i] for i in idx]
                 states = [self._state(m) for m in masters]
-                grads = [params[i].grad.float() for i in idx]
+                grads = [model_grads[i].float() for i in idx]
                 if divisor is not None and not self.fused:
                     torch._foreach_div_(grads, divisor)
                 _adam_functional(
@@ -211,23 +282,22 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 )
                 del grads
                 torch._foreach_copy_([params[i] for i in idx], masters)
-        return None
 
     def _step_triton(self, divisor: torch.Tensor | None) -> None:
         kernel = _triton_adamw()
-        for group, params in zip(self.param_groups, self.model_params, strict=True):
+        for index, (group, params) in enumerate(zip(self.param_groups, self.model_params, strict=True)):
             beta1, beta2 = group["betas"]
             lr, decay, eps = group["lr"], group["weight_decay"], group["eps"]
-            for master, weight in zip(group["params"], params, strict=True):
-                if weight.grad is None:
+            for master, weight, grad in zip(group["params"], params, self._grads(index), strict=True):
+                if grad is None:
                     continue
                 state = self._state(master)
-                state["step"] += 1  # on the host (see _state): the bias corrections need no device sync
+                state["step"] += 1  # on the host (see _state): no device sync
                 step = float(state["step"])
                 bc1, bc2 = 1 - beta1**step, 1 - beta2**step
                 n = master.numel()
                 kernel[((n + TRITON_BLOCK - 1) // TRITON_BLOCK,)](
-                    weight, weight.grad, master, state["exp_avg"], state["exp_avg_sq"],
+                    weight, grad, master, state["exp_avg"], state["exp_avg_sq"],
                     divisor if divisor is not None else master, n,
                     lr, beta1, beta2, eps, decay, lr / bc1, bc2**0.5,
                     HAS_DIVISOR=divisor is not None, BLOCK=TRITON_BLOCK,
@@ -267,13 +337,74 @@ def build_optimizer(
     grad_clip: float,
     offload: bool,
     kernel: str = "auto",
+    accumulate_fp32: bool = False,
 ) -> torch.optim.Optimizer:
-    """The optimizer the trainer hands to deepspeed.initialize."""
+    """The optimizer the trainer hands to deepspeed.initialize, built from parameters that already live where
+    they train (check_placement says so after DeepSpeed has wrapped it)."""
     groups = param_groups(net, weight_decay)
     if master_weights:
-        return MasterWeightAdamW(groups, lr=lr, betas=betas, eps=1e-8, grad_clip=grad_clip, kernel=kernel)
+        return MasterWeightAdamW(
+            groups,
+            lr=lr,
+            betas=betas,
+            eps=1e-8,
+            grad_clip=grad_clip,
+            kernel=kernel,
+            accumulate_fp32=accumulate_fp32,
+        )
     if offload and device.type == "cuda":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, adamw_mode=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=device.type == "cuda")
+
+
+def _tensors(optimizer: torch.optim.Optimizer):
+    """(what, tensor) of every parameter and state tensor an optimizer holds."""
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            yield f"param_groups[{g}].params[{i}]", p
+            for key, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:  # the step counter may live on the host
+                    yield f"state of param_groups[{g}].params[{i}]['{key}']", value
+
+
+def check_placement(
+    optimizer: torch.optim.Optimizer,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    model_params: list[torch.Tensor] | None = None,
+) -> int:
+    """RuntimeError unless every master weight and optimizer state is on `device` in `dtype` (fp32 for bf16
+    training) and every model parameter it updates is on `device` too; returns how many tensors it checked.
+
+    The optimizer is the one that does the arithmetic (DeepSpeed's ZeRO optimizers wrap a torch optimizer
+    over their flat fp32 partitions: that inner one is checked; `device` is the host for optimizer offload).
+    A master weight left on the CPU while its bf16 parameter trains on the GPU is what `from_pretrained`
+    followed by a late `.to(device)` produces; torch's kernels then fail at the first step with "Tensors of
+    the same index must be on the same device", which this check turns into a message at setup.
+    """
+    bad, n = [], 0
+    items = list(_tensors(optimizer))
+    if isinstance(optimizer, MasterWeightAdamW):
+        items += [
+            (f"model parameter {i}", p) for i, p in enumerate(p for ps in optimizer.model_params for p in ps)
+        ]
+        if optimizer.main_grads is not None:
+            items.append(("fp32 gradient buffer", optimizer.main_grads))
+    for i, p in enumerate(model_params or ()):
+        items.append((f"trained parameter {i}", p))
+    for what, tensor in items:
+        n += 1
+        want_dtype = None if what.startswith(("model parameter", "trained parameter")) else dtype
+        if tensor.device.type != device.type or (device.index is not None and tensor.device != device):
+            bad.append(f"{what} on {tensor.device} (expected {device})")
+        elif want_dtype is not None and tensor.dtype != want_dtype:
+            bad.append(f"{what} is {tensor.dtype} (expected {want_dtype})")
+    if bad:
+        shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise RuntimeError(
+            f"{type(optimizer).__name__}: {len(bad)} of {n} optimizer tensors are not where they train: {shown}"
+        )
+    return n

@@ -1,20 +1,21 @@
 """Stage 5, train: one DeepSpeed rank. `snaketune.launch` starts one process per granted GPU (or CPU rank)
-with torchrun; each runs `python -m snaketune.training <run spec JSON>`.
+with torchrun; each runs `python -m snaketune.training <run spec JSON>` (or `-m snaketune.dpo` for the
+preference stage, whose trainer is a subclass of this one).
 
 A plain loop over `deepspeed.initialize` (not the HF Trainer, which on CPU silently trains world_size=1
-on every rank: ../shared/FACTS.md): construct, setup, train, save; cleanup is guaranteed on error.
+on every rank: ../shared/FACTS.md): construct, setup, train, save; cleanup is guaranteed on error. The model,
+its placement, optimizer and engine come from snaketune.engine. What a subclass changes is the objective:
+the data it reads (`load_data`), the loss module (`wrap`), what one optimizer step's loss is normalized by
+(`step_normalizer`), the forward of a micro-batch (`forward`) and the metrics of a window (`window_metrics`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import math
 import os
 import shutil
-import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from snaketune import attention, batching, checkpoint, gpus
+from snaketune import attention, batching, checkpoint, engine, gpus, ranks
 from snaketune.config import ModelConfig, TrainConfig, _build
-from snaketune.dsconfig import build_ds_config, offloads, uses_master_weights, zero_stage
 from snaketune.io import atomic_dir, sha256_tree, write_json
 from snaketune.metrics import (
     MetricsWriter,
@@ -34,8 +34,7 @@ from snaketune.metrics import (
     peak_flops,
     peak_memory_gib,
 )
-from snaketune.model import LossModel, apply_lora, compile_layers, count_params, flops_per_token, load_model
-from snaketune.optim import build_optimizer
+from snaketune.model import LossModel
 from snaketune.tokenization import load_tokenizer
 
 log = logging.getLogger("snaketune.train")
@@ -55,26 +54,17 @@ class RunSpec:
     checkpoint_dir: str
     max_length: int
     run_key: str
+    preference: dict | None = None
+    """The preference stage's settings (snaketune.dpo); None for supervised fine-tuning."""
 
     @classmethod
     def read(cls, path: str | Path) -> RunSpec:
         return cls(**json.loads(Path(path).read_text()))
 
 
-def lr_lambda(train: TrainConfig, total_steps: int):
-    """Linear warmup to the peak, then cosine to min_lr_ratio of it at the last step."""
-
-    def factor(step: int) -> float:
-        if step < train.warmup_steps:
-            return (step + 1) / train.warmup_steps
-        span = max(1, total_steps - train.warmup_steps)
-        progress = min(1.0, (step - train.warmup_steps) / span)
-        return train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
 class Trainer:
+    """Supervised fine-tuning: the summed next-token loss over the loss-bearing tokens of a global batch."""
+
     def __init__(self, spec: RunSpec):
         self.spec = spec
         self.model_cfg: ModelConfig = _build(ModelConfig, spec.model, "model.")
@@ -98,18 +88,52 @@ class Trainer:
         self.out = Path(spec.output_dir)
         self.ckpt_root = Path(spec.checkpoint_dir)
 
+    # ---- the objective (what a subclass changes) ------------------------------------------------
+
+    def load_data(self, data_dir: Path) -> tuple[batching.TokenizedSplit, batching.TokenizedSplit]:
+        return batching.load_split(data_dir / "train"), batching.load_split(data_dir / "validation")
+
+    def wrap(
+        self, net: torch.nn.Module, packed_attention: bool, fused_cross_entropy: bool
+    ) -> torch.nn.Module:
+        return LossModel(net, packed_attention=packed_attention, fused_cross_entropy=fused_cross_entropy)
+
+    def step_normalizer(self, batch_ids) -> int:
+        """What the summed loss of a global batch is divided by: its loss-bearing tokens."""
+        return max(1, int(self.train_split.loss_tokens[batch_ids].sum()))
+
+    def forward(
+        self, split, rows, *, evaluating: bool = False
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The summed loss of a micro-batch and the sums the window metrics are made of."""
+        batch = self._batch(split, rows)
+        if evaluating:
+            # Rows a rank repeats to keep the ranks' forward passes in step carry no loss (see evaluate).
+            for row, weight in enumerate(self._eval_weights):
+                if weight == 0.0:
+                    batch["labels"][row] = batching.IGNORE
+        loss_sum = self.engine(**batch)
+        return loss_sum, {"loss": loss_sum.detach().double()}
+
+    def window_metrics(self, sums: dict[str, float], count: float) -> dict[str, float]:
+        return {"train/loss": sums["loss"] / max(1.0, count)}
+
+    def eval_count(self, split, rows, weights) -> float:
+        """What an evaluation batch's sums are normalized by: its loss-bearing targets."""
+        return float(sum(int(split.loss_tokens[r]) for r, w in zip(rows, weights, strict=True) if w))
+
+    def validation_metrics(self, sums: dict[str, float], count: float) -> dict[str, float]:
+        return {"val/loss": sums["loss"] / max(1.0, count)}
+
     # ---- setup ---------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        import deepspeed
-
         spec, cfg = self.spec, self.cfg
         stats = self._check_data_fingerprint()
         # With the chat template the data was rendered with (tokenize.chat_template), so that the saved
         # model prompts the way it was trained, whatever template the tokenizer directory carries.
         self.tokenizer = load_tokenizer(spec.tokenizer_dir, stats["settings"]["chat_template"])
-        self.train_split = batching.load_split(Path(spec.data_dir) / "train")
-        self.val_split = batching.load_split(Path(spec.data_dir) / "validation")
+        self.train_split, self.val_split = self.load_data(Path(spec.data_dir))
         self.gas = cfg.accumulation_steps(self.world)
         if cfg.max_steps is not None:
             self.total_steps = cfg.max_steps
@@ -117,79 +141,25 @@ class Trainer:
             self.total_steps = batching.steps_for_epochs(
                 len(self.train_split), cfg.epochs, cfg.global_batch_size
             )
-
-        file_cfg = json.loads(Path(spec.deepspeed_config).read_text())
-        self.master_weights = uses_master_weights(
-            file_cfg, cfg.bf16_optimizer, bf16=self.dtype == torch.bfloat16
-        )
-        self.ds_config = build_ds_config(
-            file_cfg,
-            cfg,
-            world_size=self.world,
-            bf16=self.dtype == torch.bfloat16,
+        built = engine.build(
+            model_cfg=self.model_cfg,
+            cfg=cfg,
+            file_cfg=json.loads(Path(spec.deepspeed_config).read_text()),
             source=spec.deepspeed_config,
-            master_weights=self.master_weights,
-        )
-        self.stage = zero_stage(self.ds_config)
-        self.fused_ce = cfg.fused_cross_entropy and self.stage != 3
-        self.attention = attention.resolve(cfg.attention, self.device, self.dtype)
-        if cfg.lora.enabled and self.stage == 3:
-            raise ValueError(
-                f"train.lora.enabled with ZeRO stage 3 ({spec.deepspeed_config}) is not supported yet: "
-                "use config/deepspeed/zero2.json or zero0.json for LoRA"
-            )
-        net = load_model(
-            self.model_cfg,
-            vocab_size=len(self.tokenizer),
-            bos_token_id=self.tokenizer.bos_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
+            world=self.world,
+            device=self.device,
             dtype=self.dtype,
-            seed=cfg.seed,
-            device=self.device,
-            # ZeRO-3 partitions big models while they are built (the tiny one is cheaper to build whole).
-            zero_init_config=self.ds_config
-            if self.stage == 3 and self.model_cfg.base != "builtin-tiny"
-            else None,
+            tokenizer=self.tokenizer,
+            seq_len=self.seq_len,
+            total_steps=self.total_steps,
+            rank=self.rank,
+            wrap=self.wrap,
         )
-        if cfg.gradient_checkpointing:
-            net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            net.config.use_cache = False
-        if cfg.lora.enabled:
-            if cfg.gradient_checkpointing:
-                net.enable_input_require_grads()
-            # With fp32 masters in the optimizer the adapters compute in bf16 like the rest of the model;
-            # peft's default fp32 adapters would cast every adapted layer's input to fp32 (measured: +13 GiB
-            # of activations and 5% slower for LoRA r16 on all linear layers of the 7B, 8 x 512).
-            net = apply_lora(net, cfg.lora, fp32_adapters=not self.master_weights)
-        self.n_params, self.n_trainable = count_params(net)
-        self.flops_per_token = flops_per_token(net, spec.max_length, lora=cfg.lora.enabled)
-        if cfg.compile:
-            compile_layers(net)
-        torch.manual_seed(cfg.seed + self.rank)  # dropout differs per rank, deterministic per run
-
-        model = LossModel(net, packed_attention=self.attention == "varlen", fused_cross_entropy=self.fused_ce)
-        optimizer = build_optimizer(
-            model,
-            lr=cfg.learning_rate,
-            betas=cfg.adam_betas,
-            weight_decay=cfg.weight_decay,
-            device=self.device,
-            master_weights=self.master_weights,
-            grad_clip=cfg.grad_clip,
-            kernel=cfg.optimizer_kernel,
-            offload=offloads(self.ds_config),
-        )
-        schedule = lr_lambda(cfg, self.total_steps)
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
-            config=self.ds_config,
-        )
-        if self.world == 1 and self.stage == 0:
-            # One rank has nothing to all-reduce; DeepSpeed would still flatten every gradient into buckets
-            # and copy it back after a one-rank all-reduce (two passes over the gradients per step).
-            self.engine.enable_backward_allreduce = False
+        self.built = built
+        self.engine = built.engine
+        self.stage = built.stage
+        self.attention = built.attention
+        self.fused_ce = built.fused_cross_entropy
         # DeepSpeed's fp32 stage-0 path clips without keeping the norm (engine.clip_fp32_gradients): there
         # get_global_grad_norm() stays None and the trainer computes the norm itself.
         self.ds_grad_norm = hasattr(self.engine.optimizer, "_global_grad_norm")
@@ -197,6 +167,11 @@ class Trainer:
         self.order = batching.GlobalOrder(len(self.train_split), cfg.seed)
         self.peak = peak_flops(device_name(self.device))
         self._print_plan()
+
+    @property
+    def seq_len(self) -> int:
+        """Positions of one row (the attention term of the FLOPs per token)."""
+        return self.spec.max_length
 
     def _check_data_fingerprint(self) -> dict:
         """Refuse tokenized data made with other tokenizer files than the ones we load (Axolotl #1265);
@@ -245,8 +220,7 @@ class Trainer:
     def _print_plan(self) -> None:
         if self.rank != 0:
             return
-        cfg = self.cfg
-        tokens_per_step = cfg.global_batch_size * self.spec.max_length
+        cfg, b = self.cfg, self.built
         log.info(
             "device: %s x %d (%s), precision %s, ZeRO stage %d",
             device_name(self.device),
@@ -255,16 +229,23 @@ class Trainer:
             self.dtype,
             self.stage,
         )
-        log.info("parameters: %s total, %s trainable", f"{self.n_params:,}", f"{self.n_trainable:,}")
+        log.info("parameters: %s total, %s trainable", f"{b.n_params:,}", f"{b.n_trainable:,}")
         log.info(
             "fp32 master weights: %s; loss: %s; attention: %s; torch.compile: %s",
-            self.precision_summary,
+            b.precision_summary,
             "fused linear cross-entropy" if self.fused_ce else "logits + cross-entropy",
             self.attention_summary,
             "every decoder layer" if cfg.compile else "off",
         )
         if cfg.fused_cross_entropy and not self.fused_ce:
             log.info("train.fused_cross_entropy is not used under ZeRO-3 (its lm_head weight is partitioned)")
+        log.info(
+            "weight decay %g on %d tensors (%s elements); optimizer tensors checked on %s",
+            cfg.weight_decay,
+            b.decayed["tensors"],
+            f"{b.decayed['elements']:,}",
+            "the host" if engine.offloads(b.ds_config) else self.device,
+        )
         log.info(
             "global batch %d = micro-batch %d x %d ranks x %d accumulation",
             cfg.global_batch_size,
@@ -273,8 +254,8 @@ class Trainer:
             self.gas,
         )
         log.info(
-            "tokens per optimizer step (at most): %s; steps: %d; train rows: %d; validation rows: %d",
-            f"{tokens_per_step:,}",
+            "positions per optimizer step (at most): %s; steps: %d; train rows: %d; validation rows: %d",
+            f"{cfg.global_batch_size * self.seq_len:,}",
             self.total_steps,
             len(self.train_split),
             len(self.val_split),
@@ -283,7 +264,8 @@ class Trainer:
     # ---- train ---------------------------------------------------------------------------------
 
     def train(self) -> dict:
-        cfg, engine = self.cfg, self.engine
+        cfg, eng = self.cfg, self.engine
+        eng.train()
         # Live metrics go to the run directory, which survives a crash (Snakemake deletes a failed job's
         # outputs); they are copied into the outputs when training ends.
         writer = None
@@ -291,58 +273,58 @@ class Trainer:
             writer = MetricsWriter(
                 self.ckpt_root / "metrics.csv", self.ckpt_root / "tb", resume_step=self.start_step
             )
-        meter = Throughput(self.flops_per_token, self.peak)
-        run_meter = Throughput(self.flops_per_token, self.peak)  # whole run after warm-up, for the summary
-        window_loss = torch.zeros((), device=self.device, dtype=torch.float64)
-        window_tokens = 0
+        meter = Throughput(self.built.flops_per_token, self.peak)
+        run_meter = Throughput(
+            self.built.flops_per_token, self.peak
+        )  # whole run after warm-up, for the summary
+        window: dict[str, torch.Tensor] = {}
+        window_count = 0
         t_start = time.perf_counter()
         last = {}
         for step in range(self.start_step, self.total_steps):
             batch_ids = self.order.global_batch(step, cfg.global_batch_size)
-            global_tokens = max(1, int(self.train_split.loss_tokens[batch_ids].sum()))
+            normalizer = self.step_normalizer(batch_ids)
             mine = batching.rank_share(batch_ids, self.rank, self.world)
-            lr = engine.get_lr()[0]  # the rate this step uses; after engine.step() it is the next step's
+            lr = eng.get_lr()[0]  # the rate this step uses; after engine.step() it is the next step's
             tokens = padded = 0
             t_step = time.perf_counter()
             micros = batching.micro_batches(mine, cfg.micro_batch_size)
             for i, micro in enumerate(micros):
-                batch = self._batch(self.train_split, micro)
-                loss_sum = self._loss_sum(batch)
+                loss_sum, sums = self.forward(self.train_split, micro)
                 # DeepSpeed divides by the accumulation steps in backward and averages gradients over ranks;
-                # this scale makes the net gradient that of (sum of token losses) / (loss tokens in the
-                # global batch), whatever the world size and micro-batch size.
-                engine.backward(loss_sum * (self.gas * self.world / global_tokens))
+                # this scale makes the net gradient that of (summed loss) / (normalizer of the global batch),
+                # whatever the world size and micro-batch size.
+                eng.backward(loss_sum * (self.gas * self.world / normalizer))
                 if i == len(micros) - 1 and not self.ds_grad_norm:
-                    grad_norm = _grad_norm(engine.module)  # averaged over ranks by backward at the boundary
-                engine.step()
-                window_loss += loss_sum.detach().double()
+                    grad_norm = _grad_norm(eng.module)  # averaged over ranks by backward at the boundary
+                eng.step()
+                for key, value in sums.items():
+                    window[key] = window[key] + value if key in window else value
                 # Real tokens, pads excluded (a packed row holds several position-0 tokens: count lengths).
-                tokens += sum(len(self.train_split.input_ids[row]) for row in micro)
-                padded += batch["input_ids"].numel()
-            window_tokens += global_tokens
-            local_loss_tokens = int(self.train_split.loss_tokens[mine].sum())
+                tokens += int(self.train_split.lengths_of(micro).sum())
+                padded += self._last_positions
+            if step == self.start_step:
+                engine.check_optimizer(self.built, self.device)  # the states exist from the first step on
+            window_count += normalizer
+            local_loss_tokens = self.local_loss_units(mine)
             step_seconds = time.perf_counter() - t_step
             meter.update(tokens, local_loss_tokens, step_seconds, padded=padded)
             run_meter.update(tokens, local_loss_tokens, step_seconds, padded=padded)
             done = step + 1
             evaluate_now = bool(cfg.eval_every and done % cfg.eval_every == 0) or done == self.total_steps
             if evaluate_now or done % cfg.log_every == 0:
-                # Device-to-host sync: one all-reduce per logged step, not per micro-batch.
-                dist.all_reduce(window_loss)
+                sums = self._all_reduce(window)
                 last = {
-                    "train/loss": window_loss.item() / max(1, window_tokens),
+                    **self.window_metrics(sums, window_count),
                     "train/lr": lr,
-                    "train/grad_norm": _float(
-                        engine.get_global_grad_norm() if self.ds_grad_norm else grad_norm
-                    ),
-                    "train/tokens_seen": done * cfg.global_batch_size * self.spec.max_length,
+                    "train/grad_norm": _float(eng.get_global_grad_norm() if self.ds_grad_norm else grad_norm),
+                    "train/tokens_seen": done * cfg.global_batch_size * self.seq_len,
                     **meter.read(),
                     "memory/max_allocated_gib": self._max_over_ranks(peak_memory_gib(self.device)),
                 }
-                window_loss.zero_()
-                window_tokens = 0
+                window, window_count = {}, 0
                 if evaluate_now:
-                    last["val/loss"] = self.evaluate()
+                    last.update(self.evaluate())
                 if writer:
                     writer.log(done, last)
                     self._progress(done, t_start, last)
@@ -356,25 +338,25 @@ class Trainer:
         self.run_perf = run_meter.read(reset=False)
         return last
 
-    def _batch(self, split: batching.TokenizedSplit, rows) -> dict[str, torch.Tensor]:
-        """A micro-batch on the device; with varlen attention also the conversations' boundaries."""
-        cpu = batching.collate(split, rows, self.pad_id)
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in cpu.items()}
-        if self.attention == "varlen":
-            lengths = [len(split.input_ids[r]) for r in rows]
-            batch["cu_seqlens"] = attention.segments(cpu["position_ids"], lengths).to(self.device)
+    def local_loss_units(self, rows) -> int:
+        """Loss-bearing tokens of this rank's rows (perf/loss_tokens_per_s_per_gpu)."""
+        return int(self.train_split.loss_tokens[rows].sum())
+
+    def _all_reduce(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Sum the window's per-rank sums over the ranks: one device-to-host sync per logged step."""
+        keys = sorted(sums)
+        if not keys:
+            return {}
+        flat = torch.stack([sums[k].to(self.device, torch.float64) for k in keys])
+        dist.all_reduce(flat)
+        return dict(zip(keys, flat.tolist(), strict=True))
+
+    def _batch(self, split, rows) -> dict[str, torch.Tensor]:
+        batch = batching.device_batch(
+            split, rows, self.pad_id, self.device, varlen=self.attention == "varlen"
+        )
+        self._last_positions = batch["input_ids"].numel()
         return batch
-
-    def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.engine(**batch)
-
-    @property
-    def precision_summary(self) -> str:
-        if self.dtype != torch.bfloat16:
-            return "none (fp32 weights)"
-        if not self.master_weights:
-            return "DeepSpeed"
-        return f"snaketune.optim.MasterWeightAdamW ({self.engine.optimizer.kernel} kernel)"
 
     @property
     def attention_summary(self) -> str:
@@ -386,11 +368,7 @@ class Trainer:
 
     @property
     def pad_id(self) -> int:
-        return (
-            self.tokenizer.pad_token_id
-            if self.tokenizer.pad_token_id is not None
-            else self.tokenizer.eos_token_id
-        )
+        return batching.pad_id(self.tokenizer)
 
     def _max_over_ranks(self, value: float) -> float:
         t = torch.tensor([value], device=self.device, dtype=torch.float64)
@@ -400,9 +378,8 @@ class Trainer:
     def _progress(self, done: int, t_start: float, m: dict) -> None:
         elapsed = time.perf_counter() - t_start
         eta = elapsed / max(1, done - self.start_step) * (self.total_steps - done)
-        parts = [f"step {done}/{self.total_steps}", f"loss {m['train/loss']:.4f}"]
-        if "val/loss" in m:
-            parts.append(f"val {m['val/loss']:.4f}")
+        parts = [f"step {done}/{self.total_steps}"]
+        parts += [f"{k.split('/')[-1]} {v:.4f}" for k, v in m.items() if k.endswith("loss")]
         parts.append(f"lr {m['train/lr']:.2e}")
         if m.get("perf/tokens_per_s_per_gpu"):
             parts.append(f"{m['perf/tokens_per_s_per_gpu']:,.0f} tok/s/rank")
@@ -412,29 +389,27 @@ class Trainer:
         log.info(" | ".join(parts))
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Token-weighted mean loss on the validation split. Every rank runs the same number of forward
-        passes (ZeRO-3 gathers parameters collectively): ranks with fewer rows repeat row 0 at weight 0."""
+    def evaluate(self) -> dict[str, float]:
+        """Metrics on the validation split. Every rank runs the same number of forward passes (ZeRO-3 gathers
+        parameters collectively): ranks with fewer rows repeat row 0 at weight 0."""
         self.engine.eval()
         n = len(self.val_split)
         per_rank = math.ceil(n / self.world)
         ids = list(range(self.rank * per_rank, min(n, (self.rank + 1) * per_rank)))
         weights = [1.0] * len(ids) + [0.0] * (per_rank - len(ids))
         ids += [0] * (per_rank - len(ids))
-        total = torch.zeros(2, device=self.device, dtype=torch.float64)
+        sums: dict[str, torch.Tensor] = {}
+        count = 0.0
         mb = self.cfg.micro_batch_size
         for i in range(0, per_rank, mb):
-            chunk = ids[i : i + mb]
-            batch = self._batch(self.val_split, chunk)
-            for row, w in enumerate(weights[i : i + mb]):
-                if w == 0.0:
-                    batch["labels"][row] = batching.IGNORE
-            loss_sum = self._loss_sum(batch)
-            targets = batch["labels"][:, 1:].ne(batching.IGNORE) & batch["position_ids"][:, 1:].ne(0)
-            total += torch.stack([loss_sum.double(), targets.sum().double()])
-        dist.all_reduce(total)
+            rows, self._eval_weights = ids[i : i + mb], weights[i : i + mb]
+            _, part = self.forward(self.val_split, rows, evaluating=True)
+            for key, value in part.items():
+                sums[key] = sums[key] + value if key in sums else value
+            count += self.eval_count(self.val_split, rows, self._eval_weights)
+        total = self._all_reduce({**sums, "_count": torch.tensor(count, dtype=torch.float64)})
         self.engine.train()
-        return (total[0] / total[1].clamp(min=1)).item()
+        return self.validation_metrics(total, total.pop("_count"))
 
     def save_checkpoint(self, step: int) -> None:
         tag = checkpoint.tag_for(step)
@@ -468,7 +443,7 @@ class Trainer:
         module = self.engine.module.net
         # Collective under ZeRO-3: every rank takes part in gathering the partitioned weights.
         state = self.engine._zero3_consolidated_16bit_state_dict() if self.stage == 3 else None
-        if state is not None:  # keys of the LossModel wrapper: "net.<the model's own key>"
+        if state is not None:  # keys of the loss module: "net.<the model's own key>"
             state = {k.removeprefix("net."): v for k, v in state.items()}
         if self.rank == 0:
             with atomic_dir(self.out / "model") as tmp:
@@ -486,6 +461,7 @@ class Trainer:
         dist.all_gather_object(mem, peak_memory_gib(self.device))
         retries = [None] * self.world
         dist.all_gather_object(retries, alloc_retries(self.device))
+        b = self.built
         return {
             "experiment": self.spec.experiment,
             "steps": self.total_steps,
@@ -498,10 +474,12 @@ class Trainer:
             "global_batch_size": self.cfg.global_batch_size,
             "micro_batch_size": self.cfg.micro_batch_size,
             "gradient_accumulation_steps": self.gas,
-            "parameters": self.n_params,
-            "trainable_parameters": self.n_trainable,
+            "parameters": b.n_params,
+            "trainable_parameters": b.n_trainable,
+            "weight_decay_parameters": b.decayed,
             "lora": self.cfg.lora.enabled,
-            "fp32_master_weights": self.precision_summary,
+            "fp32_master_weights": b.precision_summary,
+            "fp32_gradient_accumulation": b.accumulate_fp32,
             "fused_cross_entropy": self.fused_ce,
             "attention": self.attention_summary,
             "compile": self.cfg.compile,
@@ -534,63 +512,24 @@ def _float(x) -> float | None:
     return float(x.item() if torch.is_tensor(x) else x)
 
 
-def _die_with_parent() -> None:
-    """torchrun starts ranks in sessions of their own (start_new_session=True), so a SIGKILL of Snakemake's
-    process group would leave them training and writing into results/. Ask Linux to SIGKILL this rank
-    when its parent (the torchrun agent) dies; if it already has, stop now."""
-    if sys.platform != "linux":
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:
-        os._exit(1)
-
-
-def _safe_checkpoint_loading() -> None:
-    """DeepSpeed's resume calls torch.load(weights_only=False): a file planted in results/checkpoints/ could run
-    code. Force weights_only for every torch.load of this rank and allow the only non-tensor classes that
-    DeepSpeed's checkpoints hold (found by loading every file of ZeRO-0, -2, -3 and LoRA checkpoints with
-    weights_only=True; tests/test_security.py resumes from a planted pickle)."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    torch.serialization.add_safe_globals([LossScaler, ZeroStageEnum, fragment_address])
-
-
-def main(argv: list[str]) -> int:
-    _die_with_parent()
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s rank%(rank)s %(levelname)s %(message)s", stream=sys.stdout
-    )
-    rank = os.environ.get("RANK", "0")
-    old_factory = logging.getLogRecordFactory()
-
-    def factory(*args, **kwargs):
-        record = old_factory(*args, **kwargs)
-        record.rank = rank
-        return record
-
-    logging.setLogRecordFactory(factory)
+def run(argv: list[str], trainer_cls: type[Trainer]) -> int:
+    """One rank: set up, train, save the model and summary.json; the process group is always torn down."""
     spec = RunSpec.read(argv[0])
+    ranks.start()
     import deepspeed
 
-    _safe_checkpoint_loading()
     t0 = time.perf_counter()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     try:
-        trainer = Trainer(spec)
+        trainer = trainer_cls(spec)
         trainer.setup()
         last = trainer.train()
         trainer.save_model()
         summary = trainer.summary(last, time.perf_counter() - t0)
         if trainer.rank == 0:
             write_json(Path(spec.output_dir) / "summary.json", summary)
-            log.info(
-                "done: %s", json.dumps({k: summary[k] for k in ("final_train_loss", "final_val_loss", "mfu")})
-            )
+            shown = {k: summary.get(k) for k in ("final_train_loss", "final_val_loss", "mfu")}
+            log.info("done: %s", json.dumps(shown))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -598,4 +537,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    import sys
+
+    sys.exit(run(sys.argv[1:], Trainer))
