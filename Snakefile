@@ -4,10 +4,14 @@
 # ├── data/raw/                    messages.parquet, SHA256SUMS, source.json         (rule download)
 # ├── data/conversations/          train.parquet, validation.parquet, stats.json     (rule conversations)
 # ├── tokenizer/<tokenizer id>/    HF tokenizer with chat template              (rules train_tokenizer, fetch_tokenizer)
+# ├── data/preferences/<pairs>/    train.parquet, validation.parquet, stats.json     (rule preferences)
 # ├── tokenized/<data key>/        train/, validation/ (Arrow, save_to_disk), stats.json (rule tokenize)
+# ├── tokenized_pairs/<pairs key>/ train/, validation/ (one row per pair), stats.json (rule tokenize_pairs)
 # ├── plan/<experiment>.json       memory per GPU and host, what fits, the strategy train uses (rule plan)
 # ├── train/<experiment>/          model/ (HF safetensors), metrics.csv, tb/, summary.json (rule train)
-# ├── eval/<experiment>/           metrics.json (base vs tuned), generations.jsonl      (rule evaluate)
+# ├── preference/<experiment>/     reference.parquet, reference.json: cached reference log-probs (rule reference)
+# ├── dpo/<experiment>/            model/, metrics.csv, tb/, summary.json: preference-tuned (rule dpo)
+# ├── eval/<experiment>/           metrics.json (base, SFT, DPO), generations.jsonl     (rule evaluate)
 # ├── provenance/                  manifest.json (rule manifest); <rule>[/<wildcards>].json per job (not outputs)
 # └── report/                      index.html, report.md, summary.json, *.png          (rule report)
 #     checkpoints/<experiment>/    resumable DeepSpeed checkpoints (not an output: survives failures)
@@ -29,17 +33,20 @@ report: "workflow/report/workflow.rst"
 include: "workflow/rules/common.smk"
 include: "workflow/rules/common_report.smk"
 include: "workflow/rules/common_plan.smk"
+include: "workflow/rules/common_preference.smk"
 
 
 wildcard_constraints:
     experiment="|".join(re.escape(name) for name in EXPERIMENTS),  # a.b must not match axb
     key="[0-9a-f]{16}",
     tokenizer="[A-Za-z0-9-]+",
+    pairs="best_vs_rest|all",
 
 
 include: "workflow/rules/data.smk"
 include: "workflow/rules/plan.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/preference.smk"
 include: "workflow/rules/eval.smk"
 include: "workflow/rules/report.smk"
 

@@ -30,6 +30,8 @@ def plan_input(wildcards):
     edit to one reruns the plan (and through it training)."""
     exp = experiment(wildcards)
     files = {"deepspeed": exp.train.deepspeed}
+    if exp.preference.enabled:
+        files["dpo_deepspeed"] = exp.dpo_train.deepspeed
     if exp.train.strategy == "auto":
         files.update(
             {
@@ -51,6 +53,19 @@ def plan_params(wildcards):
         "train": to_dict(exp.train),
         "max_length": exp.tokenize.max_length,
         "gpu_memory_gib": CFG.gpu_memory_gib,
+        "evaluation": {
+            "batch_size": CFG.eval.batch_size,
+            "max_new_tokens": CFG.eval.max_new_tokens,
+        },
+        "preference": (
+            {
+                "train": to_dict(exp.dpo_train),
+                "max_length": exp.preference.max_length,
+                "deepspeed_config": exp.dpo_train.deepspeed,
+            }
+            if exp.preference.enabled
+            else None
+        ),
         "candidate_files": candidate_deepspeed_files(),
         "code": keys.code_hash("plan"),
     }

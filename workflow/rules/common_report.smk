@@ -7,7 +7,13 @@ def resolved_config():
     return {
         "dataset": to_dict(CFG.dataset),
         "experiments": {
-            name: {s: to_dict(getattr(exp, s)) for s in ("model", "tokenize", "train")}
+            name: {
+                **{
+                    s: to_dict(getattr(exp, s))
+                    for s in ("model", "tokenize", "train", "preference")
+                },
+                "dpo_train": to_dict(exp.dpo_train),
+            }
             for name, exp in EXPERIMENTS.items()
         },
         "eval": to_dict(CFG.eval),
@@ -19,13 +25,23 @@ def resolved_config():
 
 def evaluate_input(wildcards):
     exp = experiment(wildcards)
-    return {
+    files = {
         "model": f"results/train/{exp.name}/model",
         "summary": f"results/train/{exp.name}/summary.json",
         "data": tokenized_dir(exp),
         "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
-        "plan": plan_path(exp),  # gpu_memory_gib: the evaluation's allocator cap
+        "plan": plan_path(
+            exp
+        ),  # gpu_memory_gib (the allocator cap) and the evaluation's batch size
+        "conversations": "results/data/conversations/validation.parquet",  # eval.prompts auto
     }
+    if exp.preference.enabled:
+        files.update(
+            dpo_model=f"{dpo_dir(exp)}/model",
+            pairs=pairs_dir(exp),
+            reference=reference_path(exp),
+        )
+    return files
 
 
 def evaluate_params(wildcards):
@@ -39,6 +55,8 @@ def evaluate_params(wildcards):
         "seed": exp.train.seed,
         "chat_template": exp.tokenize.chat_template,
         "builtin_dataset": exp.dataset.source == "builtin",
+        "max_prompt_tokens": exp.tokenize.max_length,
+        "beta": exp.preference.beta if exp.preference.enabled else None,
         "code": keys.code_hash("evaluate"),
     }
 
@@ -60,6 +78,23 @@ def manifest_input(wildcards):
         "metrics": [f"results/train/{n}/metrics.csv" for n in names],
         "evals": [f"results/eval/{n}/metrics.json" for n in names],
         "generations": [f"results/eval/{n}/generations.jsonl" for n in names],
+        # The preference stages, for the experiments that run them (report_params names them, in order).
+        "preferences": sorted(
+            {
+                f"{preferences_dir(e)}/stats.json"
+                for e in PREFERENCE_EXPERIMENTS.values()
+            }
+        ),
+        "pairs": [pairs_dir(e) for e in PREFERENCE_EXPERIMENTS.values()],
+        "references": [
+            f"results/preference/{n}/reference.json" for n in PREFERENCE_EXPERIMENTS
+        ],
+        "dpo_summaries": [
+            f"{dpo_dir(e)}/summary.json" for e in PREFERENCE_EXPERIMENTS.values()
+        ],
+        "dpo_metrics": [
+            f"{dpo_dir(e)}/metrics.csv" for e in PREFERENCE_EXPERIMENTS.values()
+        ],
     }
 
 
@@ -70,6 +105,7 @@ def report_input(wildcards):
 def report_params():
     return {
         "experiments": list(EXPERIMENTS),
+        "preference_experiments": list(PREFERENCE_EXPERIMENTS),
         "config": resolved_config(),
         # Benchmarks are not inputs (a missing one must not rerun its job): the report shows what exists.
         "benchmarks": "benchmarks",

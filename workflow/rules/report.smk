@@ -70,6 +70,12 @@ rule report:
             category="4. Report",
             labels={"file": "memory.png"},
         ),
+        preference=report(
+            "results/report/preference.png",
+            caption="../report/plot_preference.rst",
+            category="4. Report",
+            labels={"file": "preference.png"},
+        ),
     log:
         "logs/report.log",
     conda:

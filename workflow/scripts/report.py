@@ -8,8 +8,30 @@ from snaketune.report import ExperimentFiles, ReportInputs, build_report
 def main(smk):
     spec = dict(smk.params.spec)
     names = spec["experiments"]
+    # The preference stages' files, for the experiments that ran them (in the order report_params names them).
+    pref_names = spec["preference_experiments"]
+    by_pairs_mode = {Path(p).parent.name: Path(p) for p in smk.input.preferences}
+    preference = {
+        name: dict(
+            dpo_summary=Path(summary),
+            dpo_metrics=Path(metrics),
+            reference=Path(reference),
+            pairs=Path(pairs),
+            preferences=by_pairs_mode[spec["config"]["experiments"][name]["preference"]["pairs"]],
+        )
+        for name, summary, metrics, reference, pairs in zip(
+            pref_names,
+            smk.input.dpo_summaries,
+            smk.input.dpo_metrics,
+            smk.input.references,
+            smk.input.pairs,
+            strict=True,
+        )
+    }
     experiments = [
-        ExperimentFiles(name, Path(summary), Path(metrics), Path(ev), Path(gen), Path(tok))
+        ExperimentFiles(
+            name, Path(summary), Path(metrics), Path(ev), Path(gen), Path(tok), **preference.get(name, {})
+        )
         for name, summary, metrics, ev, gen, tok in zip(
             names,
             smk.input.summaries,

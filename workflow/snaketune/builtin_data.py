@@ -15,8 +15,8 @@ about 65% of the time and otherwise German, Spanish or French (`LANG_WEIGHTS`). 
 byte-level BPE of ~1000 tokens learns the templates and the copy tasks within minutes of CPU training; the
 fact tables take longer, which makes a visible learning curve.
 
-The tree shapes follow what oasst1 contains: ranked sibling replies (rank 0 correct, higher ranks wrong or
-"I don't know"), unranked sibling groups (rank None for all), deleted messages and failed reviews (mostly on
+The tree shapes follow what oasst1 contains: ranked sibling replies (rank 0 correct; higher ranks flawed: a wrong
+fact, "I don't know", the wrong language, cut off, or said twice: `FLAW_WEIGHTS`, the preference signal), unranked sibling groups (rank None for all), deleted messages and failed reviews (mostly on
 wrong replies and prompter follow-ups, sometimes on a tree's only good reply), multi-turn threads up to six
 messages deep, prompter branching, roots nobody answered and threads that end with a prompter message.
 
@@ -243,8 +243,8 @@ MAX_DEPTH = 6
 # Shape probabilities, tuned so that 600 trees give ~3,000 messages with every oasst1 feature present.
 P_ROOT_UNANSWERED = 0.05  # root prompt that no assistant answered
 REPLY_COUNT_WEIGHTS = {1: 0.35, 2: 0.35, 3: 0.30}  # assistant siblings under one prompt
-P_RANKED = 0.8  # otherwise the sibling group is unranked (rank None for all)
-P_WRONG_IS_DONT_KNOW = 0.3  # a worse reply says "I don't know" instead of a wrong value
+P_RANKED = 0.55  # otherwise the sibling group is unranked (rank None for all); oasst1 ranks 58% of its rows
+P_UNRANKED_TRUNCATED_FIRST = 0.5  # an unranked group's oldest reply is then a reply cut short (top1 takes it)
 P_WRONG_DELETED = 0.12
 P_WRONG_FAILED = 0.15  # review_result False
 P_LOSE_GOOD = 0.04  # the correct reply is deleted or fails review: the prompt loses its good answer
@@ -320,11 +320,44 @@ def _wrong_value(q: Question, rng: random.Random) -> str:
     return rng.choice([q.item, f"{q.item} {q.item} {q.item}"])
 
 
-def wrong_answer_text(q: Question, rng: random.Random) -> str:
-    """A worse reply to `q`: a wrong value in the correct form, or "I don't know"."""
-    if rng.random() < P_WRONG_IS_DONT_KNOW:
+FLAW_WEIGHTS: dict[str, float] = {
+    "wrong_value": 0.15,
+    "dont_know": 0.1,
+    "wrong_language": 0.2,
+    "truncated": 0.45,
+    "repeated": 0.1,
+}
+"""How a worse sibling reply is flawed (it ranks below the correct one): a wrong fact in the correct form, "I don't
+know", the correct answer in another language, the correct answer cut off mid-sentence, or said twice. SFT on
+the best paths sees only correct replies; a model trained on them still gives a truncated reply (fewer tokens to
+pay for) or a wrong fact of the right shape a high likelihood, which is what preference tuning corrects."""
+FLAWS: tuple[str, ...] = tuple(FLAW_WEIGHTS)
+
+
+def flawed_answer_text(q: Question, flaw: str, rng: random.Random) -> str:
+    """A worse reply to `q` with the given flaw (see FLAW_WEIGHTS)."""
+    if flaw == "dont_know":
         return DONT_KNOW[q.lang]
-    return _fill(ANSWERS[q.lang][q.task], q, _wrong_value(q, rng))
+    if flaw == "wrong_value":
+        return _fill(ANSWERS[q.lang][q.task], q, _wrong_value(q, rng))
+    right = answer_text(q)
+    if flaw == "wrong_language":
+        other = rng.choice([lang for lang in LANGS if lang != q.lang])
+        text = _fill(ANSWERS[other][q.task], Question(q.task, other, q.item), correct_value(q))
+        # The repeat task's answer is the word itself in every language: a wrong value instead.
+        return text if text != right else _fill(ANSWERS[q.lang][q.task], q, _wrong_value(q, rng))
+    if flaw == "repeated":
+        return f"{right} {right}"
+    if flaw == "truncated":
+        words = right.split(" ")
+        return " ".join(words[: rng.randint(1, len(words) - 1)]) if len(words) > 1 else right[:1]
+    raise ValueError(f"unknown flaw {flaw!r}; allowed: {', '.join(FLAWS)}")
+
+
+def wrong_answer_text(q: Question, rng: random.Random) -> str:
+    """A worse reply to `q`: one of FLAWS, drawn by FLAW_WEIGHTS."""
+    flaw = rng.choices(FLAWS, weights=[FLAW_WEIGHTS[f] for f in FLAWS])[0]
+    return flawed_answer_text(q, flaw, rng)
 
 
 def _items(task: str, lang: str) -> list[Item]:
@@ -444,11 +477,19 @@ def _add_replies(tree: _Tree, prompt_row: dict[str, Any], q: Question, depth: in
         if wrong not in texts:
             texts.append(wrong)
     lose_good = rng.random() < P_LOSE_GOOD
-    # Ranked groups are created in random order (rank is unrelated to age, as in oasst1); in unranked groups
-    # the correct reply comes first so that a "first reply" fallback still finds it.
+    # Ranked groups are created in random order (rank is unrelated to age, as in oasst1). In an unranked group
+    # the best path (conversations' top1) takes the oldest reply, and there a hurried reply cut short often came
+    # first: SFT on top1 paths learns from such replies to stop early, as it learns from real unranked oasst
+    # groups, and summed log-probabilities favour short replies anyway; the ranked groups' pairs (truncated
+    # replies are the commonest flaw there too) are what corrects that.
     order = list(range(n))
     if ranked:
         rng.shuffle(order)
+    elif n > 1 and rng.random() < P_UNRANKED_TRUNCATED_FIRST:
+        cut = flawed_answer_text(q, "truncated", rng)
+        if cut not in texts:
+            texts[1] = cut
+            order = [1, 0, *range(2, n)]
     # Rows of a sibling group follow their creation dates, so "first row" and "oldest" agree.
     dates = sorted((_later(tree, prompt_row) for _ in order), key=dt.datetime.fromisoformat)
     correct_row: dict[str, Any] | None = None

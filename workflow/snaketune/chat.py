@@ -232,12 +232,17 @@ def _labels(ids: np.ndarray, offsets: np.ndarray, spans: list[tuple[int, int]], 
 
 
 def encode_conversations(
-    tokenizer, conversations: Iterable[Sequence[Message]], *, assistant_only_loss: bool
+    tokenizer,
+    conversations: Iterable[Sequence[Message]],
+    *,
+    assistant_only_loss: bool,
+    last_turn_only: bool = False,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(input_ids, labels) of each conversation, untruncated, int32, in input order.
 
     ``labels`` are the token ids on assistant replies and their end-of-turn tokens (every token but the first
-    when not assistant_only_loss) and IGNORE_INDEX elsewhere; they are not shifted. A conversation whose
+    when not assistant_only_loss; only the last assistant turn with ``last_turn_only``, as for a preference
+    pair's reply) and IGNORE_INDEX elsewhere; they are not shifted. A conversation whose
     template rendering fails raises TemplateError with ``conversation index N`` in its message. Batches
     are encoded on a worker thread (the Rust tokenizer releases the GIL) while the next one is rendered.
     """
@@ -248,7 +253,8 @@ def encode_conversations(
         out = []
         for index, messages in batch:
             try:
-                out.append(_spans(render, tokenizer, messages))
+                text, spans = _spans(render, tokenizer, messages)
+                out.append((text, spans[-1:] if last_turn_only else spans))
             except TemplateError as e:
                 raise TemplateError(f"conversation index {index}: {e}") from e
         return out

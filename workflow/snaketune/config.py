@@ -55,7 +55,7 @@ def _fail(key: str, message: str) -> None:
 class DatasetConfig:
     source: str = "builtin"
     """`builtin` | `hub:<dataset id>` | path to a local .jsonl or .parquet file in the oasst1 message schema."""
-    builtin_trees: int = 600
+    builtin_trees: int = 1000
     """Number of message trees the builtin generator makes (only for source `builtin`)."""
     builtin_seed: int = 0
     """Seed of the builtin generator."""
@@ -63,7 +63,7 @@ class DatasetConfig:
     """Language codes to keep, matched against each tree's root message; empty keeps all."""
     paths: str = "top1"
     """`top1`: the best-ranked path per tree; `all`: every root-to-leaf path."""
-    validation_fraction: float = 0.05
+    validation_fraction: float = 0.15
     """Share of trees held out for validation when the source has no split of its own."""
     tree_states: tuple[str, ...] = ("ready_for_export",)
     """Keep trees whose root has one of these tree_state values (a tree without one is kept); empty keeps all."""
@@ -197,7 +197,7 @@ class TrainConfig:
     """AdamW betas."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
-    max_steps: int | None = 120
+    max_steps: int | None = 60
     """Optimizer steps to train; set this or `epochs`, not both."""
     epochs: float | None = None
     """Passes over the training split (alternative to max_steps)."""
@@ -312,10 +312,16 @@ DEFAULT_EVAL_PROMPTS = (
 """Questions of the builtin dataset in English and German, and one it never asks (what happens off-distribution)."""
 
 
+AUTO_PROMPTS = 8
+"""eval.prompts auto on data other than the builtin sample: the first user message of this many validation
+conversations (with the data's own reply as the expected answer)."""
+
+
 @dataclass(frozen=True)
 class EvalConfig:
-    prompts: tuple[str, ...] = DEFAULT_EVAL_PROMPTS
-    """User messages answered greedily by the base and the fine-tuned model, side by side in the report."""
+    prompts: tuple[str, ...] | str = "auto"
+    """User messages answered greedily by every model, side by side in the report; `auto`: the builtin questions
+    on the builtin data, else the first user messages of AUTO_PROMPTS validation conversations."""
     max_new_tokens: int = 32
     """Most tokens generated per prompt (greedy decoding stops earlier at the end-of-sequence token)."""
     builtin_examples: int = 64
@@ -324,9 +330,12 @@ class EvalConfig:
     """Sequences per forward pass for the validation loss and per generate() call."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.prompts, str) or not self.prompts:
-            _fail("eval.prompts", "must be a list of at least one prompt")
-        for prompt in self.prompts:
+        if isinstance(self.prompts, str):
+            if self.prompts != "auto":
+                _fail("eval.prompts", f"{self.prompts!r} is not allowed; allowed: auto or a list of prompts")
+        elif not self.prompts:
+            _fail("eval.prompts", "must be a list of at least one prompt, or auto")
+        for prompt in () if isinstance(self.prompts, str) else self.prompts:
             if not isinstance(prompt, str) or not prompt.strip():
                 _fail("eval.prompts", f"{prompt!r} is not a non-empty string")
         if not 1 <= self.max_new_tokens <= 4096:
@@ -344,15 +353,71 @@ class EvalConfig:
             _fail("eval.batch_size", f"{self.batch_size} must be >= 1")
 
 
+PAIR_MODES = ("best_vs_rest", "all")
+PREFERENCE_LOSSES = ("dpo", "ipo")
+REFERENCES = ("sft", "base")
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    enabled: bool = True
+    """Tune the SFT model on oasst's ranked replies after SFT (stages preferences, tokenize_pairs, reference, dpo)."""
+    pairs: str = "best_vs_rest"
+    """`best_vs_rest`: each best-ranked reply against each worse sibling; `all`: every pair of different ranks."""
+    max_length: int = 128
+    """Tokens per side of a pair (conversation so far + reply); longer sides lose the oldest turns first."""
+    loss: str = "dpo"
+    """`dpo` (Rafailov et al. 2023) | `ipo` (Azar et al. 2023, on length-averaged log-probabilities)."""
+    beta: float = 0.1
+    """Strength of the KL penalty towards the reference (DPO's beta, IPO's tau)."""
+    reference: str = "sft"
+    """The model the log-ratios are taken against, its log-probabilities cached once: `sft` | `base`."""
+    sft_weight: float = 1.0
+    """Add this times the chosen reply's mean next-token loss to each pair's loss (RPO; TRL's rpo_alpha): keeps the
+    chosen replies likely while the rejected ones fall. 0: the plain DPO/IPO loss."""
+    train: dict = field(
+        default_factory=lambda: {
+            "learning_rate": 1.0e-3,
+            "max_steps": 200,
+            "global_batch_size": 24,
+            "micro_batch_size": 4,
+            "warmup_steps": 10,
+            "eval_every": 50,
+            "checkpoint_every": 50,
+        }
+    )
+    """Overrides of the train section for the preference stage (learning_rate, max_steps, lora, ...); the default
+    suits the embedded default's tiny model (a 7B wants ~5e-7 for full fine-tuning, ~5e-6 with LoRA)."""
+
+    def __post_init__(self) -> None:
+        if self.pairs not in PAIR_MODES:
+            _fail("preference.pairs", f"{self.pairs!r} is not allowed; allowed: {', '.join(PAIR_MODES)}")
+        if self.loss not in PREFERENCE_LOSSES:
+            _fail("preference.loss", f"{self.loss!r} is not allowed; allowed: {', '.join(PREFERENCE_LOSSES)}")
+        if self.reference not in REFERENCES:
+            _fail(
+                "preference.reference", f"{self.reference!r} is not allowed; allowed: {', '.join(REFERENCES)}"
+            )
+        if not self.beta > 0:
+            _fail("preference.beta", f"{self.beta} must be > 0")
+        if self.sft_weight < 0:
+            _fail("preference.sft_weight", f"{self.sft_weight} must be >= 0 (0 is the plain loss)")
+        if not 16 <= self.max_length <= 131072:
+            _fail("preference.max_length", f"{self.max_length} must be between 16 and 131072")
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
-    """Everything one experiment depends on: the shared dataset plus its own model/tokenize/train."""
+    """Everything one experiment depends on: the shared dataset plus its own model/tokenize/train/preference."""
 
     name: str
     dataset: DatasetConfig
     model: ModelConfig
     tokenize: TokenizeConfig
     train: TrainConfig
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    dpo_train: TrainConfig | None = None
+    """The preference stage's train settings: `train` with preference.train merged over it (None when off)."""
 
 
 @dataclass(frozen=True)
@@ -370,8 +435,14 @@ class Config:
     """GPU ids (as CUDA_VISIBLE_DEVICES takes them) the workflow may use; None: every visible GPU."""
 
 
-_SECTIONS = {"dataset": DatasetConfig, "model": ModelConfig, "tokenize": TokenizeConfig, "train": TrainConfig}
-_EXPERIMENT_SECTIONS = ("model", "tokenize", "train")
+_SECTIONS = {
+    "dataset": DatasetConfig,
+    "model": ModelConfig,
+    "tokenize": TokenizeConfig,
+    "train": TrainConfig,
+    "preference": PreferenceConfig,
+}
+_EXPERIMENT_SECTIONS = ("model", "tokenize", "train", "preference")
 # Top-level keys that are not dataclass sections; other issues' stages add theirs here.
 _OTHER_TOP_LEVEL = ("experiments", "eval", "report", "gpu_memory_gib", "gpu_ids")
 
@@ -391,6 +462,7 @@ _TYPE_NAMES = {
     "str": "a string",
     "tuple": "a list",
     "LoraConfig": "a mapping of LoRA settings",
+    "dict": "a mapping",
 }
 
 
@@ -474,11 +546,20 @@ def load_config(raw: dict[str, Any]) -> Config:
             _fail(f"experiments.{name}", "must be a mapping of overrides of model/tokenize/train")
         _check_keys(override, list(_EXPERIMENT_SECTIONS), f"experiments.{name}.")
         sections = {}
+        merged_sections = {}
         for section in _EXPERIMENT_SECTIONS:
             merged = _deep_merge(raw.get(section) or {}, override.get(section) or {})
+            merged_sections[section] = merged
             where = f"experiments.{name}.{section}." if section in override else f"{section}."
             sections[section] = _build(_SECTIONS[section], merged, where)
-        experiments[name] = ExperimentConfig(name=name, dataset=dataset, **sections)
+        dpo_train = None
+        if sections["preference"].enabled:
+            where = (
+                f"experiments.{name}.preference.train." if "preference" in override else "preference.train."
+            )
+            merged = _deep_merge(merged_sections["train"], merged_sections["preference"].get("train") or {})
+            dpo_train = _build(TrainConfig, merged, where)
+        experiments[name] = ExperimentConfig(name=name, dataset=dataset, dpo_train=dpo_train, **sections)
     if not isinstance(raw.get("eval") or {}, dict):
         _fail("eval", f"must be a mapping of eval settings, got {raw['eval']!r}")
     eval_cfg = _build(EvalConfig, raw.get("eval"), "eval.")

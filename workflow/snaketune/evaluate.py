@@ -1,189 +1,68 @@
-"""Stage 6, evaluate: the base model against the fine-tuned one, on the same data and prompts.
+"""Stage 6, evaluate: the base model, the fine-tuned (SFT) model and, with preference tuning, the DPO model,
+on the same data and prompts.
 
-- Validation loss and perplexity: the token-weighted mean next-token loss over the tokenized validation split,
-  with exactly the training stage's masking (``snaketune.batching``: assistant-only labels, packed rows kept
-  apart by a block-diagonal mask, the first token of each conversation never a target), so the fine-tuned
-  model's figure equals the train stage's final ``val/loss``.
-- Greedy generations for the configured prompts, rendered with the chat template and the generation prompt;
-  only the new tokens are decoded, up to the first end-of-sequence token.
+- Validation loss and perplexity of the SFT data: the token-weighted mean next-token loss over the tokenized
+  validation split, with exactly the training stage's masking (snaketune.inference), so the fine-tuned
+  model's figure equals the train stage's final ``val/loss``. Does DPO cost SFT quality: compare the three.
+- Preferences (when the preference stages ran): on the held-out pairs, for every model, the preference
+  accuracy (share of pairs where the model gives the chosen reply the higher summed log-probability) and
+  the mean log-probability margin; and the implicit reward of DPO, beta x (log pi - log ref) against the
+  reference stage's cached log-probabilities: its accuracy (chosen reward larger) and mean margin. The
+  reference model scores 0 against itself (no pair is ranked: accuracy 0).
+- Greedy generations for the prompts (``eval.prompts``; ``auto``: the builtin questions on the builtin data,
+  else the first user message of config.AUTO_PROMPTS validation conversations, with the data's own reply as
+  the expected answer), rendered with the chat template and the generation prompt.
 - For the builtin dataset: exact-match accuracy on ``builtin_data.eval_examples`` (stripped generated text ==
   the example's answer), overall, per task and per language.
 
-The base model is, for builtin models (``builtin-tiny``, ``arch:*``), the exact random init the train stage
-starts from: ``snaketune.model.load_model`` with the same ModelConfig, tokenizer sizes, seed and dtype gives
-identical weights (tests/test_evaluate.py compares it with a real training run's starting point). For hub or
-local models it is ``from_pretrained(model.base)``. The models are loaded one after the other, so a 7B
-evaluation needs the memory of one model only. CUDA when available (bf16), else CPU (fp32).
+Models are loaded one after the other onto the device (snaketune.inference), so a 7B evaluation needs the
+memory of one model only; the batch size is the memory plan's (`plan.evaluate.batch_size`), and each
+phase's peak memory is recorded beside the memory model's estimate for the lengths met here.
+CUDA when available (bf16), else CPU (fp32).
 """
 
 from __future__ import annotations
 
-import gc
 import importlib.metadata
 import json
 import logging
-import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import pyarrow.parquet as pq
 import torch
 
-from snaketune import batching, gpus
-from snaketune.builtin_data import eval_examples
-from snaketune.config import ModelConfig, _build
+from snaketune import batching, gpus, memory
+from snaketune.builtin_data import eval_examples, expected_answer
+from snaketune.config import AUTO_PROMPTS, DEFAULT_EVAL_PROMPTS, ModelConfig, _build
+from snaketune.inference import (  # noqa: F401 - the stage's public names include the inference helpers
+    DTYPES,
+    decode_new_tokens,
+    generate,
+    load_base_model,
+    load_tuned_model,
+    longest_prompt,
+    pad_id,
+    peak_memory,
+    pick_device,
+    release_memory,
+    render_prompt,
+    validation_loss,
+)
 from snaketune.io import atomic_files, write_json
-from snaketune.model import load_model
+from snaketune.model import causal_lm
+from snaketune.reference import read_reference, split_logprobs
 from snaketune.tokenization import load_tokenizer
 
 log = logging.getLogger("snaketune.evaluate")
 
 EVAL_EXAMPLES_SEED = 1
 """Seed of ``builtin_data.eval_examples``: the same questions for every experiment and every run."""
-MODELS = ("base", "tuned")
+MODELS = ("base", "tuned", "dpo")
 VERSIONED_PACKAGES = ("torch", "deepspeed", "transformers", "datasets", "tokenizers", "peft", "safetensors")
 """Packages whose versions metrics.json records: the environment that ran the models (the train env)."""
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_device(device: str | None = None) -> tuple[torch.device, torch.dtype]:
-    """CUDA (bf16) when available, else CPU (fp32); `device` forces one ("cpu", "cuda", "cuda:1")."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-
-
-def pad_id(tokenizer) -> int:
-    """The id the training stage pads with: pad, or eos when the tokenizer has no pad."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-# ---- models --------------------------------------------------------------------------------------
-
-
-def load_base_model(
-    model: ModelConfig, tokenizer, *, seed: int, train_dtype: torch.dtype, dtype: torch.dtype
-) -> torch.nn.Module:
-    """The model before fine-tuning, in `dtype`.
-
-    Builtin models are created exactly as the train stage creates them (same config, tokenizer sizes, seed
-    and the dtype it trained in: random init in bf16 differs from fp32 init rounded to bf16), then cast.
-    Hub and local models are loaded with from_pretrained in `dtype`.
-    """
-    net = load_model(
-        model,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        dtype=train_dtype if model.is_builtin else dtype,
-        seed=seed,
-    )
-    return net.to(dtype=dtype).eval()
-
-
-def load_tuned_model(model_dir: str | Path, model: ModelConfig, *, dtype: torch.dtype) -> torch.nn.Module:
-    """The fine-tuned model the train stage saved (merged weights for LoRA)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(model_dir),
-        dtype=dtype,
-        use_safetensors=True,
-        trust_remote_code=model.trust_remote_code,
-        attn_implementation="sdpa",
-    ).eval()
-
-
-# ---- validation loss -----------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def validation_loss(
-    net: torch.nn.Module, split: batching.TokenizedSplit, *, pad_id: int, batch_size: int
-) -> dict[str, float]:
-    """Token-weighted mean next-token loss over a tokenized split and its perplexity exp(loss).
-
-    Same masking as training: collate, the packed block-diagonal mask and token_loss_sum; the denominator
-    is the split's loss-bearing target count (batching.target_mask), so batch size does not matter.
-    """
-    param = next(net.parameters())
-    total = 0.0
-    for start in range(0, len(split), batch_size):
-        rows = np.arange(start, min(len(split), start + batch_size))
-        batch = {k: v.to(param.device) for k, v in batching.collate(split, rows, pad_id).items()}
-        mask = batching.packed_attention_mask(batch["position_ids"], param.dtype)
-        out = net(
-            input_ids=batch["input_ids"],
-            position_ids=batch["position_ids"],
-            attention_mask=mask,
-            use_cache=False,
-        )
-        # Device-to-host sync once per batch; the sum is accumulated in float64 on the host.
-        total += batching.token_loss_sum(out.logits, batch["labels"], batch["position_ids"]).item()
-    tokens = int(split.loss_tokens.sum())
-    if tokens == 0:
-        raise ValueError("the validation split has no loss-bearing tokens")
-    loss = total / tokens
-    return {"loss": loss, "perplexity": math.exp(loss), "loss_tokens": tokens, "rows": len(split)}
-
-
-# ---- generation ----------------------------------------------------------------------------------
-
-
-def render_prompt(tokenizer, prompt: str) -> list[int]:
-    """Token ids of a one-turn user message with the generation prompt, as the chat template renders it.
-
-    The template writes bos itself, so the text is encoded without added special tokens (as in training).
-    """
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def decode_new_tokens(tokenizer, ids: Sequence[int]) -> str:
-    """The generated text: tokens up to the first eos, special tokens dropped, outer whitespace stripped
-    (the chat format's generation prompt is `Assistant:`, so replies start with a space)."""
-    ids = list(ids)
-    if tokenizer.eos_token_id in ids:
-        ids = ids[: ids.index(tokenizer.eos_token_id)]
-    return tokenizer.decode(ids, skip_special_tokens=True).strip()
-
-
-@torch.no_grad()
-def generate(
-    net: torch.nn.Module, tokenizer, prompts: Sequence[str], *, max_new_tokens: int, batch_size: int
-) -> list[str]:
-    """Greedy replies to `prompts`, `batch_size` at a time, left-padded (generate derives the position
-    ids from the attention mask, so padding does not change the result)."""
-    from transformers import GenerationConfig
-
-    device = next(net.parameters()).device
-    pad = pad_id(tokenizer)
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        num_beams=1,
-        use_cache=True,
-        pad_token_id=pad,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    replies: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        encoded = [render_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
-        width = max(len(ids) for ids in encoded)
-        input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(encoded), width), dtype=torch.long)
-        for row, ids in enumerate(encoded):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention[row, width - len(ids) :] = 1
-        out = net.generate(
-            input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=config
-        )
-        replies += [decode_new_tokens(tokenizer, row[width:].tolist()) for row in out.cpu()]
-    return replies
 
 
 # ---- exact match ---------------------------------------------------------------------------------
@@ -212,6 +91,51 @@ def score(examples: Sequence[dict[str, str]], replies: Sequence[str]) -> dict[st
     return out
 
 
+# ---- prompts ------------------------------------------------------------------------------------
+
+
+def resolve_prompts(prompts, *, builtin_dataset: bool, conversations_dir: str | Path | None) -> list[dict]:
+    """[{"prompt", "expected"}]: the configured prompts, or for ``auto`` the builtin questions (builtin data)
+    or the first user message of AUTO_PROMPTS validation conversations with their reference reply."""
+    if prompts != "auto":
+        return [{"prompt": p, "expected": expected_answer(p) if builtin_dataset else None} for p in prompts]
+    if builtin_dataset:
+        return [{"prompt": p, "expected": expected_answer(p)} for p in DEFAULT_EVAL_PROMPTS]
+    if conversations_dir is None:
+        raise ValueError("eval.prompts auto needs the validation conversations")
+    table = pq.read_table(Path(conversations_dir) / "validation.parquet", columns=["messages"])
+    out, seen = [], set()
+    for messages in table.column("messages").to_pylist():
+        first = messages[0]["content"]
+        if first in seen:
+            continue
+        seen.add(first)
+        out.append({"prompt": first, "expected": messages[1]["content"] if len(messages) > 1 else None})
+        if len(out) == AUTO_PROMPTS:
+            break
+    return out
+
+
+# ---- preferences ----------------------------------------------------------------------------------
+
+
+def preference_scores(logprobs: torch.Tensor, reference: torch.Tensor, beta: float) -> dict[str, float]:
+    """Accuracy and mean margin of a model's log-probabilities of (chosen, rejected) pairs, and of its implicit
+    reward beta x (log pi - log ref)."""
+    margin = logprobs[:, 0] - logprobs[:, 1]
+    rewards = beta * (logprobs - reference)
+    reward_margin = rewards[:, 0] - rewards[:, 1]
+    return {
+        "pairs": len(margin),
+        "accuracy": float((margin > 0).double().mean()) if len(margin) else None,
+        "logprob_margin": float(margin.mean()) if len(margin) else None,
+        "reward_accuracy": float((reward_margin > 0).double().mean()) if len(margin) else None,
+        "reward_margin": float(reward_margin.mean()) if len(margin) else None,
+        "chosen_reward": float(rewards[:, 0].mean()) if len(margin) else None,
+        "rejected_reward": float(rewards[:, 1].mean()) if len(margin) else None,
+    }
+
+
 # ---- the stage -----------------------------------------------------------------------------------
 
 
@@ -225,13 +149,6 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def _release_memory() -> None:
-    """Return a dropped model's memory before the next one loads (7B: one model at a time)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def evaluate(
     *,
     model: dict,
@@ -242,7 +159,7 @@ def evaluate(
     train_summary: str | Path,
     tokenizer_dir: str | Path,
     data_dir: str | Path,
-    prompts: Sequence[str],
+    prompts: Sequence[str] | str,
     max_new_tokens: int,
     builtin_examples: int,
     batch_size: int,
@@ -250,15 +167,20 @@ def evaluate(
     generations_out: str | Path,
     device: str | None = None,
     memory_cap_gib: float | None = None,
+    conversations_dir: str | Path | None = None,
+    max_prompt_tokens: int | None = None,
+    dpo_dir: str | Path | None = None,
+    pairs_dir: str | Path | None = None,
+    reference_logprobs: str | Path | None = None,
+    beta: float | None = None,
 ) -> dict[str, Any]:
-    """Evaluate base and fine-tuned model; write metrics.json and generations.jsonl; return the metrics.
+    """Evaluate base, fine-tuned and (with `dpo_dir`) DPO model; write metrics.json and generations.jsonl.
 
-    generations.jsonl has one row per prompt: {"prompt", "base", "tuned", "expected"}, where expected is the
-    builtin dataset's exact answer to that prompt (None for other prompts or datasets). `memory_cap_gib`
-    caps the CUDA allocator (gpu_memory_gib), as in training.
+    generations.jsonl has one row per prompt: {"prompt", "base", "tuned", ["dpo",] "expected"}; expected is the
+    builtin dataset's exact answer, or the data's own reply for auto prompts (None otherwise). The preference
+    metrics need `pairs_dir`, `reference_logprobs` and `beta`. `memory_cap_gib` caps the CUDA allocator
+    (gpu_memory_gib), as in training; `max_prompt_tokens` cuts longer prompts (keeping their end).
     """
-    from snaketune.builtin_data import expected_answer
-
     t0 = time.perf_counter()
     model_cfg: ModelConfig = _build(ModelConfig, model, "model.")
     summary = json.loads(Path(train_summary).read_text())
@@ -276,105 +198,141 @@ def evaluate(
         if builtin_dataset and builtin_examples
         else []
     )
-    prompts = list(prompts)
+    asked = resolve_prompts(prompts, builtin_dataset=builtin_dataset, conversations_dir=conversations_dir)
+    texts = [p["prompt"] for p in asked]
+    pairs = reference = None
+    if dpo_dir is not None or pairs_dir is not None:
+        pairs = batching.load_split(Path(pairs_dir) / "validation")
+        reference = read_reference(reference_logprobs)["validation"]["logprobs"]
+    models = ["base", "tuned"] + (["dpo"] if dpo_dir is not None else [])
     log.info(
-        "device %s (%s); %d validation rows (%s loss tokens); %d prompts; %d exact-match questions",
+        "device %s (%s); models %s; %d validation rows (%s loss tokens); %d prompts; %d exact-match questions; "
+        "%s held-out pairs",
         dev,
         str(dtype).removeprefix("torch."),
+        ", ".join(models),
         len(split),
         f"{int(split.loss_tokens.sum()):,}",
-        len(prompts),
+        len(texts),
         len(examples),
+        len(pairs) if pairs is not None else "no",
     )
-
     results: dict[str, dict[str, Any]] = {}
     replies: dict[str, list[str]] = {}
-    for which in MODELS:
+    peaks: dict[str, float] = {}
+    arch = None
+    for which in models:
         t = time.perf_counter()
         if which == "base":
-            net = load_base_model(model_cfg, tokenizer, seed=seed, train_dtype=train_dtype, dtype=dtype)
+            net = load_base_model(
+                model_cfg, tokenizer, seed=seed, train_dtype=train_dtype, dtype=dtype, device=dev
+            )
         else:
-            net = load_tuned_model(tuned_dir, model_cfg, dtype=dtype)
-        net.to(dev)
-        res = {"validation": validation_loss(net, split, pad_id=pad_id(tokenizer), batch_size=batch_size)}
-        replies[which] = generate(
-            net, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size
-        )
-        if examples:
-            answers = generate(
+            net = load_tuned_model(
+                tuned_dir if which == "tuned" else dpo_dir, model_cfg, dtype=dtype, device=dev
+            )
+        arch = arch or memory.arch_from_hf_config(causal_lm(net).config.to_dict())
+        with peak_memory(dev, peaks, "validation"):
+            res = {"validation": validation_loss(net, split, pad_id=pad_id(tokenizer), batch_size=batch_size)}
+        if pairs is not None:
+            with peak_memory(dev, peaks, "preference"):
+                lp, _ = split_logprobs(net, pairs, pad_id=pad_id(tokenizer), batch_size=batch_size)
+            res["preference"] = preference_scores(lp, reference, beta)
+        with peak_memory(dev, peaks, "generation"):
+            replies[which] = generate(
                 net,
                 tokenizer,
-                [e["prompt"] for e in examples],
+                texts,
                 max_new_tokens=max_new_tokens,
                 batch_size=batch_size,
+                max_prompt_tokens=max_prompt_tokens,
             )
-            res["exact_match"] = score(examples, answers)
-            res["exact_match"]["replies"] = answers
+            if examples:
+                answers = generate(
+                    net,
+                    tokenizer,
+                    [e["prompt"] for e in examples],
+                    max_new_tokens=max_new_tokens,
+                    batch_size=batch_size,
+                )
+                res["exact_match"] = score(examples, answers)
+                res["exact_match"]["replies"] = answers
         res["time_s"] = time.perf_counter() - t
         results[which] = res
         v = res["validation"]
         acc = res.get("exact_match", {}).get("accuracy")
+        pref = res.get("preference", {}).get("accuracy")
         log.info(
-            "%s: validation loss %.4f, perplexity %.3f%s (%.1f s)",
+            "%s: validation loss %.4f, perplexity %.3f%s%s (%.1f s)",
             which,
             v["loss"],
             v["perplexity"],
             f", exact match {acc:.1%}" if acc is not None else "",
+            f", preference accuracy {pref:.1%}" if pref is not None else "",
             res["time_s"],
         )
         del net
-        _release_memory()
+        release_memory()
 
-    base_v, tuned_v = results["base"]["validation"], results["tuned"]["validation"]
+    base_v = results["base"]["validation"]
     metrics: dict[str, Any] = {
         "experiment": summary.get("experiment"),
         "model": model_cfg.base,
+        "models": models,
         "base_model": (
             f"random init of {model_cfg.base} (seed {seed}, {summary['precision']}): the train stage's start"
             if model_cfg.is_builtin
             else f"from_pretrained({model_cfg.base!r}, revision {model_cfg.revision!r})"
         ),
         "tuned_model": str(tuned_dir),
+        "dpo_model": None if dpo_dir is None else str(dpo_dir),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "validation": {
             "rows": base_v["rows"],
             "loss_tokens": base_v["loss_tokens"],
-            "base": {k: base_v[k] for k in ("loss", "perplexity")},
-            "tuned": {k: tuned_v[k] for k in ("loss", "perplexity")},
-            "loss_change_pct": 100.0 * (tuned_v["loss"] - base_v["loss"]) / base_v["loss"],
+            **{w: {k: results[w]["validation"][k] for k in ("loss", "perplexity")} for w in models},
+            "loss_change_pct": 100.0
+            * (results["tuned"]["validation"]["loss"] - base_v["loss"])
+            / base_v["loss"],
         },
-        "generation": {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "decoding": "greedy"},
+        "preference": None,
+        "generation": {
+            "prompts": len(texts),
+            "prompt_source": "auto" if prompts == "auto" else "eval.prompts",
+            # What "expected" holds: the builtin dataset's exact answer, or the data's own reply (auto prompts).
+            "expected": "exact" if builtin_dataset else ("reference reply" if prompts == "auto" else None),
+            "max_new_tokens": max_new_tokens,
+            "decoding": "greedy",
+        },
         "exact_match": None,
+        "memory": _memory_record(
+            arch, peaks, split, tokenizer, texts, batch_size, max_new_tokens, dtype, dev
+        ),
         "versions": package_versions(),
-        "time_s": {which: results[which]["time_s"] for which in MODELS},
+        "time_s": {which: results[which]["time_s"] for which in models},
     }
+    if "dpo" in models:
+        tuned_loss = results["tuned"]["validation"]["loss"]
+        metrics["validation"]["dpo_loss_change_pct"] = (
+            100.0 * (results["dpo"]["validation"]["loss"] - tuned_loss) / tuned_loss
+        )
+    if pairs is not None:
+        metrics["preference"] = {"beta": beta, **{w: results[w]["preference"] for w in models}}
     if examples:
         metrics["exact_match"] = {
             "n": len(examples),
             "seed": EVAL_EXAMPLES_SEED,
-            **{
-                which: {k: v for k, v in results[which]["exact_match"].items() if k != "replies"}
-                for which in MODELS
-            },
+            **{w: {k: v for k, v in results[w]["exact_match"].items() if k != "replies"} for w in models},
             "examples": [
-                {
-                    **example,
-                    "base": results["base"]["exact_match"]["replies"][i],
-                    "tuned": results["tuned"]["exact_match"]["replies"][i],
-                }
+                {**example, **{w: results[w]["exact_match"]["replies"][i] for w in models}}
                 for i, example in enumerate(examples)
             ],
         }
     metrics["time_s"]["total"] = time.perf_counter() - t0
     rows = [
-        {
-            "prompt": p,
-            "base": replies["base"][i],
-            "tuned": replies["tuned"][i],
-            "expected": expected_answer(p) if builtin_dataset else None,
-        }
-        for i, p in enumerate(prompts)
+        {"prompt": p["prompt"], **{w: replies[w][i] for w in models}, "expected": p["expected"]}
+        for i, p in enumerate(asked)
     ]
     # Both files or neither: renamed into place together once both are written.
     with atomic_files(metrics_out, generations_out) as (metrics_tmp, generations_tmp):
@@ -382,3 +340,28 @@ def evaluate(
         generations_tmp.write_text(text, encoding="utf-8")
         write_json(metrics_tmp, metrics)
     return metrics
+
+
+def _memory_record(arch, peaks, split, tokenizer, texts, batch_size, max_new_tokens, dtype, dev) -> dict:
+    """Measured peak per phase (CUDA) beside the memory model's estimate for these lengths."""
+    if arch is None:
+        return {}
+    setup = memory.EvalSetup(
+        batch=min(batch_size, len(split)),
+        seq_len=int(split.lengths.max(initial=0)),
+        prompt_len=longest_prompt(tokenizer, texts),
+        new_tokens=max_new_tokens,
+        precision="fp32" if dtype == torch.float32 else "bf16",
+        varlen=dev.type == "cuda",
+    )
+    est = memory.estimate_eval(arch, setup)
+    return {
+        "batch_size": batch_size,
+        "validation_row_tokens": setup.seq_len,
+        "longest_prompt_tokens": setup.prompt_len,
+        "measured_peak_gib": {k: round(v, 3) for k, v in peaks.items()} or None,
+        "predicted_peak_gib": {
+            "validation": round(est.validation_gib, 3),
+            "generation": round(est.generation_gib, 3),
+        },
+    }

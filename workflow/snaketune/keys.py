@@ -32,6 +32,10 @@ STAGE_MODULES = {
     "tokenize": ("snaketune.tokenization",),
     "plan": ("snaketune.plan",),
     "train": ("snaketune.launch", "snaketune.training"),
+    "preferences": ("snaketune.preferences",),
+    "pairs": ("snaketune.pairs",),
+    "reference": ("snaketune.reference",),
+    "dpo": ("snaketune.launch", "snaketune.dpo"),
     "evaluate": ("snaketune.evaluate",),
     "report": ("snaketune.report",),
     "manifest": ("snaketune.provenance",),
@@ -124,6 +128,21 @@ def data_key(exp: ExperimentConfig) -> str:
         "tokenizer_spec": [exp.model.base, exp.model.tokenizer, exp.model.revision],
         "tokenize": to_dict(exp.tokenize),
         "code": [code_hash(s) for s in ("download", "conversations", "tokenizer", "tokenize")],
+    }
+    return _short(stable_json(spec), 16)
+
+
+def pairs_key(exp: ExperimentConfig) -> str:
+    """Cache key of the tokenized preference pairs of one experiment: the dataset, the pairing, the tokenizer,
+    the chat template, the tokens per side and the code of every stage that makes them."""
+    spec = {
+        "dataset": dataset_spec(exp.dataset),
+        "pairs": exp.preference.pairs,
+        "max_length": exp.preference.max_length,
+        "tokenizer": tokenizer_id(exp.model),
+        "tokenizer_spec": [exp.model.base, exp.model.tokenizer, exp.model.revision],
+        "chat_template": exp.tokenize.chat_template,
+        "code": [code_hash(s) for s in ("download", "conversations", "preferences", "tokenizer", "pairs")],
     }
     return _short(stable_json(spec), 16)
 

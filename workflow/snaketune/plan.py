@@ -7,46 +7,7 @@ workflow), and the strategy the train rule will use. A configuration that does n
 there, with what would fit; with `train.strategy: auto` the plan picks the fastest strategy that fits.
 The launcher checks the plan again against the GPUs a job is actually given (`check_devices`).
 
-Memory model, bytes per GPU. P parameters, T of them trained (P, or the LoRA adapters), N ranks, w bytes per
-weight (2 bf16, 4 fp32); bf16 training keeps an fp32 master copy (4 B) and Adam's m and v (8 B) per trained
-parameter (../shared/FACTS.md: 16 B/param for mixed-precision Adam):
-- weights: w*P, or w*P/N under ZeRO-3 (frozen weights too).
-- gradients: ZeRO-0 4*T (DeepSpeed's bf16 optimizer accumulates in fp32), or w*T with snaketune's fp32
-  masters (snaketune.optim.MasterWeightAdamW: the model's bf16 gradients, cast to fp32 one chunk at a time in
-  the step); ZeRO-1 w*T, ZeRO-2/3 w*T/N, none on the GPU with optimizer offload; while backward runs, the
-  largest trained tensor's gradient also exists whole before it is reduced (the 102,400 x 4,096 embedding for
-  DeepSeek-7B). With snaketune's masters and one micro-batch per step the gradients are freed after every
-  step and grow while backward frees the activations, so the peak holds all activations and no gradients.
-- optimizer: (4 + 8)*T, divided by N from ZeRO-1 on; on the host with offload.
-- buffers, while backward runs (DeepSpeed frees them at its end): ZeRO-1/2 gradient buckets
-  (reduce_bucket_size x w, twice with overlap_comm); ZeRO-3 reduce and prefetch buckets, and with N > 1 the
-  gathered weights of two layers or an embedding.
-- optimizer step (ZeRO-1/2/3 without offload): the trained gradients flattened (w*T/N) and cast to fp32
-  (4*T/N) next to everything above. On one GPU ZeRO-2 thus peaks at 22 B/param in the step (FACTS.md).
-- activations per token and layer, what autograd saves in a DeepSeek/Llama decoder layer with SDPA
-  attention: two RMSNorms (fp32 upcast 4h + normalized and scaled w*h each), q, k, v and the attention
-  output (w*(2*q_dim + 2*kv_dim)), the SwiGLU MLP (gate, SiLU, up, product: 4*w*i), LoRA's rank-r
-  intermediates; times ACTIVATION_FACTOR for what backward adds (gradient temporaries, kernel
-  workspaces, allocator rounding). With gradient checkpointing: each layer's input (w*h) plus one
-  layer's activations while it is recomputed.
-- logits: 12 B per token and vocabulary entry: the logits (bf16), the contiguous copy the loss slices, the
-  fp32 upcast and log-softmax output of the loss (snaketune.batching.token_loss_sum); with the fused loss
-  (snaketune.losses) 8 B per entry of one chunk of tokens, the hidden states' gradient and, with several
-  chunks, an fp32 sum of the lm_head weight's gradient; and, unless attention is varlen, the packed
-  block-diagonal attention mask, micro_batch x seq^2 x (w + 1).
-The peak is the larger of forward/backward and the optimizer step; it is what torch's
-max_memory_allocated reports (summary.json peak_memory_gib_per_rank). A GPU must hold that plus
-FRAGMENTATION of it and CUDA_OVERHEAD_GIB (CUDA context, NCCL and cuBLAS workspaces outside the allocator).
-Host memory: HOST_PER_RANK_GIB per rank (a CUDA PyTorch + DeepSpeed process), plus with optimizer offload
-18 B per trained parameter (fp32 master 4, Adam 8, fp32 gradients 4, bf16 staging 2); it must stay within
-HOST_USABLE of the machine's RAM.
-
-Calibration (tests/test_plan.py): ACTIVATION_FACTOR is fitted to FACTS.md's H200 points where activations
-matter (LoRA 30 layers 8 x 512: 45.4 GiB; torch AdamW 24 and 30 layers 4 x 512: 107.6 and 130.6 GiB); the
-model then gives 116.8 GiB for ZeRO-2 24 layers (measured 116.8, FACTS.md and bench/RESULTS.md) and 10.9 GiB
-GPU / 66.6 GiB host for ZeRO-3 offload 14 layers (measured 10.6 / 69). With snaketune's masters, varlen
-attention and the plain loss it gives 101.2 / 119.5 / 36.9 GiB for 24 layers, 30 layers and 30-layer LoRA
-(measured 96.2 / 116.2 / 37.6, bench/RESULTS.md issue #7).
+The memory model is snaketune.memory.
 
 Speed order for `train.strategy: auto` (fastest first; STRATEGIES): relative throughputs are assumptions,
 except offload, which FACTS.md measured: ZeRO-0 1.0 and ZeRO-2 0.97 (the same communication volume:
@@ -64,372 +25,41 @@ import json
 import logging
 import math
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from snaketune.config import LoraConfig
-from snaketune.dsconfig import offloads, uses_master_weights, zero_stage
+from snaketune.dsconfig import uses_master_weights, zero_stage
+from snaketune.memory import (  # noqa: F401 - the plan's public names include the memory model's
+    ACTIVATION_FACTOR,
+    CUDA_OVERHEAD_GIB,
+    ENV_HOST_MEMORY,
+    FRAGMENTATION,
+    GIB,
+    HOST_USABLE,
+    Arch,
+    Estimate,
+    EvalEstimate,
+    EvalSetup,
+    Setup,
+    arch_from_hf_config,
+    estimate,
+    estimate_eval,
+    resolve_arch,
+    setup_from_deepspeed,
+)
 
 log = logging.getLogger("snaketune.plan")
-
-GIB = 2**30
-ACTIVATION_FACTOR = 1.25
-"""Measured / counted activation memory (fitted to FACTS.md's H200 points; see the module docstring)."""
-LORA_ACTIVATION_FACTOR = 0.88
-"""The same with LoRA. This project's trainer measured 37.6 GiB for LoRA r16 on all linear layers, 30 layers,
-8 x 512, ZeRO-2, on one H200 (bench/runs/2026-11-29_h200_plan), where ACTIVATION_FACTOR predicts 45.6: frozen
-weights need no saved inputs for weight gradients, and peft's adapters save only their rank-r products.
-FACTS.md's 45.4 GiB for that setup came from other training code."""
-LOGIT_BYTES = 12
-"""Per token and vocabulary entry: bf16 logits 2 + contiguous copy 2 + fp32 upcast 4 + log-softmax 4."""
-FUSED_LOGIT_BYTES = 8
-"""The same for one chunk of the fused loss (snaketune.losses): bf16 product 2 + fp32 copy 4 + bf16 gradient 2."""
-FUSED_CHUNK_BYTES = 2**30
-"""snaketune.losses.CHUNK_BYTES (kept here so that the plan does not import torch)."""
-MASTER_CHUNK_ELEMENTS = 2**28
-"""snaketune.optim.CHUNK_ELEMENTS (the same reason)."""
-CUDA_OVERHEAD_GIB = 1.0
-"""CUDA context (~0.5 GiB on Hopper), NCCL buffers and workspaces that the caching allocator does not count."""
-FRAGMENTATION = 0.05
-"""Allocator blocks reserved but not allocated at the peak, as a share of the peak."""
-HOST_PER_RANK_GIB = 5.0
-"""Host memory of one rank: CUDA PyTorch + DeepSpeed + transformers, pinned buffers, the tokenized data."""
-HOST_OFFLOAD_BYTES = 18
-"""Host bytes per trained parameter with optimizer offload: fp32 master 4, Adam 8, fp32 grads 4, bf16 2."""
-HOST_USABLE = 0.9
-"""Share of the machine's RAM a training may plan to use (the OS, Snakemake and page cache keep the rest)."""
-ENV_HOST_MEMORY = "SNAKETUNE_HOST_MEMORY_GIB"
-"""Host RAM to plan against instead of /proc/meminfo's MemTotal (machines whose MemTotal grows with use)."""
-STRATEGY_MODES = ("as_configured", "auto")
-LORA_TARGETS = LoraConfig().targets
-"""LoRA's default targets: every linear layer of a decoder layer."""
 
 
 class PlanError(RuntimeError):
     """The training does not fit; the message says what would."""
 
 
-# ---- the model ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Arch:
-    """The sizes of a dense decoder-only transformer of the Llama family (DeepSeek-LLM is one)."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied_embeddings: bool = False
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of every linear layer of one decoder layer, by module name."""
-        h, i, q, kv = (
-            self.hidden,
-            self.intermediate,
-            self.heads * self.head_dim,
-            self.kv_heads * self.head_dim,
-        )
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-
-    def layer_params(self) -> int:
-        return sum(a * b for a, b in self.linear_shapes().values()) + 2 * self.hidden
-
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden
-
-    def params(self) -> int:
-        embeddings = self.embedding_params() * (1 if self.tied_embeddings else 2)
-        return self.layers * self.layer_params() + embeddings + self.hidden
-
-    def lora_params(self, rank: int, targets: Sequence[str]) -> int:
-        shapes = self.linear_shapes()
-        return self.layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
-
-
-def arch_from_hf_config(cfg: dict) -> Arch:
-    """An Arch from a transformers config.json of a dense Llama-family model; ValueError otherwise."""
-    cfg = cfg.get("text_config") or cfg
-    moe = [k for k in ("num_experts", "n_routed_experts", "num_local_experts") if cfg.get(k)]
-    if moe:
-        raise ValueError(f"mixture-of-experts ({moe[0]}={cfg[moe[0]]}) is not modelled")
-    missing = [
-        k
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "vocab_size",
-        )
-        if not cfg.get(k)
-    ]
-    if missing:
-        raise ValueError(f"config.json lacks {', '.join(missing)}")
-    heads = cfg["num_attention_heads"]
-    return Arch(
-        hidden=cfg["hidden_size"],
-        intermediate=cfg["intermediate_size"],
-        layers=cfg["num_hidden_layers"],
-        heads=heads,
-        kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        vocab=cfg["vocab_size"],
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )
-
-
-BUILTIN_TOKENIZER_VOCAB = 1024
-"""The builtin BPE's size (rule train_tokenizer); builtin-tiny rounds it up to a multiple of 64."""
-
-
-def resolve_arch(model: dict, *, allow_download: bool = False) -> tuple[Arch | None, str]:
-    """The architecture of `model` (config section `model`) and where it came from; (None, why) when it is
-    not known here: a hub model whose config.json is neither cached nor downloadable (no network)."""
-    from snaketune.architectures import BUILTIN_TINY, DEEPSEEK_LLM_7B
-
-    base = model["base"]
-    if base == "builtin-tiny":
-        vocab = (BUILTIN_TOKENIZER_VOCAB + 63) // 64 * 64
-        return arch_from_hf_config({**BUILTIN_TINY, "vocab_size": vocab}), "builtin-tiny (snaketune.model)"
-    if base.startswith("arch:"):
-        cfg = dict(DEEPSEEK_LLM_7B)
-        if model.get("num_layers"):
-            cfg["num_hidden_layers"] = model["num_layers"]
-        return arch_from_hf_config(cfg), f"{base} (snaketune.model), {cfg['num_hidden_layers']} layers"
-    path = Path(base) / "config.json"
-    if not path.is_file():
-        found = _hub_config(base, model.get("revision", "main"), allow_download)
-        if found is None:
-            return None, f"unknown: skipped (no config.json for {base!r} in the hub cache, none downloaded)"
-        path = found
-    try:
-        return arch_from_hf_config(json.loads(path.read_text())), f"{path}"
-    except ValueError as e:
-        return None, f"unknown: skipped ({path}: {e})"
-
-
-def _hub_config(repo_id: str, revision: str, allow_download: bool) -> Path | None:
-    try:
-        from huggingface_hub import hf_hub_download, try_to_load_from_cache
-    except ImportError:
-        return None
-    try:
-        cached = try_to_load_from_cache(repo_id, "config.json", revision=revision)
-        if isinstance(cached, str):
-            return Path(cached)
-        if allow_download:
-            return Path(hf_hub_download(repo_id, "config.json", revision=revision))
-    except Exception as e:  # noqa: BLE001 - no network, bad id, gated repo: the plan is then unknown
-        log.info("config.json of %s not available: %s", repo_id, e)
-    return None
-
-
-# ---- a setup and its estimate -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Setup:
-    """Everything the memory of one training depends on besides the architecture."""
-
-    world: int
-    """Ranks (GPUs)."""
-    zero_stage: int
-    offload_optimizer: bool = False
-    """fp32 master weights, Adam states and gradients in host memory (DeepSpeed offload_optimizer)."""
-    offload_params: bool = False
-    """Weights in host memory too (DeepSpeed offload_param, ZeRO-3)."""
-    gradient_checkpointing: bool = False
-    micro_batch: int = 1
-    accumulation: int = 1
-    """Micro-batches per optimizer step and rank."""
-    seq_len: int = 512
-    precision: str = "bf16"
-    """bf16 | fp32 | autocast (fp32 weights, bf16 autocast: plain torch, FACTS.md's reference runs)."""
-    lora_rank: int = 0
-    """0: full fine-tuning."""
-    lora_targets: tuple[str, ...] = ()
-    engine: str = "deepspeed"
-    """deepspeed | torch (torch AdamW, no DeepSpeed: FACTS.md's reference runs only)."""
-    master_weights: bool = False
-    """bf16 weights and gradients, fp32 masters in snaketune.optim.MasterWeightAdamW (ZeRO-0 only)."""
-    fused_cross_entropy: bool = False
-    """snaketune.losses.fused_linear_cross_entropy: one chunk of logits at a time."""
-    varlen: bool = False
-    """snaketune.attention's varlen kernel: no (micro_batch, 1, seq, seq) mask tensor."""
-    reduce_bucket: float = 5e8
-    prefetch_bucket: float = 5e7
-    sub_group: float = 1e9
-    overlap_comm: bool = False
-    contiguous_gradients: bool = True
-
-    def replace(self, **changes) -> Setup:
-        return dataclasses.replace(self, **changes)
-
-
-def setup_from_deepspeed(ds: dict, **fields) -> Setup:
-    """A Setup with the ZeRO stage, offload and buckets of a DeepSpeed JSON (DeepSpeed's defaults where absent)."""
-    zero = ds.get("zero_optimization") or {}
-    stage = zero_stage(ds)
-    return Setup(
-        zero_stage=stage,
-        offload_optimizer=stage > 0 and offloads(ds),
-        offload_params=stage == 3 and offloads(ds, "offload_param"),
-        reduce_bucket=float(zero.get("reduce_bucket_size", 5e8)),
-        prefetch_bucket=float(zero.get("stage3_prefetch_bucket_size", 5e7)),
-        sub_group=float(zero.get("sub_group_size", 1e9)),
-        overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
-        contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
-        **fields,
-    )
-
-
-@dataclass(frozen=True)
-class Estimate:
-    params: int
-    trainable: int
-    weights_gib: float
-    gradients_gib: float
-    optimizer_gib: float
-    buffers_gib: float
-    activations_gib: float
-    logits_gib: float
-    step_extra_gib: float
-    peak_allocated_gib: float
-    """What torch.cuda.max_memory_allocated should report (summary.json peak_memory_gib_per_rank)."""
-    peak_phase: str
-    gpu_gib: float
-    """What a GPU must have: the peak, FRAGMENTATION of it, and CUDA_OVERHEAD_GIB."""
-    host_gib: float
-    """Host memory of the whole node (all ranks)."""
-    offload: bool = False
-    """Optimizer or weights in host memory: only then is the host memory checked (it is the point)."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: round(v, 3) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
-
-
-def estimate(arch: Arch, s: Setup) -> Estimate:
-    """Peak memory per GPU and on the host (see the module docstring for the model)."""
-    h, i, n = arch.hidden, arch.intermediate, s.world
-    shapes = arch.linear_shapes()
-    total = arch.params()
-    targets = [t for t in s.lora_targets if t in shapes]
-    trained = arch.lora_params(s.lora_rank, targets) if s.lora_rank else total
-    torch_engine = s.engine == "torch"
-    stage = 0 if torch_engine else s.zero_stage
-    w = 2 if s.precision == "bf16" else 4  # bytes per stored weight
-    a = 4 if s.precision == "fp32" else 2  # bytes per activation
-    master = 4 if s.precision == "bf16" else 0
-
-    weights = 0.0 if s.offload_params else w * total / (n if stage == 3 else 1)
-    if s.precision == "autocast":
-        weights += 2 * total  # autocast's bf16 copies of the weights, saved for backward
-    if s.master_weights and stage == 0:
-        grads = float(w * trained)  # the model's own bf16 gradients; fp32 only one chunk at a time
-    elif torch_engine or stage == 0:
-        grads = 4.0 * trained
-    elif stage == 1:
-        grads = float(w * trained)
-    else:
-        grads = 0.0 if s.offload_optimizer else w * trained / n
-    if s.offload_optimizer:
-        optim = 0.0
-    elif torch_engine:
-        optim = 8.0 * trained  # the fp32 weights are the master copy
-    else:
-        optim = (master + 8) * trained / (1 if stage == 0 else n)
-
-    buffers = 0.0
-    if stage in (1, 2) and s.contiguous_gradients:
-        buffers = s.reduce_bucket * w * (2 if s.overlap_comm else 1)
-    elif stage == 3:
-        buffers = (s.reduce_bucket + s.prefetch_bucket) * w
-        if n > 1:
-            buffers += w * max(2 * arch.layer_params(), arch.embedding_params())
-    if s.lora_rank:
-        largest = max((s.lora_rank * max(shapes[t]) for t in targets), default=0)
-    else:
-        largest = arch.embedding_params()
-    transient_grad = 0.0 if torch_engine else w * largest
-
-    step_extra = 0.0
-    if s.master_weights and stage == 0:
-        step_extra = 4.0 * min(trained, MASTER_CHUNK_ELEMENTS)  # one chunk of fp32 gradients
-    elif not (torch_engine or s.offload_optimizer or stage == 0):
-        step_extra = (w + master) * (trained / n if stage < 3 else min(trained / n, s.sub_group))
-
-    tokens = s.micro_batch * s.seq_len
-    q, kv = shapes["q_proj"][1], shapes["k_proj"][1]
-    # Per RMSNorm: the fp32 upcast, the normalized and the scaled output. Under autocast the residual stream
-    # is fp32 already (input and output saved) and the next linear saves its own bf16 cast.
-    norm = 8 * h + 2 * h if s.precision == "autocast" else 4 * h + 2 * a * h
-    per_layer = 2 * norm + a * (2 * q + 2 * kv) + 4 * a * i + a * s.lora_rank * len(targets)
-    residual = 4 if s.precision == "autocast" else a
-    factor = LORA_ACTIVATION_FACTOR if s.lora_rank else ACTIVATION_FACTOR
-    if s.gradient_checkpointing:
-        acts = tokens * arch.layers * residual * h + tokens * per_layer * factor
-    else:
-        acts = tokens * arch.layers * per_layer * factor
-    acts += tokens * norm  # the final norm
-    if s.fused_cross_entropy:
-        # At the end of the forward pass, on top of every layer's saved activations: one chunk of logits (bf16
-        # product, fp32 copy turned into the gradient in place, its bf16 cast), the hidden states' gradient, and
-        # with several chunks the fp32 sum of the lm_head weight's gradient (its w-byte result becomes the .grad
-        # that `grads` counts).
-        chunk = min(tokens, max(256, FUSED_CHUNK_BYTES // (4 * arch.vocab) // 256 * 256))
-        logits = FUSED_LOGIT_BYTES * chunk * arch.vocab + a * tokens * h
-        if not s.lora_rank and chunk < tokens:
-            logits += 4 * arch.vocab * h
-    else:
-        logits = LOGIT_BYTES * tokens * arch.vocab
-    if not s.varlen:
-        logits += s.micro_batch * s.seq_len**2 * (a + 1)  # the packed block-diagonal mask
-
-    states = weights + grads + optim
-    # The buckets live from the first gradient to the end of backward (DeepSpeed releases them there).
-    forward_backward = states + buffers + transient_grad + acts + logits
-    if s.master_weights and stage == 0 and s.accumulation == 1:
-        # The gradients are freed after every step (DeepSpeed's zero_grad) and, with one micro-batch per step,
-        # grow during backward while the activations are freed: the peak is at the start of backward, with
-        # all activations and (nearly) no gradients. Measured: 95.5 GiB for 24 layers at 8 x 512 (bench/RESULTS.md).
-        forward_backward = weights + optim + max(transient_grad + acts + logits, grads)
-    step = states + step_extra
-    peak = max(forward_backward, step)
-    host = HOST_PER_RANK_GIB * GIB * n
-    if s.offload_optimizer:
-        host += HOST_OFFLOAD_BYTES * trained
-    if s.offload_params:
-        host += w * total
-    return Estimate(
-        params=total,
-        trainable=trained,
-        weights_gib=weights / GIB,
-        gradients_gib=grads / GIB,
-        optimizer_gib=optim / GIB,
-        buffers_gib=(buffers + transient_grad) / GIB,
-        activations_gib=acts / GIB,
-        logits_gib=logits / GIB,
-        step_extra_gib=step_extra / GIB,
-        peak_allocated_gib=peak / GIB,
-        peak_phase="optimizer step" if step > forward_backward else "forward/backward",
-        gpu_gib=peak / GIB * (1 + FRAGMENTATION) + CUDA_OVERHEAD_GIB,
-        host_gib=host / GIB,
-        offload=s.offload_optimizer or s.offload_params,
-    )
+STRATEGY_MODES = ("as_configured", "auto")
+LORA_TARGETS = LoraConfig().targets
+"""LoRA's default targets: every linear layer of a decoder layer."""
 
 
 # ---- strategies --------------------------------------------------------------------------------------------
@@ -578,29 +208,93 @@ def make_plan(
     budget: Budget,
     candidate_files: dict[str, str] | None = None,
     allow_download: bool = False,
+    evaluation: dict | None = None,
+    preference: dict | None = None,
 ) -> dict:
     """The plan as a JSON-able dict; `fits` is False when the chosen strategy does not fit (then `message`
-    says what would), None when there is nothing to check against."""
-    strategy = train.get("strategy", "as_configured")
+    says what would), None when there is nothing to check against. `evaluation` ({"batch_size",
+    "max_new_tokens"}, the eval section) adds the evaluate stage's plan (`plan_evaluation`); `preference`
+    ({"train", "max_length", "deepspeed_config"}: the preference stage's merged train settings, tokens per side
+    and DeepSpeed file) adds the preference stage's, under "dpo" (a row holds both sides of a pair)."""
     plan: dict[str, Any] = {
         "experiment": experiment,
-        "strategy": strategy,
-        "train_precision": train.get("precision", "auto"),
         "gpu_memory_gib": gpu_memory_gib,
         "budget": dataclasses.asdict(budget),
         "model": {"base": model["base"]},
     }
     arch, source = resolve_arch(model, allow_download=allow_download)
     plan["model"]["source"] = source
-    configured_name = "as configured"
+    if arch is None:
+        plan.update(
+            _unplanned(train, deepspeed_config, source),
+            arch=None,
+            dpo=None
+            if preference is None
+            else _unplanned(preference["train"], preference["deepspeed_config"], source),
+        )
+        return plan
+    plan["arch"] = dataclasses.asdict(arch)
+    stage = plan_training(arch, train, max_length, deepspeed_config, budget, candidate_files)
+    plan.update(stage)
+    plan["model"].update(
+        params=stage["configured"]["estimate"]["params"],
+        trainable=stage["configured"]["estimate"]["trainable"],
+    )
+    precision = stage["precision"]
+    if evaluation is not None:
+        plan["evaluate"] = plan_evaluation(
+            arch, evaluation, max_length=max_length, precision=precision, budget=budget
+        )
+        if plan["fits"] is not False and plan["evaluate"]["fits"] is False:
+            plan.update(fits=False, message=plan["evaluate"]["message"], status="evaluation does not fit")
+    if preference is not None:
+        dpo = plan_training(
+            arch,
+            preference["train"],
+            2 * preference["max_length"],
+            preference["deepspeed_config"],
+            budget,
+            candidate_files,
+        )
+        plan["dpo"] = dpo
+        if plan["fits"] is not False and dpo["fits"] is False:
+            plan.update(
+                fits=False,
+                message=f"preference stage (rows of 2 x preference.max_length = {2 * preference['max_length']} "
+                f"tokens; preference.train): {dpo['message']}",
+                status="preference stage does not fit",
+            )
+    return plan
+
+
+def _unplanned(train: dict, deepspeed_config: str, source: str) -> dict:
     chosen = {
-        "name": configured_name,
+        "name": "as configured",
         "deepspeed_config": deepspeed_config,
         "gradient_checkpointing": bool(train.get("gradient_checkpointing")),
     }
-    if arch is None:
-        plan.update(arch=None, fits=None, status=source, chosen=chosen, candidates=[], message=None)
-        return plan
+    return {
+        "strategy": train.get("strategy", "as_configured"),
+        "train_precision": train.get("precision", "auto"),
+        "fits": None,
+        "status": source,
+        "chosen": chosen,
+        "candidates": [],
+        "message": None,
+    }
+
+
+def plan_training(
+    arch: Arch,
+    train: dict,
+    max_length: int,
+    deepspeed_config: str,
+    budget: Budget,
+    candidate_files: dict[str, str] | None,
+) -> dict:
+    """One training stage's plan: the configured strategy, the candidates, the one chosen (train.strategy),
+    whether it fits and, if not, what would."""
+    strategy = train.get("strategy", "as_configured")
     precision = train.get("precision", "auto")
     if precision == "auto":
         precision = "fp32" if budget.gpu_gib is None else "bf16"
@@ -608,12 +302,9 @@ def make_plan(
     common = dict(world=world, seq_len=max_length, precision=precision)
     ds = json.loads(Path(deepspeed_config).read_text())
     setup = _setup_for(train, ds, **common)
-    est = estimate(arch, setup)
-    configured = _entry(strategy_name(setup), deepspeed_config, setup, est, budget, configured=True)
-    plan["arch"] = dataclasses.asdict(arch)
-    plan["model"].update(params=est.params, trainable=est.trainable)
-    plan["configured"] = configured
-
+    configured = _entry(
+        strategy_name(setup), deepspeed_config, setup, estimate(arch, setup), budget, configured=True
+    )
     lora = bool((train.get("lora") or {}).get("enabled"))
     candidates = []
     for strat in candidate_strategies(lora) if candidate_files else []:
@@ -626,30 +317,77 @@ def make_plan(
             gradient_checkpointing=strat.gradient_checkpointing,
             **common,
         )
-        e = estimate(arch, s)
-        candidates.append(_entry(strat.name, path, s, e, budget, relative_speed=strat.relative_speed))
-    plan["candidates"] = candidates
-
+        candidates.append(
+            _entry(strat.name, path, s, estimate(arch, s), budget, relative_speed=strat.relative_speed)
+        )
     if strategy == "auto" and budget.gpu_gib is not None:
-        fitting = [c for c in candidates if c["fits"]]
-        pick = fitting[0] if fitting else None
+        pick = next((c for c in candidates if c["fits"]), None)
     else:
         pick = configured
+    chosen = {"name": "as configured", "deepspeed_config": deepspeed_config,
+              "gradient_checkpointing": bool(train.get("gradient_checkpointing"))}  # fmt: skip
     if pick is not None:
         chosen = {k: pick[k] for k in ("name", "deepspeed_config", "gradient_checkpointing")}
         chosen["estimate"] = pick["estimate"]
-    plan["chosen"] = chosen
+    stage = {
+        "strategy": strategy,
+        "train_precision": train.get("precision", "auto"),
+        "precision": precision,
+        "seq_len": max_length,
+        "configured": configured,
+        "candidates": candidates,
+        "chosen": chosen,
+        "message": None,
+    }
     fits = None if budget.gpu_gib is None else bool(pick and pick["fits"])
-    plan["fits"] = fits
-    plan["message"] = None
     if fits is False:
-        plan["message"] = not_fitting_message(plan, arch, train, ds, common, budget, candidate_files)
-        plan["status"] = "does not fit"
+        stage["message"] = not_fitting_message(stage, arch, train, ds, common, budget, candidate_files)
+        stage["status"] = "does not fit"
     elif fits:
-        plan["status"] = f"fits: {chosen['name']} on {world} x {budget.gpu_gib:.1f} GiB"
+        stage["status"] = f"fits: {chosen['name']} on {world} x {budget.gpu_gib:.1f} GiB"
     else:
-        plan["status"] = budget.source
-    return plan
+        stage["status"] = budget.source
+    stage["fits"] = fits
+    return stage
+
+
+def plan_evaluation(arch: Arch, evaluation: dict, *, max_length: int, precision: str, budget: Budget) -> dict:
+    """The evaluate stage's memory at eval.batch_size and, where that does not fit, the largest batch size that
+    does (halving): the stage then runs with it (`batch_size`), so a recipe that fits training never dies in
+    evaluation. Planned for the longest inputs there can be: validation rows and prompts of tokenize.max_length
+    (the stage records its own estimate for the lengths it meets beside the measured peak)."""
+    requested = int(evaluation["batch_size"])
+    new_tokens = int(evaluation["max_new_tokens"])
+
+    def at(batch: int) -> EvalEstimate:
+        setup = EvalSetup(
+            batch=batch,
+            seq_len=max_length,
+            prompt_len=max_length,
+            new_tokens=new_tokens,
+            precision="fp32" if precision == "fp32" else "bf16",
+            varlen=precision == "bf16",
+        )
+        return estimate_eval(arch, setup)
+
+    batch, est = requested, at(requested)
+    if budget.gpu_gib is not None:
+        while est.gpu_gib > budget.gpu_gib and batch > 1:
+            batch //= 2
+            est = at(batch)
+    fits = None if budget.gpu_gib is None else est.gpu_gib <= budget.gpu_gib
+    out = {"requested_batch_size": requested, "batch_size": batch, "estimate": est.as_dict(), "fits": fits}
+    if fits is False:
+        out["message"] = (
+            f"evaluation does not fit {budget.gpu_gib:.1f} GiB ({budget.source}): one {arch.params():,}-parameter "
+            f"model in {precision} needs {est.gpu_gib:.1f} GiB per GPU at eval.batch_size 1 with "
+            f"{max_length} tokens (weights {est.weights_gib:.1f} GiB); use larger GPUs or a shorter "
+            "tokenize.max_length"
+        )
+    elif batch < requested:
+        log.info("evaluation: eval.batch_size %d needs more than %.1f GiB; the evaluate stage uses %d",
+                 requested, budget.gpu_gib, batch)  # fmt: skip
+    return out
 
 
 def _fastest_fitting(
@@ -765,6 +503,13 @@ def format_table(plan: dict) -> str:
             f"{name:<26}{speed:>6}{e['peak_allocated_gib']:>10.1f}Gi{e['gpu_gib']:>8.1f}Gi"
             f"{e['host_gib']:>6.0f}Gi  {e['peak_phase']} / {r['fits']}"
         )
+    if plan.get("evaluate"):
+        ev = plan["evaluate"]
+        e = ev["estimate"]
+        lines.append(
+            f"{'evaluate':<26}{'-':>6}{e['peak_allocated_gib']:>10.1f}Gi{e['gpu_gib']:>8.1f}Gi{0:>6.0f}Gi  "
+            f"batch {ev['batch_size']} (eval.batch_size {ev['requested_batch_size']}) / {ev['fits']}"
+        )
     lines.append(f"chosen: {plan['chosen']['name']} ({plan['chosen']['deepspeed_config']}); {plan['status']}")
     return "\n".join(lines)
 
@@ -778,6 +523,9 @@ def write_plan(*, out: str | Path, **kwargs) -> dict:
     plan = make_plan(budget=budget, **kwargs)
     if plan.get("configured"):
         log.info("memory plan for %s:\n%s", plan["experiment"], format_table(plan))
+        if plan.get("dpo") and plan["dpo"].get("configured"):
+            dpo = {**plan, **plan["dpo"], "evaluate": None}
+            log.info("memory plan for %s, preference stage:\n%s", plan["experiment"], format_table(dpo))
     else:
         log.info("memory plan for %s: %s", plan["experiment"], plan["status"])
     if plan["fits"] is False:

@@ -7,7 +7,8 @@ and metrics.csv, its evaluation (metrics.json, generations.jsonl) and the per-jo
 - ``report.md``: the same content in Markdown, next to the PNG plots it references,
 - ``summary.json``: the headline figures for machines (data sizes; per experiment steps, world size, ZeRO
   stage, final losses, tokens/s, MFU, peak memory, base and tuned validation loss, perplexity, accuracy),
-- the plots: loss vs step and vs tokens, learning rate and gradient norm, throughput, memory per rank.
+- the plots: loss vs step and vs tokens, learning rate and gradient norm, throughput, memory per rank, and
+  the preference stage's loss and reward accuracy.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from snaketune import report_plots as plots
 from snaketune.io import atomic_files, write_json
+from snaketune.report_preference import preference_plot, preference_section, preference_summary
 from snaketune.report_render import Para, to_html, to_markdown
 from snaketune.report_sections import (
     comparison_section,
@@ -50,10 +52,22 @@ OUTPUTS = {
     "learning_rate": "learning_rate.png",
     "throughput": "throughput.png",
     "memory": "memory.png",
+    "preference": "preference.png",
 }
 """File names under the report directory; the report rule declares the same."""
 PACKAGES = ("torch", "deepspeed", "transformers", "datasets", "peft", "snakemake")
-JOB_ORDER = ("download", "conversations", "tokenizer", "tokenized", "train", "eval")
+JOB_ORDER = (
+    "download",
+    "conversations",
+    "preferences",
+    "tokenizer",
+    "tokenized",
+    "tokenized_pairs",
+    "train",
+    "reference",
+    "dpo",
+    "eval",
+)
 """Top-level names under benchmarks/, in pipeline order (the wall-time table follows it)."""
 
 
@@ -68,6 +82,13 @@ class ExperimentFiles:
     generations: Path
     tokenized: Path
     """The tokenized cache directory (its stats.json is read)."""
+    dpo_summary: Path | None = None
+    """The preference stage (when it ran): results/dpo/<experiment>/summary.json and metrics.csv, the
+    reference stage's record, the tokenized pairs' directory and the pairs stage's stats.json."""
+    dpo_metrics: Path | None = None
+    reference: Path | None = None
+    pairs: Path | None = None
+    preferences: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -234,6 +255,8 @@ class Experiment:
     tokenized: dict
     data_key: str
     config: dict
+    dpo: dict | None = None
+    """{"summary", "rows", "reference", "pairs_stats", "preference_stats"} of the preference stage, or None."""
 
 
 def load(inputs: ReportInputs) -> tuple[dict, list[Experiment]]:
@@ -254,6 +277,15 @@ def load(inputs: ReportInputs) -> tuple[dict, list[Experiment]]:
                 tokenized=json.loads((Path(files.tokenized) / "stats.json").read_text()),
                 data_key=Path(files.tokenized).name,
                 config=inputs.config.get("experiments", {}).get(files.name, {}),
+                dpo=None
+                if files.dpo_summary is None
+                else {
+                    "summary": json.loads(Path(files.dpo_summary).read_text()),
+                    "rows": read_metrics_csv(files.dpo_metrics),
+                    "reference": json.loads(Path(files.reference).read_text()),
+                    "pairs_stats": json.loads((Path(files.pairs) / "stats.json").read_text()),
+                    "preference_stats": json.loads(Path(files.preferences).read_text()),
+                },
             )
         )
     return data, experiments
@@ -264,7 +296,7 @@ def load(inputs: ReportInputs) -> tuple[dict, list[Experiment]]:
 
 def _accuracy(ev: dict, which: str) -> float | None:
     em = ev.get("exact_match")
-    return em[which]["accuracy"] if em else None
+    return em[which]["accuracy"] if em and which in em else None
 
 
 def experiment_summary(exp: Experiment) -> dict[str, Any]:
@@ -306,6 +338,8 @@ def experiment_summary(exp: Experiment) -> dict[str, Any]:
         "exact_match_n": ev["exact_match"]["n"] if ev.get("exact_match") else None,
         "base_accuracy": _accuracy(ev, "base"),
         "tuned_accuracy": _accuracy(ev, "tuned"),
+        "dpo_accuracy": _accuracy(ev, "dpo"),
+        "preference": preference_summary(exp),
     }
 
 
@@ -367,6 +401,7 @@ def make_plots(experiments: list[Experiment], out_dir: Path) -> dict[str, Path]:
         {exp.name: exp.summary.get("device", "") for exp in experiments},
         paths["memory"],
     )
+    preference_plot({exp.name: exp.dpo["rows"] for exp in experiments if exp.dpo}, paths["preference"])
     return paths
 
 
@@ -434,6 +469,7 @@ def write_report(
         + data_section(data, experiments)
         + training_section(experiments, summary, plot_paths)
         + evaluation_section(experiments, summary)
+        + preference_section(experiments, plot_paths["preference"])
         + comparison_section(experiments, summary)
         + provenance_section(data, experiments, provenance, benchmarks, config)
     )

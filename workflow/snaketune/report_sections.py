@@ -345,7 +345,15 @@ def evaluation_section(experiments: list[Experiment], summary: dict) -> list[Blo
                     ),
                 ]
             )
-        blocks.append(Table(["", "base", "fine-tuned", "change"], rows))
+        dpo = ev["validation"].get("dpo")
+        if dpo is not None:  # the preference-tuned model beside them
+            rows[0].append(fmt(dpo["loss"]))
+            rows[1].append(fmt(dpo["perplexity"]))
+        if em and "dpo" in em:
+            rows[2].append(_acc(em["dpo"]["accuracy"]))
+        blocks.append(
+            Table(["", "base", "fine-tuned", "change"] + (["DPO"] if dpo is not None else []), rows)
+        )
         if em:
             tables = []
             for field, title in (("by_task", "task"), ("by_lang", "language")):
@@ -392,19 +400,25 @@ def evaluation_section(experiments: list[Experiment], summary: dict) -> list[Blo
                 "✓/✗ where the builtin dataset knows the answer):"
             )
         )
+        with_dpo = any("dpo" in g for g in exp.generations)
+        # Builtin answers are exact (✓/✗); the data's own replies (auto prompts) are a reference, not a key.
+        checked = ev["generation"].get("expected", "exact") == "exact"
         blocks.append(
             Table(
-                ["prompt", "expected", "base", "fine-tuned"],
+                ["prompt", "expected", "base", "fine-tuned"] + (["DPO"] if with_dpo else []),
                 [
                     [
-                        Cell(g["prompt"], "mono"),
-                        Cell(g.get("expected") or "–", "mono"),
-                        _mark(g["base"], g.get("expected")),
-                        _mark(g["tuned"], g.get("expected")),
+                        Cell(_visible(g["prompt"]), "mono"),
+                        Cell(_visible(g.get("expected") or "–"), "mono"),
+                        *[
+                            _mark(g[w], g.get("expected") if checked else None)
+                            for w in ("base", "tuned", "dpo")
+                            if w in g
+                        ],
                     ]
                     for g in exp.generations
                 ],
-                numeric=[False, False, False, False],
+                numeric=[False] * (5 if with_dpo else 4),
             )
         )
     return blocks

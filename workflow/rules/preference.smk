@@ -1,0 +1,102 @@
+# Preference tuning from the ranks oasst already has: pairs -> tokenized pairs -> reference log-probabilities
+# (once) -> DPO on the SFT model. Only experiments with preference.enabled.
+
+
+rule preferences:
+    input:
+        messages=rules.download.output.messages,
+        train=rules.conversations.output.train,
+        validation=rules.conversations.output.validation,
+    output:
+        train="results/data/preferences/{pairs}/train.parquet",
+        validation="results/data/preferences/{pairs}/validation.parquet",
+        stats=report(
+            "results/data/preferences/{pairs}/stats.json",
+            caption="../report/preferences.rst",
+            category="1. Data",
+        ),
+    log:
+        "logs/preferences/{pairs}.log",
+    benchmark:
+        "benchmarks/preferences/{pairs}.tsv"
+    conda:
+        "../../envs/data.yaml"
+    params:
+        spec=preferences_params,
+    script:
+        "../scripts/preferences.py"
+
+
+rule tokenize_pairs:
+    input:
+        unpack(tokenize_pairs_input),
+    output:
+        directory("results/tokenized_pairs/{key}"),
+    log:
+        "logs/tokenized_pairs/{key}.log",
+    benchmark:
+        "benchmarks/tokenized_pairs/{key}.tsv"
+    conda:
+        "../../envs/data.yaml"
+    threads: 8
+    params:
+        spec=tokenize_pairs_params,
+    script:
+        "../scripts/tokenize_pairs.py"
+
+
+rule reference:
+    input:
+        unpack(reference_input),
+    output:
+        logprobs="results/preference/{experiment}/reference.parquet",
+        record="results/preference/{experiment}/reference.json",
+    log:
+        "logs/reference/{experiment}.log",
+    benchmark:
+        "benchmarks/reference/{experiment}.tsv"
+    conda:
+        "../../envs/train.yaml"
+    threads: 2
+    resources:
+        gpu=1,
+    params:
+        spec=reference_params,
+    script:
+        "../scripts/reference.py"
+
+
+rule dpo:
+    input:
+        unpack(dpo_input),
+    output:
+        model=directory("results/dpo/{experiment}/model"),
+        metrics=report(
+            "results/dpo/{experiment}/metrics.csv",
+            caption="../report/dpo_metrics.rst",
+            category="2. Training",
+            labels={"experiment": "{experiment}", "stage": "dpo"},
+        ),
+        tb=directory("results/dpo/{experiment}/tb"),
+        summary=report(
+            "results/dpo/{experiment}/summary.json",
+            caption="../report/dpo_summary.rst",
+            category="2. Training",
+            labels={"experiment": "{experiment}", "stage": "dpo"},
+        ),
+    log:
+        "logs/dpo/{experiment}.log",
+    benchmark:
+        "benchmarks/dpo/{experiment}.tsv"
+    conda:
+        "../../envs/train.yaml"
+    threads: train_threads
+    resources:
+        gpu=dpo_gpus,
+        nodes=dpo_nodes,
+        gres=dpo_gres,
+    params:
+        spec=dpo_params,
+        checkpoints=lambda wc: f"results/checkpoints/{wc.experiment}/dpo",
+    script:
+        "../scripts/dpo.py"

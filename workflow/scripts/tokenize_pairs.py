@@ -1,0 +1,20 @@
+import _stage
+
+from pathlib import Path
+
+from snaketune.pairs import tokenize_pairs
+
+
+def main(smk):
+    spec = dict(smk.params.spec)
+    spec.pop("code")
+    tokenize_pairs(
+        Path(smk.input.train).parent,
+        Path(smk.input.tokenizer).parent,
+        smk.output[0],
+        **spec,
+        threads=smk.threads,
+    )
+
+
+_stage.run(snakemake, main)
