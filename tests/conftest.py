@@ -117,19 +117,22 @@ def run_spec(
     train_overrides: dict | None = None,
     deepspeed: str | Path = "zero2",
     checkpoint_dir: Path | None = None,
+    data_dir: Path | None = None,
+    model: dict | None = None,
+    preference: dict | None = None,
 ) -> dict:
-    """The RunSpec dict workflow/scripts/train.py writes, for a run under `root`."""
+    """The RunSpec dict workflow/scripts/train.py (or dpo.py, with `preference`) writes, for a run under `root`."""
     from snaketune.config import ModelConfig, TrainConfig, _build, to_dict
 
     ds_path = Path(deepspeed)
     if ds_path.suffix != ".json":
         ds_path = DEEPSPEED_DIR / f"{deepspeed}.json"
     train = _build(TrainConfig, {**TRAIN_DEFAULTS, **(train_overrides or {})}, "train.")
-    return {
+    spec = {
         "experiment": "test",
-        "model": to_dict(ModelConfig()),
+        "model": to_dict(ModelConfig(**(model or {}))),
         "train": to_dict(train),
-        "data_dir": str(data.data_dir),
+        "data_dir": str(data_dir or data.data_dir),
         "tokenizer_dir": str(data.tokenizer_dir),
         "deepspeed_config": str(ds_path),
         "output_dir": str(root / "out"),
@@ -137,6 +140,9 @@ def run_spec(
         "max_length": data.max_length,
         "run_key": "test",
     }
+    if preference is not None:
+        spec.update(preference=preference, max_length=preference["max_length"])
+    return spec
 
 
 def run_training(
@@ -147,6 +153,10 @@ def run_training(
     deepspeed: str | Path = "zero2",
     *,
     checkpoint_dir: Path | None = None,
+    module: str = "snaketune.training",
+    data_dir: Path | None = None,
+    model: dict | None = None,
+    preference: dict | None = None,
 ) -> TrainRun:
     """Train with `nproc` ranks through snaketune.launch (torchrun, as the train rule does).
 
@@ -161,9 +171,19 @@ def run_training(
         train_overrides=train_overrides,
         deepspeed=deepspeed,
         checkpoint_dir=checkpoint_dir,
+        data_dir=data_dir,
+        model=model,
+        preference=preference,
     )
     log_file = tmp_path / "train.log"
-    launch(spec, Path(spec["checkpoint_dir"]) / "run-spec.json", granted=nproc, log_file=log_file, threads=2)
+    launch(
+        spec,
+        Path(spec["checkpoint_dir"]) / "run-spec.json",
+        granted=nproc,
+        log_file=log_file,
+        threads=2,
+        module=module,
+    )
     out = Path(spec["output_dir"])
     return TrainRun(
         out_dir=out,

@@ -165,7 +165,12 @@ def test_flags_mostly_spare_the_good_path(
 ) -> None:
     """Deleted / failed messages sit on wrong replies and follow-ups; a few prompts lose their good reply."""
     flagged = [r for r in rows if not _usable(r)]
-    on_correct = [r for r in flagged if r["role"] == "assistant" and r["rank"] in (0, None)]
+    by_id = {r["message_id"]: r for r in rows}
+    on_correct = [
+        r
+        for r in flagged
+        if r["role"] == "assistant" and r["text"] == bd.expected_answer(by_id[r["parent_id"]]["text"])
+    ]
     assert len(on_correct) < len(flagged) / 3
     answered = survived = 0
     for root in children[None]:
@@ -193,14 +198,63 @@ def test_rank0_replies_are_correct_and_others_are_not(
             assert r["text"] != good
 
 
-def test_unranked_groups_contain_the_correct_reply_first(
+def test_unranked_groups_start_with_the_correct_or_a_truncated_reply(
     by_id: dict[str, dict[str, Any]], children: dict[str | None, list[dict[str, Any]]]
 ) -> None:
+    """The oldest reply of an unranked group (what top1 follows) is the correct one, or often a reply cut short
+    (P_UNRANKED_TRUNCATED_FIRST), with the correct one among its siblings."""
+    firsts = collections.Counter()
     for parent_id, kids in children.items():
-        if parent_id is None or not kids or kids[0]["role"] != "assistant" or kids[0]["rank"] is not None:
+        if (
+            parent_id is None
+            or len(kids) < 2
+            or kids[0]["role"] != "assistant"
+            or kids[0]["rank"] is not None
+        ):
             continue
+        good = bd.expected_answer(by_id[parent_id]["text"])
         first = min(kids, key=lambda k: dt.datetime.fromisoformat(k["created_date"]))
-        assert first["text"] == bd.expected_answer(by_id[parent_id]["text"])
+        assert any(k["text"] == good for k in kids)
+        if first["text"] == good:
+            firsts["correct"] += 1
+        else:
+            assert good.startswith(first["text"]) and first["text"] != good, first["text"]
+            firsts["truncated"] += 1
+    assert firsts["correct"] >= 20 and firsts["truncated"] >= 20, firsts
+
+
+@pytest.mark.parametrize("flaw", bd.FLAWS)
+def test_every_flaw_is_a_worse_reply(flaw: str) -> None:
+    rng = random.Random(0)
+    for q in bd.all_questions():
+        text = bd.flawed_answer_text(q, flaw, rng)
+        assert text != bd.answer_text(q), (flaw, q)
+    q = bd.Question("capital", "en", "Zorvia")
+    assert (
+        bd.flawed_answer_text(q, "repeated", rng)
+        == "The capital of Zorvia is Brelk. The capital of Zorvia is Brelk."
+    )
+    assert "The capital of Zorvia is Brelk.".startswith(bd.flawed_answer_text(q, "truncated", rng))
+    assert bd.flawed_answer_text(q, "wrong_language", rng).endswith("Brelk.")
+
+
+def test_ranked_groups_give_pairs_of_every_flaw(rows, by_id, children) -> None:
+    """The preference signal: ranked groups hold rank-0 correct replies over each kind of flaw."""
+    kinds = collections.Counter()
+    for r in rows:
+        if r["role"] != "assistant" or not r["rank"]:
+            continue
+        good = bd.expected_answer(by_id[r["parent_id"]]["text"])
+        text = r["text"]
+        if text in bd.DONT_KNOW.values():
+            kinds["dont_know"] += 1
+        elif text == f"{good} {good}":
+            kinds["repeated"] += 1
+        elif good.startswith(text):
+            kinds["truncated"] += 1
+        else:
+            kinds["wrong_value_or_language"] += 1
+    assert min(kinds.values()) >= 10 and len(kinds) == 4, kinds
 
 
 def test_conversations_are_short(rows: list[dict[str, Any]], by_id: dict[str, dict[str, Any]]) -> None:

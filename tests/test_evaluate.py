@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from snaketune import batching, evaluate
 from snaketune.builtin_data import eval_examples, expected_answer
-from snaketune.config import ConfigError, EvalConfig, ModelConfig, load_config, to_dict
+from snaketune.config import DEFAULT_EVAL_PROMPTS, ConfigError, EvalConfig, ModelConfig, load_config, to_dict
 from snaketune.model import load_model
 from snaketune.tokenization import load_tokenizer
 
@@ -310,14 +310,20 @@ def _default_config() -> dict:
 
 def test_config_yaml_spells_out_the_eval_defaults():
     assert load_config(_default_config()).eval == load_config({}).eval == EvalConfig()
-    for prompt in EvalConfig().prompts[:-1]:  # the builtin questions among the defaults are real ones
+    assert EvalConfig().prompts == "auto"
+    for prompt in DEFAULT_EVAL_PROMPTS[:-1]:  # auto on the builtin data: its questions, and one it never asks
         assert expected_answer(prompt) is not None, prompt
+    assert expected_answer(DEFAULT_EVAL_PROMPTS[-1]) is None
 
 
 @pytest.mark.parametrize(
     ("eval_cfg", "expected"),
     [
-        ({"prompts": []}, "config key 'eval.prompts': must be a list of at least one prompt"),
+        ({"prompts": []}, "config key 'eval.prompts': must be a list of at least one prompt, or auto"),
+        (
+            {"prompts": "all"},
+            "config key 'eval.prompts': 'all' is not allowed; allowed: auto or a list of prompts",
+        ),
         ({"prompts": ["  "]}, "config key 'eval.prompts': '  ' is not a non-empty string"),
         ({"max_new_tokens": 0}, "config key 'eval.max_new_tokens': 0 must be between 1 and 4096"),
         ({"builtin_examples": 1000}, "config key 'eval.builtin_examples': n must be between 1 and 320"),

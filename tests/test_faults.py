@@ -168,16 +168,37 @@ KILLS = (
             f"results/data/conversations/{n}" for n in ("train.parquet", "validation.parquet", "stats.json")
         ),
     ),
-    Kill(
-        ("train_tokenizer",),
-        ("results/tokenizer/builtin/tokenizer_config.json",),
-        ("results/tokenizer/builtin/tokenizer.json", "results/tokenizer/builtin/tokenizer_config.json"),
+    Kill(  # two jobs that run side by side once the conversations exist
+        ("train_tokenizer", "preferences"),
+        (
+            "results/tokenizer/builtin/tokenizer_config.json",
+            "results/data/preferences/best_vs_rest/stats.json",
+        ),
+        (
+            "results/tokenizer/builtin/tokenizer.json",
+            "results/tokenizer/builtin/tokenizer_config.json",
+            *(
+                f"results/data/preferences/best_vs_rest/{n}"
+                for n in ("train.parquet", "validation.parquet", "stats.json")
+            ),
+        ),
     ),
     Kill(("tokenize",), ("results/provenance/tokenize/*.json",), ("results/tokenized/*",)),
+    Kill(("tokenize_pairs",), ("results/provenance/tokenize_pairs/*.json",), ("results/tokenized_pairs/*",)),
     Kill(
         ("train",),
         (),
         tuple(f"results/train/{EXPERIMENT}/{n}" for n in ("model", "metrics.csv", "tb", "summary.json")),
+    ),
+    Kill(
+        ("reference",),
+        (f"results/preference/{EXPERIMENT}/reference.json",),
+        tuple(f"results/preference/{EXPERIMENT}/{n}" for n in ("reference.parquet", "reference.json")),
+    ),
+    Kill(
+        ("dpo",),
+        (f"results/dpo/{EXPERIMENT}/summary.json",),
+        tuple(f"results/dpo/{EXPERIMENT}/{n}" for n in ("model", "metrics.csv", "tb", "summary.json")),
     ),
     Kill(
         ("evaluate",),
@@ -309,7 +330,19 @@ def _killed(interrupted: Interrupted, rule: str) -> Killed:
 @pytest.mark.slow  # a whole workflow run
 def test_every_stage_is_killed_inside_its_job(interrupted):
     rules = [r for k in interrupted.killed for r in k.kill.rules]
-    expected = ("download", "plan", "conversations", "train_tokenizer", "tokenize", "train", "evaluate")
+    expected = (
+        "download",
+        "plan",
+        "conversations",
+        "train_tokenizer",
+        "preferences",
+        "tokenize",
+        "tokenize_pairs",
+        "train",
+        "reference",
+        "dpo",
+        "evaluate",
+    )
     assert rules == [*expected, "manifest", "report"]
     for k in interrupted.killed:
         assert k.survivors == [], [p.cmdline for p in k.survivors]
@@ -404,7 +437,20 @@ def test_evaluation_report_and_manifest_match_an_uninterrupted_run(interrupted, 
     manifest = read(interrupted.workdir, "results/provenance/manifest.json")
     jobs = sorted(j["rule"] for j in manifest["jobs"])
     assert jobs == sorted(
-        ("download", "conversations", "train_tokenizer", "tokenize", "plan", "train", "evaluate")
+        (
+            "download",
+            "conversations",
+            "preferences",
+            "train_tokenizer",
+            "tokenize",
+            "tokenize_pairs",
+            "plan",
+            "plan_dpo",
+            "train",
+            "reference",
+            "dpo",
+            "evaluate",
+        )
     )
     assert [j["rule"] for j in manifest["jobs"] if j["status"] != "ok"] == []
     assert manifest["missing"] == []

@@ -32,14 +32,21 @@ SECRET_ENV = {"HF_TOKEN": SENTINEL, "HUGGING_FACE_HUB_TOKEN": SENTINEL}
 # What a change reruns, from the most upstream stage down. Every rerun ends in the manifest (unless only
 # the report changed), the report and `all`.
 END = ("manifest", "report", "all")
-FROM_CONVERSATIONS = ("conversations", "train_tokenizer", "tokenize", "train", "evaluate", *END)
-FROM_DOWNLOAD = ("download", *FROM_CONVERSATIONS)
-FROM_TOKENIZE = ("tokenize", "train", "evaluate", *END)
-FROM_TRAIN = ("train", "evaluate", *END)
-# The memory plan (rule plan) reads the model and train settings and the DeepSpeed files; train and
-# evaluate read the plan.
-FROM_PLAN = ("plan", *FROM_TRAIN)
 FROM_EVALUATE = ("evaluate", *END)
+# The preference stages: the reference log-probs (of the SFT model), DPO on the SFT model, then evaluation.
+FROM_DPO = ("dpo", *FROM_EVALUATE)
+FROM_REFERENCE = ("reference", *FROM_DPO)
+FROM_PAIRS = ("tokenize_pairs", *FROM_REFERENCE)
+FROM_TRAIN = ("train", *FROM_REFERENCE)
+# The memory plans (rules plan and plan_dpo) read the model and train settings and the DeepSpeed files; train
+# and evaluate read the first, dpo the second.
+FROM_PLAN = ("plan", *FROM_TRAIN)
+FROM_PLANS = ("plan", "plan_dpo", *FROM_TRAIN)
+FROM_TOKENIZE = ("tokenize", *FROM_TRAIN)
+# A new tokenizer remakes both tokenized caches.
+FROM_TOKENIZER = ("train_tokenizer", "tokenize", "tokenize_pairs", *FROM_TRAIN)
+FROM_CONVERSATIONS = ("conversations", "preferences", *FROM_TOKENIZER)
+FROM_DOWNLOAD = ("download", *FROM_CONVERSATIONS)
 ONLY_REPORT = ("report", "all")
 
 
@@ -60,41 +67,81 @@ CASES = {
     "tokenize.packing": (_config({"tokenize": {"packing": False}}), FROM_TOKENIZE),
     "model.tokenizer": (
         _config({"model": {"tokenizer": "deepseek-ai/deepseek-llm-7b-base"}}),
-        ("fetch_tokenizer", "plan", *FROM_TOKENIZE),
+        ("fetch_tokenizer", "plan", "plan_dpo", "tokenize", "tokenize_pairs", *FROM_TRAIN),
     ),
     "tokenizer vocabulary (rule file)": (
         _edit("workflow/rules/data.smk", "vocab_size=1024", "vocab_size=1000"),
-        ("train_tokenizer", *FROM_TOKENIZE),
+        FROM_TOKENIZER,
     ),
     # config and files: training
     "train.learning_rate": (_config({"train": {"learning_rate": 1.0e-3}}), FROM_PLAN),
     "ZeRO config file contents": (
         _edit("config/deepspeed/zero2.json", '"reduce_bucket_size": 200000000', '"reduce_bucket_size": 5e8'),
-        FROM_PLAN,
+        FROM_PLANS,
     ),
     "train.deepspeed (ZeRO-2 -> ZeRO-3)": (
         _config({"train": {"deepspeed": "config/deepspeed/zero3.json"}}),
-        FROM_PLAN,
+        FROM_PLANS,
     ),
     # config: evaluation, experiments
     "eval.prompts": (_config({"eval": {"prompts": ["What is 2 + 2?"]}}), FROM_EVALUATE),
+    # config: preference tuning. beta is not in the reference log-probs: they stay cached.
+    "preference.beta": (_config({"preference": {"beta": 0.2}}), FROM_DPO),
+    "preference.pairs": (_config({"preference": {"pairs": "all"}}), ("preferences", *FROM_PAIRS)),
+    "preference.max_length": (_config({"preference": {"max_length": 64}}), ("plan_dpo", *FROM_PAIRS)),
+    # the preference stage's own train settings: its plan and what follows, never SFT
+    "preference.train.learning_rate": (
+        _config(
+            {
+                "preference": {
+                    "train": {
+                        "learning_rate": 5.0e-4,
+                        "max_steps": 8,
+                        "global_batch_size": 12,
+                        "micro_batch_size": 2,
+                        "warmup_steps": 2,
+                        "log_every": 2,
+                        "eval_every": 4,
+                        "checkpoint_every": 4,
+                    }
+                }
+            }
+        ),  # fmt: skip
+        ("plan_dpo", *FROM_DPO),
+    ),
     "added experiment": (
         _config({"experiments": {"default": {}, "lr2": {"train": {"learning_rate": 1.0e-3}}}}),
-        FROM_PLAN,  # one plan, train and evaluate job each, for lr2; the tokenized cache is shared
+        FROM_PLANS,  # a plan, plan_dpo, train, reference, dpo and evaluate job each, for lr2; caches are shared
     ),
     # the report has no options of its own: its template modules
     "report template (report_sections.py)": (_edit("workflow/snaketune/report_sections.py"), ONLY_REPORT),
     "report.py": (_edit("workflow/snaketune/report.py"), ONLY_REPORT),
     # each stage's module
     "download.py": (_edit("workflow/snaketune/download.py"), FROM_DOWNLOAD),
-    # download reads local sources with conversations.read_messages, so it runs conversations.py too
-    "conversations.py": (_edit("workflow/snaketune/conversations.py"), FROM_DOWNLOAD),
-    "tokenizer.py": (_edit("workflow/snaketune/tokenizer.py"), ("train_tokenizer", *FROM_TOKENIZE)),
-    "tokenization.py": (_edit("workflow/snaketune/tokenization.py"), FROM_TOKENIZE),
+    # download reads local sources with snaketune.messages, so it runs messages.py too
+    "messages.py": (_edit("workflow/snaketune/messages.py"), FROM_DOWNLOAD),
+    # the cleaning rules of conversations and preferences
+    "forest.py": (_edit("workflow/snaketune/forest.py"), FROM_CONVERSATIONS),
+    # the preferences read the conversations' split: a rewritten conversations file reruns them too
+    "conversations.py": (_edit("workflow/snaketune/conversations.py"), FROM_CONVERSATIONS),
+    "preferences.py": (_edit("workflow/snaketune/preferences.py"), ("preferences", *FROM_PAIRS)),
+    # the chat template code of every stage that tokenizes, loads the tokenizer or writes it
+    "tokenizer.py": (_edit("workflow/snaketune/tokenizer.py"), FROM_TOKENIZER),
+    "tokenization.py": (
+        _edit("workflow/snaketune/tokenization.py"),
+        ("tokenize", "tokenize_pairs", *FROM_TRAIN),
+    ),
+    "pairs.py": (_edit("workflow/snaketune/pairs.py"), FROM_PAIRS),
     "training.py": (_edit("workflow/snaketune/training.py"), FROM_TRAIN),
+    "dpo.py": (_edit("workflow/snaketune/dpo.py"), FROM_DPO),
+    "logprobs.py": (_edit("workflow/snaketune/logprobs.py"), FROM_REFERENCE),
     "evaluate.py": (_edit("workflow/snaketune/evaluate.py"), FROM_EVALUATE),
-    # imported by tokenization, plan, training and evaluate, not by the data stages before them
-    "config.py": (_edit("workflow/snaketune/config.py"), ("plan", *FROM_TOKENIZE)),
+    # imported by the tokenizing stages, plan, training, the preference stages and evaluate; not by the data
+    # stages before them
+    "config.py": (
+        _edit("workflow/snaketune/config.py"),
+        ("plan", "plan_dpo", "tokenize", "tokenize_pairs", *FROM_TRAIN),
+    ),
     # records are not outputs: a new record format remakes the manifest, never a stage
     "provenance.py": (_edit("workflow/snaketune/provenance.py"), END),
     # Snakemake's own trigger: a script newer than the outputs

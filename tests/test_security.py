@@ -68,7 +68,7 @@ def is_tokenizer(call: ast.Call) -> bool:
 
 # Loads of the workflow's own tokenizer directory (results/tokenizer/<id>/, written by the tokenizer stage),
 # not of a name from the config: transformers' default refuses remote code there.
-OWN_TOKENIZER_LOADS = {"workflow/snaketune/tokenization.py"}
+OWN_TOKENIZER_LOADS = {"workflow/snaketune/chat.py"}
 
 
 # snaketune.tokenizer.load_fast_tokenizer(name, what, **kwargs) forwards its keywords to
@@ -87,8 +87,8 @@ def tokenizer_and_model_loads() -> list[tuple[str, ast.Call]]:
 
 def test_sources_are_found():
     assert len(SOURCES) > 20
-    assert len(list(calls("from_pretrained"))) >= 3  # model.py, evaluate.py, tokenizer.py
-    assert len(list(calls("load_fast_tokenizer"))) >= 2  # tokenizer.py (fetch), tokenization.py (own dir)
+    assert len(list(calls("from_pretrained"))) >= 3  # model.py, inference.py, tokenizer.py
+    assert len(list(calls("load_fast_tokenizer"))) >= 2  # tokenizer.py (fetch), chat.py (own dir)
 
 
 def test_remote_code_is_never_allowed_literally_and_comes_from_the_config():

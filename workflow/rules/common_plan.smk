@@ -28,11 +28,12 @@ def candidate_deepspeed_files():
 def plan_input(wildcards):
     """The configured DeepSpeed file; with train.strategy auto also the files it chooses among, so that an
     edit to one reruns the plan (and through it training)."""
-    exp = experiment(wildcards)
-    files = {"deepspeed": exp.train.deepspeed}
-    if exp.preference.enabled:
-        files["dpo_deepspeed"] = exp.dpo_train.deepspeed
-    if exp.train.strategy == "auto":
+    return _plan_files(experiment(wildcards).train)
+
+
+def _plan_files(train):
+    files = {"deepspeed": train.deepspeed}
+    if train.strategy == "auto":
         files.update(
             {
                 Path(name).stem: path
@@ -57,15 +58,31 @@ def plan_params(wildcards):
             "batch_size": CFG.eval.batch_size,
             "max_new_tokens": CFG.eval.max_new_tokens,
         },
-        "preference": (
-            {
-                "train": to_dict(exp.dpo_train),
-                "max_length": exp.preference.max_length,
-                "deepspeed_config": exp.dpo_train.deepspeed,
-            }
-            if exp.preference.enabled
-            else None
-        ),
+        "candidate_files": candidate_deepspeed_files(),
+        "code": keys.code_hash("plan"),
+    }
+
+
+def plan_dpo_path(exp):
+    return f"results/plan/dpo/{exp.name}.json"
+
+
+def plan_dpo_input(wildcards):
+    return _plan_files(experiment(wildcards).dpo_train)
+
+
+def plan_dpo_params(wildcards):
+    """The preference stage's memory: its merged train settings (train with preference.train over it), rows of
+    both sides of a pair. A plan of its own, so that a preference setting never reruns SFT training.
+    """
+    exp = experiment(wildcards)
+    return {
+        "experiment": exp.name,
+        "model": to_dict(exp.model),
+        "train": to_dict(exp.dpo_train),
+        "max_length": 2 * exp.preference.max_length,
+        "gpu_memory_gib": CFG.gpu_memory_gib,
+        "evaluation": None,
         "candidate_files": candidate_deepspeed_files(),
         "code": keys.code_hash("plan"),
     }

@@ -94,7 +94,7 @@ def dpo_input(wildcards):
         "policy": f"results/train/{exp.name}/model",
         "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
         "deepspeed": exp.dpo_train.deepspeed,
-        "plan": plan_path(exp),
+        "plan": plan_dpo_path(exp),
     }
 
 

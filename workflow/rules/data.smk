@@ -91,6 +91,8 @@ rule tokenize:
         "logs/tokenized/{key}.log",
     benchmark:
         "benchmarks/tokenized/{key}.tsv"
+    # Before tokenize_pairs and train when all are ready (a fixed order: tests/test_faults.py kills each).
+    priority: 2
     conda:
         "../../envs/data.yaml"
     # The Rust tokenizer encodes each batch on this many threads (capped at --cores); the output is the same.

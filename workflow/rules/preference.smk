@@ -36,6 +36,7 @@ rule tokenize_pairs:
         "logs/tokenized_pairs/{key}.log",
     benchmark:
         "benchmarks/tokenized_pairs/{key}.tsv"
+    priority: 1
     conda:
         "../../envs/data.yaml"
     threads: 8

@@ -27,7 +27,6 @@ def main(smk):
         checkpoints=smk.params.checkpoints,
         outputs=(smk.output.model, smk.output.metrics, smk.output.tb, smk.output.summary),
         plan=json.loads(Path(smk.input.plan).read_text()),
-        plan_section="dpo",
         granted=int(smk.resources.gpu),
         log_file=smk.log[0],
         threads=smk.threads,

@@ -38,6 +38,17 @@ class TokenizedSplit:
     def lengths(self) -> np.ndarray:
         return np.fromiter((len(x) for x in self.input_ids), dtype=np.int64, count=len(self))
 
+    def attention_units(self, rows) -> int:
+        """Sum over the rows' conversations of their squared lengths: what PaLM's attention FLOPs grow with
+        (snaketune.model.flop_counts). Pads are one-token sequences of their own and count nothing."""
+        total = 0
+        for r in rows:
+            pos = self.position_ids[r]
+            starts = np.flatnonzero(pos == 0)
+            lengths = np.diff(np.append(starts, len(pos)))
+            total += int((lengths.astype(np.int64) ** 2).sum())
+        return total
+
     def lengths_of(self, rows) -> np.ndarray:
         """Real tokens of the given rows (pads excluded)."""
         return np.fromiter((len(self.input_ids[r]) for r in rows), dtype=np.int64, count=len(rows))

@@ -386,8 +386,9 @@ class PreferenceConfig:
             "checkpoint_every": 50,
         }
     )
-    """Overrides of the train section for the preference stage (learning_rate, max_steps, lora, ...); the default
-    suits the embedded default's tiny model (a 7B wants ~5e-7 for full fine-tuning, ~5e-6 with LoRA)."""
+    """Overrides of the train section for the preference stage (learning_rate, max_steps, lora, ...), merged over
+    `train`; a `preference.train` given replaces this default, which suits the embedded default's tiny model (a 7B
+    wants ~5e-7 for full fine-tuning, ~5e-6 to 2e-5 with LoRA)."""
 
     def __post_init__(self) -> None:
         if self.pairs not in PAIR_MODES:
@@ -557,7 +558,7 @@ def load_config(raw: dict[str, Any]) -> Config:
             where = (
                 f"experiments.{name}.preference.train." if "preference" in override else "preference.train."
             )
-            merged = _deep_merge(merged_sections["train"], merged_sections["preference"].get("train") or {})
+            merged = _deep_merge(merged_sections["train"], sections["preference"].train or {})
             dpo_train = _build(TrainConfig, merged, where)
         experiments[name] = ExperimentConfig(name=name, dataset=dataset, dpo_train=dpo_train, **sections)
     if not isinstance(raw.get("eval") or {}, dict):

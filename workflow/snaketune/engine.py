@@ -27,7 +27,7 @@ import torch
 from snaketune import attention
 from snaketune.config import ModelConfig, TrainConfig
 from snaketune.dsconfig import build_ds_config, offloads, uses_master_weights, zero_stage
-from snaketune.model import apply_lora, compile_layers, count_params, flops_per_token, load_model
+from snaketune.model import apply_lora, compile_layers, count_params, flop_counts, load_model
 from snaketune.optim import MasterWeightAdamW, build_optimizer, check_placement, decays
 
 log = logging.getLogger("snaketune.train")
@@ -62,6 +62,9 @@ class Built:
     n_params: int
     n_trainable: int
     flops_per_token: float
+    """Dense model FLOPs per trained token (PaLM's 6N; 4N with LoRA)."""
+    attention_coefficient: float
+    """Attention FLOPs per squared conversation length (12 x layers x heads x head_dim)."""
     decayed: dict
     """{"tensors", "elements"} of the parameters with weight decay (the same under every ZeRO stage)."""
 
@@ -84,7 +87,6 @@ def build(
     device: torch.device,
     dtype: torch.dtype,
     tokenizer,
-    seq_len: int,
     total_steps: int,
     rank: int,
     wrap: Callable[[torch.nn.Module, bool, bool], torch.nn.Module],
@@ -134,7 +136,7 @@ def build(
         if stage != 3:
             net.to(device)  # the adapters are created on the host
     n_params, n_trainable = count_params(net)
-    fpt = flops_per_token(net, seq_len, lora=cfg.lora.enabled)
+    dense_flops, attention_coefficient = flop_counts(net, lora=cfg.lora.enabled)
     if cfg.compile:
         compile_layers(net)
     torch.manual_seed(cfg.seed + rank)  # dropout differs per rank, deterministic per run
@@ -174,7 +176,8 @@ def build(
         attention=attn,
         n_params=n_params,
         n_trainable=n_trainable,
-        flops_per_token=fpt,
+        flops_per_token=dense_flops,
+        attention_coefficient=attention_coefficient,
         decayed={"tensors": len(decayed), "elements": sum(math.prod(_shape(p)) for p in decayed)},
     )
     check_optimizer(built, device)

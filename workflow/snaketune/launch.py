@@ -244,7 +244,6 @@ def train_job(
     checkpoints: str | Path,
     outputs: tuple[str, str, str, str],
     plan: dict,
-    plan_section: str | None,
     granted: int,
     log_file: str | Path,
     threads: int,
@@ -254,11 +253,10 @@ def train_job(
     """What the train and dpo rules run: the plan's strategy applied (train.strategy auto), the checkpoint
     directory named by the run key, and the ranks writing model/, metrics.csv, tb/ and summary.json into a
     staging directory that is renamed into place once training has ended (checkpoints are not outputs).
-    `plan_section`: the plan's entry for this stage (None: the plan itself, for the train rule)."""
+    `plan`: the stage's memory plan (results/plan/<experiment>.json; results/plan/dpo/ for the dpo rule)."""
     from snaketune.io import atomic_files
 
-    stage_plan = plan if plan_section is None else plan.get(plan_section) or {}
-    run_spec = memory_plan.apply_plan(run_spec, stage_plan)
+    run_spec = memory_plan.apply_plan(run_spec, plan)
     ckpt_dir = Path(checkpoints) / run_spec["run_key"]
     run_spec["checkpoint_dir"] = str(ckpt_dir)
     with atomic_files(*outputs) as staged:
@@ -270,6 +268,6 @@ def train_job(
             log_file=log_file,
             threads=threads,
             nodes=nodes,
-            plan={**plan, **stage_plan} if plan_section else plan,
+            plan=plan,
             module=module,
         )

@@ -28,6 +28,19 @@ PEAK_BF16_FLOPS = {
 }
 
 
+MEASURED_MATMUL_FLOPS = {"H200": 790e12, "H100": 790e12}
+"""bf16 matmul rate measured here (8192^3 products on random data, ../shared/FACTS.md and the device tool's
+KINDS.md: 769-798 TFLOP/s on H200s): what the matmuls can reach in practice. MFU is quoted against the
+datasheet peak (PEAK_BF16_FLOPS); the share of this rate is shown beside it, labelled as such."""
+
+
+def measured_matmul_flops(device_name: str) -> float | None:
+    for key in sorted(MEASURED_MATMUL_FLOPS, key=len, reverse=True):
+        if key.lower() in device_name.lower():
+            return MEASURED_MATMUL_FLOPS[key]
+    return None
+
+
 def peak_flops(device_name: str) -> float | None:
     """Peak for a CUDA device name like 'NVIDIA GeForce RTX 4090'; None when unknown (e.g. CPU)."""
     for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):  # most specific first
@@ -98,11 +111,19 @@ class Throughput:
     """Tokens/s and MFU over the optimizer steps' own time (validation and checkpoint time excluded).
     The first `warmup` steps are not counted: allocator growth, kernel autotuning and the first
     collectives would make them look slow. Step times are host wall times: GPU work is asynchronous, but
-    the all-reduce at every logged step bounds the queue, so the sum over a window is the true time."""
+    the all-reduce at every logged step bounds the queue, so the sum over a window is the true time.
 
-    def __init__(self, flops_per_token: float, peak: float | None, warmup: int = 2):
+    MFU is PaLM's: model FLOPs (snaketune.model.flop_counts: 6N per real token plus attention over each
+    conversation's own length) over the time, against the datasheet's dense bf16 peak of the device
+    (PEAK_BF16_FLOPS); `perf/flops_share_of_measured_matmul` is the same FLOPs against the matmul rate measured on
+    that device (MEASURED_MATMUL_FLOPS), a different, labelled figure."""
+
+    def __init__(
+        self, flops_per_token: float, peak: float | None, warmup: int = 2, measured: float | None = None
+    ):
         self.flops_per_token = flops_per_token
         self.peak = peak
+        self.measured = measured
         self.warmup = warmup
         self.steps_seen = 0
         self.reset()
@@ -112,16 +133,27 @@ class Throughput:
         self.tokens = 0
         self.loss_tokens = 0
         self.padded = 0
+        self.flops = 0.0
         self.steps = 0
 
-    def update(self, tokens: int, loss_tokens: int, seconds: float, *, padded: int | None = None) -> None:
-        """`tokens`: real tokens; `padded`: the positions computed, pads included (default: tokens)."""
+    def update(
+        self,
+        tokens: int,
+        loss_tokens: int,
+        seconds: float,
+        *,
+        padded: int | None = None,
+        attention_flops: float = 0.0,
+    ) -> None:
+        """`tokens`: real tokens; `padded`: the positions computed, pads included (default: tokens);
+        `attention_flops`: the step's attention FLOPs (added to flops_per_token x tokens)."""
         self.steps_seen += 1
         if self.steps_seen <= self.warmup:
             return
         self.tokens += tokens
         self.loss_tokens += loss_tokens
         self.padded += tokens if padded is None else padded
+        self.flops += self.flops_per_token * tokens + attention_flops
         self.seconds += seconds
         self.steps += 1
 
@@ -129,13 +161,15 @@ class Throughput:
         """Per-rank figures since the last reset (tokens counted on this rank only)."""
         if self.steps == 0 or self.seconds <= 0:
             return {}
-        tps = self.tokens / self.seconds
+        rate = self.flops / self.seconds
         out = {
-            "perf/tokens_per_s_per_gpu": tps,
+            "perf/tokens_per_s_per_gpu": self.tokens / self.seconds,
             "perf/loss_tokens_per_s_per_gpu": self.loss_tokens / self.seconds,
             "perf/padded_tokens_per_s_per_gpu": self.padded / self.seconds,
             "perf/step_time_s": self.seconds / self.steps,
-            "perf/mfu": tps * self.flops_per_token / self.peak if self.peak else None,
+            "perf/model_tflops_per_gpu": rate / 1e12,
+            "perf/mfu": rate / self.peak if self.peak else None,
+            "perf/flops_share_of_measured_matmul": rate / self.measured if self.measured else None,
         }
         if reset:
             self.reset()

@@ -152,17 +152,20 @@ def count_params(net: torch.nn.Module) -> tuple[int, int]:
     return total, trainable
 
 
-def flops_per_token(net: torch.nn.Module, seq_len: int, *, lora: bool) -> float:
-    """Training FLOPs per token: 6N for full fine-tuning (forward 2N, backward 4N), 4N with frozen base
-    weights (no weight gradients), plus attention 12 * layers * hidden * seq (PaLM, Chowdhery et al. 2022,
-    appendix B). N excludes the input embedding, which is a lookup, not a matmul."""
+def flop_counts(net: torch.nn.Module, *, lora: bool) -> tuple[float, float]:
+    """(dense FLOPs per token, attention coefficient) of training, as PaLM counts model FLOPs (Chowdhery et al.
+    2022, appendix B): 6N per token for the matmuls of full fine-tuning (forward 2N, backward 4N), with N the
+    non-embedding parameters (the input embedding is a lookup, not a matmul; the untied lm_head counts), and
+    12 x layers x (heads x head_dim) x T per token for attention over a context of T tokens. For packed
+    conversations T is each conversation's own length, so a step's attention FLOPs are the coefficient times
+    the sum of its conversations' squared lengths (snaketune.batching.TokenizedSplit.attention_units), not a
+    function of max_length. With LoRA the frozen weights get no weight gradient: 4N (labelled where shown)."""
     cfg = net.config
     total, _ = count_params(net)
     emb = net.get_input_embeddings()
-    emb_n = getattr(emb.weight, "ds_numel", emb.weight.numel())
-    dense = total - emb_n
-    per_param = 4 if lora else 6
-    return per_param * dense + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+    dense = total - getattr(emb.weight, "ds_numel", emb.weight.numel())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return (4 if lora else 6) * dense, 12.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
 
 
 def save_pretrained(net: PreTrainedModel, out_dir: str | Path, state_dict: dict | None = None) -> None:

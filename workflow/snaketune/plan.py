@@ -209,13 +209,11 @@ def make_plan(
     candidate_files: dict[str, str] | None = None,
     allow_download: bool = False,
     evaluation: dict | None = None,
-    preference: dict | None = None,
 ) -> dict:
     """The plan as a JSON-able dict; `fits` is False when the chosen strategy does not fit (then `message`
     says what would), None when there is nothing to check against. `evaluation` ({"batch_size",
-    "max_new_tokens"}, the eval section) adds the evaluate stage's plan (`plan_evaluation`); `preference`
-    ({"train", "max_length", "deepspeed_config"}: the preference stage's merged train settings, tokens per side
-    and DeepSpeed file) adds the preference stage's, under "dpo" (a row holds both sides of a pair)."""
+    "max_new_tokens"}, the eval section) adds the evaluate stage's plan (`plan_evaluation`). The preference
+    stage has a plan of its own (rule plan_dpo): its merged train settings, rows of both sides of a pair."""
     plan: dict[str, Any] = {
         "experiment": experiment,
         "gpu_memory_gib": gpu_memory_gib,
@@ -225,13 +223,7 @@ def make_plan(
     arch, source = resolve_arch(model, allow_download=allow_download)
     plan["model"]["source"] = source
     if arch is None:
-        plan.update(
-            _unplanned(train, deepspeed_config, source),
-            arch=None,
-            dpo=None
-            if preference is None
-            else _unplanned(preference["train"], preference["deepspeed_config"], source),
-        )
+        plan.update(_unplanned(train, deepspeed_config, source), arch=None)
         return plan
     plan["arch"] = dataclasses.asdict(arch)
     stage = plan_training(arch, train, max_length, deepspeed_config, budget, candidate_files)
@@ -247,23 +239,6 @@ def make_plan(
         )
         if plan["fits"] is not False and plan["evaluate"]["fits"] is False:
             plan.update(fits=False, message=plan["evaluate"]["message"], status="evaluation does not fit")
-    if preference is not None:
-        dpo = plan_training(
-            arch,
-            preference["train"],
-            2 * preference["max_length"],
-            preference["deepspeed_config"],
-            budget,
-            candidate_files,
-        )
-        plan["dpo"] = dpo
-        if plan["fits"] is not False and dpo["fits"] is False:
-            plan.update(
-                fits=False,
-                message=f"preference stage (rows of 2 x preference.max_length = {2 * preference['max_length']} "
-                f"tokens; preference.train): {dpo['message']}",
-                status="preference stage does not fit",
-            )
     return plan
 
 
@@ -523,9 +498,6 @@ def write_plan(*, out: str | Path, **kwargs) -> dict:
     plan = make_plan(budget=budget, **kwargs)
     if plan.get("configured"):
         log.info("memory plan for %s:\n%s", plan["experiment"], format_table(plan))
-        if plan.get("dpo") and plan["dpo"].get("configured"):
-            dpo = {**plan, **plan["dpo"], "evaluate": None}
-            log.info("memory plan for %s, preference stage:\n%s", plan["experiment"], format_table(dpo))
     else:
         log.info("memory plan for %s: %s", plan["experiment"], plan["status"])
     if plan["fits"] is False:

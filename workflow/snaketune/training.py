@@ -31,6 +31,7 @@ from snaketune.metrics import (
     Throughput,
     alloc_retries,
     device_name,
+    measured_matmul_flops,
     peak_flops,
     peak_memory_gib,
 )
@@ -150,7 +151,6 @@ class Trainer:
             device=self.device,
             dtype=self.dtype,
             tokenizer=self.tokenizer,
-            seq_len=self.seq_len,
             total_steps=self.total_steps,
             rank=self.rank,
             wrap=self.wrap,
@@ -166,6 +166,7 @@ class Trainer:
         self.start_step = self._resume()
         self.order = batching.GlobalOrder(len(self.train_split), cfg.seed)
         self.peak = peak_flops(device_name(self.device))
+        self.measured_peak = measured_matmul_flops(device_name(self.device))
         self._print_plan()
 
     @property
@@ -273,10 +274,9 @@ class Trainer:
             writer = MetricsWriter(
                 self.ckpt_root / "metrics.csv", self.ckpt_root / "tb", resume_step=self.start_step
             )
-        meter = Throughput(self.built.flops_per_token, self.peak)
-        run_meter = Throughput(
-            self.built.flops_per_token, self.peak
-        )  # whole run after warm-up, for the summary
+        meter = Throughput(self.built.flops_per_token, self.peak, measured=self.measured_peak)
+        # The whole run after warm-up, for the summary.
+        run_meter = Throughput(self.built.flops_per_token, self.peak, measured=self.measured_peak)
         window: dict[str, torch.Tensor] = {}
         window_count = 0
         t_start = time.perf_counter()
@@ -308,8 +308,12 @@ class Trainer:
             window_count += normalizer
             local_loss_tokens = self.local_loss_units(mine)
             step_seconds = time.perf_counter() - t_step
-            meter.update(tokens, local_loss_tokens, step_seconds, padded=padded)
-            run_meter.update(tokens, local_loss_tokens, step_seconds, padded=padded)
+            # PaLM's attention term over each conversation's own length (snaketune.model.flop_counts).
+            attention_flops = self.built.attention_coefficient * self.train_split.attention_units(mine)
+            for m in (meter, run_meter):
+                m.update(
+                    tokens, local_loss_tokens, step_seconds, padded=padded, attention_flops=attention_flops
+                )
             done = step + 1
             evaluate_now = bool(cfg.eval_every and done % cfg.eval_every == 0) or done == self.total_steps
             if evaluate_now or done % cfg.log_every == 0:
@@ -490,7 +494,16 @@ class Trainer:
             "loss_tokens_per_s_per_gpu": self.run_perf.get("perf/loss_tokens_per_s_per_gpu"),
             "padded_tokens_per_s_per_gpu": self.run_perf.get("perf/padded_tokens_per_s_per_gpu"),
             "step_time_s": self.run_perf.get("perf/step_time_s"),
+            # PaLM's MFU: 6N (4N with LoRA) per real token + attention over each conversation's length, against
+            # the datasheet's dense bf16 peak; the share of the matmul rate measured on this device beside it.
             "mfu": self.run_perf.get("perf/mfu"),
+            "mfu_definition": "PaLM: (6 x non-embedding parameters"
+            + (" [4 x with LoRA: no weight gradients]" if self.cfg.lora.enabled else "")
+            + " x real tokens + 12 x layers x heads x head_dim x sum of squared conversation lengths) / time / "
+            + "datasheet dense bf16 peak (snaketune.metrics.PEAK_BF16_FLOPS)",
+            "model_tflops_per_gpu": self.run_perf.get("perf/model_tflops_per_gpu"),
+            "flops_share_of_measured_matmul": self.run_perf.get("perf/flops_share_of_measured_matmul"),
+            "peak_flops": self.peak,
             "peak_memory_gib_per_rank": mem,
             # cudaMalloc retries after freeing the allocator's cache: each one stalls a step (a full card).
             "cuda_alloc_retries_per_rank": retries,

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Run ON THE LENT H200 MACHINE from the repo root, with .whl/ (bench/prepare_device_wheels.sh) and .realdata/
+# (the real tokenizer and oasst rows, copied from ../shared/realdata) carried. Writes a hub-format 7B directory,
+# then runs config/examples/<name>.yaml through Snakemake as written, with bench/configs/device_realpath.yaml
+# (model and data paths) and the steps given here, one rank:
+#   RUNS="lora full" SFT_STEPS=20 DPO_STEPS=10 bash bench/device_realpath.sh
+# Everything lands in $OUT: device.log and realpath_<run>.tar.gz (plan, summaries, eval metrics, logs).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/device.log") 2>&1
+source bench/device_env.sh
+RUNS=${RUNS:-lora full}
+SFT_STEPS=${SFT_STEPS:-20}
+DPO_STEPS=${DPO_STEPS:-10}
+BUDGET_S=${BUDGET_S:-560}
+stamp() { echo "=== [$(date -u +%H:%M:%S) +${SECONDS}s] $*"; }
+nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader -lms 1000 >"$OUT/gpu_samples.csv" 2>&1 &
+SMI=$!
+if [ -n "${GPU_TESTS:-}" ]; then
+  stamp "GPU tests: $GPU_TESTS"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS -m gpu -rA 2>&1 | tail -8
+fi
+stamp "hub-format 7B directory"
+python3 bench/write_hub_model.py /tmp/deepseek-7b-hub .realdata || exit 1
+ls -la /tmp/deepseek-7b-hub
+declare -A EXAMPLE=([lora]=deepseek-7b-lora-3x24gb [full]=deepseek-7b-full-h200)
+for run in $RUNS; do
+  left=$((BUDGET_S - SECONDS))
+  [ "$left" -lt 60 ] && { stamp "skip $run ($left s left)"; continue; }
+  stamp "run $run: config/examples/${EXAMPLE[$run]}.yaml ($left s left)"
+  cat > /tmp/steps.yaml <<YAML
+train: {gpus: 1, max_steps: $SFT_STEPS}
+preference: {train: {gpus: 1, max_steps: $DPO_STEPS}}
+YAML
+  rm -rf results logs benchmarks .snakemake
+  timeout -k 10 "$left" python3 -m snakemake --cores 16 --resources gpu=1 --show-failed-logs \
+    --configfile "config/examples/${EXAMPLE[$run]}.yaml" bench/configs/device_realpath.yaml /tmp/steps.yaml
+  stamp "run $run exit code $?"
+  python3 - "$run" <<'PY'
+import json, pathlib, sys
+run = sys.argv[1]
+for p in sorted(pathlib.Path("results").rglob("*.json")):
+    if any(k in p.name for k in ("summary", "metrics", "reference", "stats")) or p.parent.name == "plan":
+        if "tokenizer" in str(p) or "model" in p.parts:
+            continue
+        d = json.loads(p.read_text())
+        keep = {k: d.get(k) for k in ("peak_memory_gib_per_rank", "tokens_per_s_per_gpu", "step_time_s", "mfu",
+                "final_train_loss", "final_val_loss", "memory", "peak_memory_gib", "predicted_peak_gib",
+                "fp32_master_weights", "final_val_reward_accuracy", "time_s", "wall_time_s") if k in d}
+        if p.parent.name == "plan":
+            keep = {"chosen": d.get("chosen", {}).get("estimate", {}).get("peak_allocated_gib"),
+                    "evaluate": d.get("evaluate"), "dpo": (d.get("dpo") or {}).get("chosen", {}).get("estimate", {}).get("peak_allocated_gib"),
+                    "status": d.get("status")}
+        print(run, p, json.dumps(keep))
+PY
+  tar czf "$OUT/realpath_$run.tar.gz" results/plan results/train/*/summary.json results/train/*/metrics.csv \
+    results/eval results/dpo/*/summary.json results/dpo/*/metrics.csv results/preference results/report/report.md \
+    results/report/summary.json results/data/preferences/*/stats.json results/tokenized*/*/stats.json logs benchmarks 2>/dev/null
+  rm -rf results/train/*/model results/dpo/*/model results/checkpoints
+done
+kill $SMI 2>/dev/null
+python3 - "$OUT/gpu_samples.csv" <<'PY'
+import sys
+rows = []
+for line in open(sys.argv[1]):
+    parts = [p.strip() for p in line.split(",")]
+    try:
+        rows.append((parts[0], int(parts[1].split()[0])))
+    except (IndexError, ValueError):
+        pass
+if rows:
+    peak = max(rows, key=lambda r: r[1])
+    print(f"nvidia-smi: {len(rows)} samples, peak memory.used {peak[1] / 1024:.1f} GiB at {peak[0]}")
+PY
+stamp done

@@ -1,0 +1,207 @@
+"""The user's path end to end on CPU ranks: a hub-format model directory (LlamaForCausalLM with DeepSeek-LLM's
+102,400-row embedding, sharded safetensors written by save_pretrained, the real DeepSeek tokenizer copied in,
+no chat template), real oasst rows in both official forms, and the workflow through train (ZeRO-0, ZeRO-2,
+ZeRO-3, LoRA), preference tuning, evaluate, manifest and report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import copy_workflow
+from test_workflow import snakemake
+
+pytestmark = pytest.mark.slow
+
+REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
+TOKENIZER = REALDATA / "deepseek-llm-7b-base"
+ROWS = REALDATA / "oasst" / "en_100.hf_rows.jsonl"
+TREES = REALDATA / "oasst" / "en_100_tree.jsonl"
+needs_realdata = pytest.mark.skipif(not TOKENIZER.is_dir(), reason=f"{REALDATA} is absent (a user's clone)")
+RUN_TIMEOUT_S = 1500
+EXPERIMENTS = {
+    "zero0": {"train": {"deepspeed": "config/deepspeed/zero0.json"}},
+    "zero2": {"train": {"deepspeed": "config/deepspeed/zero2.json"}},
+    "zero3": {"train": {"deepspeed": "config/deepspeed/zero3.json"}},
+    "lora": {
+        "train": {"deepspeed": "config/deepspeed/zero2.json", "lora": {"enabled": True, "rank": 4}},
+        "preference": {"enabled": True},
+    },
+}
+
+
+def write_hub_model(out: Path) -> Path:
+    """A tiny model in the hub layout deepseek-llm-7b-base ships: config.json, model-0000N-of-0000M shards, the
+    tokenizer's two files (no chat template, no pad)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=102_400,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=10_000.0,
+        tie_word_embeddings=False,
+        bos_token_id=100_000,
+        eos_token_id=100_001,
+    )
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(
+        out, max_shard_size="5MB", safe_serialization=True
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hub_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub")
+    model = write_hub_model(root / "deepseek-tiny-hub")
+    workdir = copy_workflow(root / "wf")
+    config = {
+        "dataset": {"source": str(ROWS), "paths": "all", "validation_fraction": 0.15},
+        "model": {"base": str(model)},
+        "tokenize": {"max_length": 256},
+        "train": {
+            "gpus": 2,
+            "max_steps": 4,
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+            "learning_rate": 1e-3,
+            "warmup_steps": 1,
+            "log_every": 1,
+            "eval_every": 0,
+            "checkpoint_every": 0,
+        },
+        "preference": {
+            "enabled": False,
+            "max_length": 128,
+            "train": {"max_steps": 3, "global_batch_size": 4, "micro_batch_size": 2, "eval_every": 0},
+        },
+        "eval": {"max_new_tokens": 6, "batch_size": 4},
+        "experiments": EXPERIMENTS,
+    }
+    (workdir / "hub.yaml").write_text(yaml.safe_dump(config))
+    result = snakemake(
+        workdir, "--cores", "2", "--resources", "gpu=2", "--configfile", "hub.yaml", timeout=RUN_TIMEOUT_S
+    )
+    return workdir, model, result
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@needs_realdata
+def test_hub_model_has_the_users_layout(hub_run):
+    _, model, _ = hub_run
+    names = sorted(p.name for p in model.iterdir())
+    assert "model.safetensors.index.json" in names and sum(n.endswith(".safetensors") for n in names) >= 2
+    config = _json(model / "tokenizer_config.json")
+    assert "chat_template" not in config and not (model / "chat_template.jinja").exists()
+
+
+@needs_realdata
+def test_every_strategy_trains_from_the_hub_directory(hub_run):
+    workdir, _, result = hub_run
+    summaries = {name: _json(workdir / f"results/train/{name}/summary.json") for name in EXPERIMENTS}
+    assert [summaries[n]["zero_stage"] for n in ("zero0", "zero2", "zero3")] == [0, 2, 3]
+    for name, s in summaries.items():
+        assert s["world_size"] == 2 and s["steps"] == 4, name
+        assert s["parameters"] == summaries["zero0"]["parameters"]  # 102,400-row embeddings, untied
+        assert s["final_train_loss"] is not None and s["final_train_loss"] < 11.6, name  # ln(102,400) = 11.54
+    assert (
+        summaries["lora"]["lora"]
+        and summaries["lora"]["trainable_parameters"] < summaries["zero2"]["parameters"]
+    )
+    # ZeRO-3 partitions the parameters while they load; the decay groups follow the real shapes.
+    assert summaries["zero3"]["weight_decay_parameters"] == summaries["zero2"]["weight_decay_parameters"]
+    assert summaries["zero0"]["weight_decay_parameters"] == summaries["zero2"]["weight_decay_parameters"]
+    log = (workdir / "logs/train/zero3.log").read_text()
+    assert "optimizer tensors checked" in log
+    # The saved models are hub directories again, with the real tokenizer and the DeepSeek chat template.
+    for name in EXPERIMENTS:
+        tok = _json(workdir / f"results/train/{name}/model/tokenizer_config.json")
+        assert "User: " in (
+            tok.get("chat_template")
+            or (workdir / f"results/train/{name}/model/chat_template.jinja").read_text()
+        )
+
+
+@needs_realdata
+def test_real_tokenizer_tokenizes_real_oasst_rows(hub_run):
+    workdir, _, _ = hub_run
+    tokenized = [d for d in (workdir / "results/tokenized").iterdir() if d.is_dir()]
+    assert len(tokenized) == 1  # every experiment shares the cache
+    stats = _json(tokenized[0] / "stats.json")
+    assert stats["splits"]["train"]["conversations"] > 400  # en_100 with paths: all
+    assert stats["splits"]["train"]["loss_tokens"] > 50_000
+    tok = _json(next((workdir / "results/tokenizer").iterdir()) / "tokenizer_config.json")
+    assert tok.get("bos_token") == "<｜begin▁of▁sentence｜>"
+
+
+@needs_realdata
+def test_preference_stage_runs_on_the_hub_path(hub_run):
+    workdir, _, _ = hub_run
+    stats = _json(workdir / "results/data/preferences/best_vs_rest/stats.json")
+    assert stats["pairs"]["train"] > 100
+    dpo = _json(workdir / "results/dpo/lora/summary.json")
+    assert dpo["steps"] == 3 and dpo["lora"] and dpo["objective"] == "dpo"
+    metrics = _json(workdir / "results/eval/lora/metrics.json")
+    assert metrics["models"] == ["base", "tuned", "dpo"]
+    assert set(metrics["preference"]) == {"beta", "base", "tuned", "dpo"}
+    assert not (workdir / "results/dpo/zero2").exists()  # only where preference.enabled
+
+
+@needs_realdata
+def test_evaluation_and_report_on_the_hub_path(hub_run):
+    workdir, _, _ = hub_run
+    for name in EXPERIMENTS:
+        metrics = _json(workdir / f"results/eval/{name}/metrics.json")
+        assert metrics["base_model"].startswith("from_pretrained(")
+        assert metrics["generation"]["prompt_source"] == "auto"
+        rows = [
+            json.loads(line)
+            for line in (workdir / f"results/eval/{name}/generations.jsonl").read_text().splitlines()
+        ]
+        # auto prompts on real data: validation conversations' first user messages, their reply as expected
+        assert len(rows) == 8 and all(r["expected"] for r in rows)
+        val = metrics["validation"]
+        assert val["tuned"]["loss"] < val["base"]["loss"]
+    summary = _json(workdir / "results/report/summary.json")
+    assert set(summary["experiments"]) == set(EXPERIMENTS)
+    assert "Preference tuning" in (workdir / "results/report/index.html").read_text(encoding="utf-8")
+    manifest = _json(workdir / "results/provenance/manifest.json")
+    assert {j["rule"] for j in manifest["jobs"]} >= {
+        "train",
+        "dpo",
+        "reference",
+        "evaluate",
+        "tokenize_pairs",
+    }
+
+
+@needs_realdata
+def test_trees_form_gives_the_same_tokens(hub_run, tmp_path):
+    """The nested-tree export of the same 100 trees gives byte-identical tokenized data."""
+    workdir, model, _ = hub_run
+    other = copy_workflow(tmp_path / "wf")
+    config = yaml.safe_load((workdir / "hub.yaml").read_text())
+    config["dataset"]["source"] = str(TREES)
+    config["experiments"] = {"zero0": {}}
+    (other / "hub.yaml").write_text(yaml.safe_dump(config))
+    snakemake(other, "--cores", "2", "--configfile", "hub.yaml", "--until", "tokenize", timeout=RUN_TIMEOUT_S)
+    [mine] = [d for d in (other / "results/tokenized").iterdir() if d.is_dir()]
+    [theirs] = [d for d in (workdir / "results/tokenized").iterdir() if d.is_dir()]
+    for name in ("train/data-00000-of-00001.arrow", "validation/data-00000-of-00001.arrow"):
+        assert (mine / name).read_bytes() == (theirs / name).read_bytes(), name

@@ -1,0 +1,351 @@
+"""Preference tuning: pairs from ranked siblings, the DPO/IPO loss against hand computations, chunked
+log-probabilities against autograd, cached reference log-probabilities against the trainer's own, and the
+preference trainer's invariants on CPU ranks (1 rank = 2 ranks, resume = uninterrupted)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from conftest import run_training
+from snaketune import batching, pairs
+from snaketune.logprobs import pair_logprobs, preference_loss, reply_sums, token_logprobs
+from snaketune.messages import DataError, read_messages
+from snaketune.preferences import GROUP_DROP_REASONS, build_preferences
+
+REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata" / "oasst"
+needs_realdata = pytest.mark.skipif(not REALDATA.is_dir(), reason=f"{REALDATA} is absent (a user's clone)")
+
+
+# ---- the loss ----------------------------------------------------------------------------------------------
+
+
+def test_dpo_loss_and_rewards_equal_a_hand_computation():
+    policy = torch.tensor([[-10.0, -12.0], [-5.0, -4.0]])
+    reference = torch.tensor([[-11.0, -11.0], [-5.5, -5.0]])
+    losses, chosen, rejected = preference_loss(policy, reference, beta=0.5, loss="dpo")
+    # pair 1: log ratios +1 (chosen), -1 (rejected): h = 2, loss = -log sigmoid(0.5 * 2) = log(1 + e^-1)
+    # pair 2: log ratios +0.5, +1.0: h = -0.5, loss = log(1 + e^0.25)
+    assert losses.tolist() == pytest.approx([math.log1p(math.exp(-1.0)), math.log1p(math.exp(0.25))])
+    assert chosen.tolist() == pytest.approx([0.5, 0.25]) and rejected.tolist() == pytest.approx([-0.5, 0.5])
+
+
+def test_ipo_loss_uses_length_averaged_log_ratios():
+    policy = torch.tensor([[-10.0, -12.0]])
+    reference = torch.tensor([[-11.0, -11.0]])
+    counts = torch.tensor([[4, 2]])
+    losses, _, _ = preference_loss(policy, reference, beta=0.25, loss="ipo", counts=counts)
+    # averaged log ratios 1/4 and -1/2: h = 0.75; (h - 1 / (2 * 0.25))^2 = (0.75 - 2)^2
+    assert losses.item() == pytest.approx((0.75 - 2.0) ** 2)
+
+
+def test_sft_weight_adds_the_chosen_replies_mean_nll():
+    policy, reference, counts = (
+        torch.tensor([[-8.0, -9.0]]),
+        torch.tensor([[-8.0, -9.0]]),
+        torch.tensor([[4, 3]]),
+    )
+    plain, _, _ = preference_loss(policy, reference, beta=0.1, counts=counts)
+    rpo, _, _ = preference_loss(policy, reference, beta=0.1, counts=counts, sft_weight=0.5)
+    assert plain.item() == pytest.approx(math.log(2)) and rpo.item() == pytest.approx(
+        math.log(2) + 0.5 * 8 / 4
+    )
+
+
+def test_token_logprobs_and_their_gradients_equal_autograd():
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (37,), generator=gen)
+    targets[::5] = batching.IGNORE
+    upstream = torch.randn(37, generator=gen, dtype=torch.float64)
+    mine = token_logprobs(hidden, weight, targets, chunk=8)  # several chunks, the last one short
+    (mine.double() * upstream).sum().backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    plain = (hidden @ weight.t()).log_softmax(-1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    plain = torch.where(targets != batching.IGNORE, plain, 0.0)
+    (plain * upstream).sum().backward()
+    torch.testing.assert_close(mine.double(), plain, rtol=0, atol=1e-5)  # the chunks compute in fp32
+    torch.testing.assert_close(got[0], hidden.grad, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[1], weight.grad, rtol=0, atol=1e-5)
+
+
+def test_pair_logprobs_of_a_packed_row_equal_each_side_alone(tiny_data):
+    """A pair in one row (chosen, then rejected with restarting positions) gives each side's own summed
+    log-probability, as a forward pass over that side alone does; pads change nothing."""
+    from snaketune.evaluate import load_base_model
+    from snaketune.tokenization import load_tokenizer
+
+    tok = load_tokenizer(tiny_data.tokenizer_dir, "deepseek")
+    from snaketune.config import ModelConfig
+
+    net = load_base_model(ModelConfig(), tok, seed=3, train_dtype=torch.float32, dtype=torch.float32)
+    gen = np.random.default_rng(0)
+    sides = []
+    for n in (9, 6, 12, 7):
+        ids = gen.integers(2, len(tok), size=n)
+        labels = ids.copy()
+        labels[: n // 2] = batching.IGNORE
+        sides.append((ids, labels))
+    rows = [(sides[0], sides[1]), (sides[2], sides[3])]
+    split = batching.TokenizedSplit(
+        [np.concatenate([a[0], b[0]]) for a, b in rows],
+        [np.concatenate([a[1], b[1]]) for a, b in rows],
+        [np.concatenate([np.arange(len(a[0])), np.arange(len(b[0]))]) for a, b in rows],
+        np.zeros(2, dtype=np.int64),
+    )
+    batch = batching.collate(split, np.arange(2), pad_id=0)
+    with torch.no_grad():
+        for fused in (True, False):
+            got, counts = pair_logprobs(net, **batch, packed_attention=False, fused=fused)
+            for r, (a, b) in enumerate(rows):
+                for s, (ids, labels) in enumerate((a, b)):
+                    logits = net(input_ids=torch.tensor(ids)[None].long()).logits[0, :-1]
+                    t = torch.tensor(labels[1:]).long()
+                    keep = t != batching.IGNORE
+                    want = -torch.nn.functional.cross_entropy(logits[keep], t[keep], reduction="sum")
+                    assert got[r, s].item() == pytest.approx(want.item(), rel=1e-5)
+                    assert counts[r, s].item() == int(keep.sum())
+
+
+def test_reply_sums_ignore_pads_after_the_second_sequence():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0]])  # chosen (3), rejected (2), two pads
+    targets = torch.tensor([[-100, 5, -100, 7, -100, -100, -100]])
+    values = torch.tensor([[9.0, 1.0, 9.0, 2.0, 9.0, 9.0, 9.0]])
+    assert reply_sums(values, targets, pos).tolist() == [[1.0, 2.0]]
+
+
+# ---- pairs ---------------------------------------------------------------------------------------------------
+
+
+def msg(mid, parent, role, text, rank=None, **extra):
+    return {"message_id": mid, "parent_id": parent, "role": role, "text": text, "rank": rank, "lang": "en",
+            "message_tree_id": extra.pop("tree", "t"), **extra}  # fmt: skip
+
+
+TREE = [
+    msg("q", None, "prompter", "Q?"),
+    msg("a0", "q", "assistant", "best", 0),
+    msg("a1", "q", "assistant", "middle", 1),
+    msg("a2", "q", "assistant", "worst", 2),
+    msg("a3", "q", "assistant", "tied with worst", 2),
+    msg("a4", "q", "assistant", "unranked"),
+    msg("f", "a0", "prompter", "Follow-up?"),
+    msg("f0", "f", "assistant", "good", 0),
+    msg("f1", "f", "assistant", "also rank 0", 0),  # a tie at the top: no pair between them
+    msg("g", "a1", "prompter", "Lonely?"),
+    msg("g0", "g", "assistant", "only reply", 0),
+    msg("h", "a2", "prompter", "Unranked?"),
+    msg("h0", "h", "assistant", "x"),
+    msg("h1", "h", "assistant", "y"),
+]
+
+
+def test_pairs_best_vs_rest_and_all_never_pair_ties():
+    split = {"t": "train"}
+    best = build_preferences(pd.DataFrame(TREE), split, pairs="best_vs_rest")
+    got = sorted(zip(best.train["chosen"], best.train["rejected"], strict=True))
+    assert got == sorted([("best", "middle"), ("best", "worst"), ("best", "tied with worst")])
+    every = build_preferences(pd.DataFrame(TREE), split, pairs="all")
+    got = sorted(zip(every.train["chosen"], every.train["rejected"], strict=True))
+    assert got == sorted(
+        [("best", "middle"), ("best", "worst"), ("best", "tied with worst"), ("middle", "worst"),
+         ("middle", "tied with worst")]
+    )  # fmt: skip
+    row = best.train.iloc[0]
+    assert [m["role"] for m in row["prompt"]] == ["user"] and row["prompt"][0]["content"] == "Q?"
+    stats = best.stats
+    assert stats["groups"] == 4 and stats["groups_with_pairs"] == 1
+    assert stats["groups_dropped"] == {
+        **dict.fromkeys(GROUP_DROP_REASONS, 0),
+        "fewer_than_two_replies": 1,
+        "fewer_than_two_ranked": 1,
+        "ranks_tied": 1,
+    }
+    assert stats["unranked_replies"] == 3 and stats["pairs"] == {"train": 3, "validation": 0}
+
+
+def test_pairs_follow_the_conversation_so_far_and_the_cleaning_rules():
+    rows = [dict(r) for r in TREE]
+    next(r for r in rows if r["message_id"] == "a1").update(deleted=True)  # and its subtree (g, g0)
+    result = build_preferences(pd.DataFrame(rows), {"t": "validation"})
+    assert sorted(result.validation["rejected"]) == ["tied with worst", "worst"]
+    assert result.stats["dropped"]["deleted"] == 1 and result.stats["dropped"]["under_dropped_parent"] == 2
+    deep = build_preferences(pd.DataFrame(TREE), {"t": "train"}, pairs="all")
+    assert deep.stats["groups_dropped"]["ranks_tied"] == 1  # f0 and f1 share rank 0
+
+
+def test_no_split_and_no_pairs_are_named():
+    result = build_preferences(
+        pd.DataFrame(TREE + [msg("z", None, "prompter", "Z?", tree="u")]), {"t": "train"}
+    )
+    assert result.stats["groups_dropped"]["no_split"] == 0  # u has no replies: not a group
+    with pytest.raises(DataError, match=r"no preference pairs \(preference\.pairs: 'best_vs_rest'\)"):
+        build_preferences(
+            pd.DataFrame([r for r in TREE if r["message_id"] not in ("a1", "a2", "a3")]), {"t": "train"}
+        )
+
+
+@needs_realdata
+@pytest.mark.parametrize(("trees", "rows"), [
+    ("en_100_tree.jsonl", "en_100.hf_rows.jsonl"),
+    ("openpaws_oasst2.trees.jsonl", "openpaws_oasst2.hf_rows.jsonl"),
+])  # fmt: skip
+def test_real_samples_give_the_same_pairs_in_both_forms(trees, rows):
+    from snaketune.conversations import build_conversations
+
+    out = []
+    for name in (trees, rows):
+        messages = read_messages(REALDATA / name)
+        conv = build_conversations(messages)
+        split = {t: s for s in ("train", "validation") for t in getattr(conv, s)["message_tree_id"]}
+        out.append(build_preferences(messages, split))
+    a, b = out
+    assert a.stats == b.stats and a.stats["pairs"]["train"] > 0
+    pd.testing.assert_frame_equal(a.train, b.train)
+    pd.testing.assert_frame_equal(a.validation, b.validation)
+
+
+# ---- tokenized pairs ----------------------------------------------------------------------------------------
+
+
+def test_a_long_side_keeps_the_replys_start():
+    ids = np.arange(100)
+    labels = np.full(100, batching.IGNORE)
+    labels[70:] = ids[70:]  # a 70-token conversation so far, a 30-token reply
+    kept, lab, cut = pairs.fit(ids, labels, 64)
+    assert cut == "prompt" and len(kept) == 64
+    assert kept[0] == 0 and kept[34:].tolist() == list(
+        range(70, 100)
+    )  # bos, the latest turns, the whole reply
+    labels[:] = batching.IGNORE
+    labels[10:] = ids[
+        10:
+    ]  # a 90-token reply: half the budget stays for the conversation, the reply's end goes
+    kept, lab, cut = pairs.fit(ids, labels, 64)
+    assert cut == "reply" and kept[:10].tolist() == list(range(10)) and kept[10] == 10 and len(kept) == 64
+
+
+# ---- the stages on CPU ranks ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def preference_data(tiny_data, tmp_path_factory):
+    """Pairs of the tiny sample, tokenized; an SFT model to start from; its cached reference log-probs."""
+    from snaketune.conversations import read_messages as read
+    from snaketune.preferences import read_split_of_trees, write_preferences
+    from snaketune.reference import compute_reference
+
+    root = tmp_path_factory.mktemp("preference")
+    result = build_preferences(
+        read(tiny_data.raw_dir / "messages.parquet"), read_split_of_trees(tiny_data.conversations_dir)
+    )
+    write_preferences(result, root / "pairs")
+    pairs.tokenize_pairs(
+        root / "pairs", tiny_data.tokenizer_dir, root / "tokenized", max_length=64, chat_template="deepseek"
+    )
+    sft = run_training(root / "sft", tiny_data, train_overrides={"max_steps": 6})
+    compute_reference(
+        model={"base": "builtin-tiny"},
+        reference="sft",
+        seed=1234,
+        sft_dir=sft.out_dir / "model",
+        train_summary=sft.out_dir / "summary.json",
+        tokenizer_dir=tiny_data.tokenizer_dir,
+        pairs_dir=root / "tokenized",
+        batch_size=3,
+        out=root / "reference.parquet",
+        record_out=root / "reference.json",
+        device="cpu",
+    )
+    return root, sft
+
+
+def _dpo(root, sft, tmp_path, tiny_data, *, nproc=1, overrides=None, checkpoint_dir=None, beta=0.1):
+    preference = {"beta": beta, "loss": "dpo", "max_length": 64, "reference_logprobs": str(root / "reference.parquet"),
+                  "sft_weight": 0.0}  # fmt: skip
+    train = {
+        "max_steps": 12,
+        "global_batch_size": 8,
+        "micro_batch_size": 4,
+        "learning_rate": 2e-3,
+        **(overrides or {}),
+    }
+    return run_training(
+        tmp_path,
+        tiny_data,
+        nproc=nproc,
+        train_overrides=train,
+        deepspeed="zero2",
+        checkpoint_dir=checkpoint_dir,
+        module="snaketune.dpo",
+        data_dir=root / "tokenized",
+        model={"base": str(sft.out_dir / "model")},
+        preference=preference,
+    )
+
+
+@pytest.fixture(scope="module")
+def dpo_run(preference_data, tiny_data, tmp_path_factory):
+    root, sft = preference_data
+    return _dpo(root, sft, tmp_path_factory.mktemp("dpo"), tiny_data, overrides={"checkpoint_every": 6})
+
+
+def test_cached_reference_log_probs_equal_the_ones_computed_on_the_fly(preference_data, tiny_data):
+    from snaketune.config import ModelConfig
+    from snaketune.inference import load_tuned_model
+    from snaketune.reference import read_reference
+
+    root, sft = preference_data
+    cached = read_reference(root / "reference.parquet")
+    net = load_tuned_model(sft.out_dir / "model", ModelConfig(), dtype=torch.float32)
+    for split in ("train", "validation"):
+        data = batching.load_split(root / "tokenized" / split)
+        batch = batching.collate(data, np.arange(len(data)), pad_id=1)
+        with torch.no_grad():
+            lp, n = pair_logprobs(net, **batch, packed_attention=False)
+        torch.testing.assert_close(cached[split]["logprobs"], lp.double(), rtol=1e-6, atol=1e-5)
+        assert torch.equal(cached[split]["tokens"], n.long())
+    record = json.loads((root / "reference.json").read_text())
+    assert record["reference"] == "sft" and record["pairs"]["train"] == len(cached["train"]["logprobs"])
+
+
+def test_dpo_starts_at_log_2_and_learns_the_preferences(dpo_run):
+    rows = dpo_run.rows
+    # The policy starts as the reference: every reward 0, every pair's loss log 2 (the first window is step 1).
+    assert rows[0]["dpo/loss"] == pytest.approx(math.log(2), rel=1e-4)
+    assert rows[0]["dpo/chosen_reward"] == pytest.approx(0.0, abs=1e-4)
+    assert np.mean([r["dpo/loss"] for r in rows[-4:]]) < math.log(2) - 0.05
+    assert np.mean([r["dpo/margin"] for r in rows[-4:]]) > 0
+    s = dpo_run.summary
+    assert s["objective"] == "dpo" and s["final_val_reward_accuracy"] is not None
+    assert (dpo_run.out_dir / "model" / "model.safetensors").is_file()
+
+
+def test_dpo_one_rank_equals_two_ranks(dpo_run, preference_data, tiny_data, tmp_path):
+    root, sft = preference_data
+    two = _dpo(root, sft, tmp_path, tiny_data, nproc=2, overrides={"micro_batch_size": 2})
+    assert two.summary["world_size"] == 2
+    for key in ("dpo/loss", "dpo/margin", "train/grad_norm"):
+        np.testing.assert_allclose(
+            [r[key] for r in two.rows], [r[key] for r in dpo_run.rows], rtol=1e-4, atol=1e-6, err_msg=key
+        )
+
+
+def test_dpo_resume_equals_the_uninterrupted_run(dpo_run, preference_data, tiny_data, tmp_path):
+    root, sft = preference_data
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(dpo_run.checkpoint_dir, ckpt)
+    run = _dpo(root, sft, tmp_path, tiny_data, overrides={"checkpoint_every": 6}, checkpoint_dir=ckpt)
+    assert run.summary["resumed_from_step"] == 6
+    np.testing.assert_allclose(
+        [r["dpo/loss"] for r in run.rows][6:], [r["dpo/loss"] for r in dpo_run.rows][6:], rtol=1e-6
+    )
