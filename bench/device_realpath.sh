@@ -24,31 +24,34 @@ fi
 stamp "hub-format 7B directory"
 python3 bench/write_hub_model.py /tmp/deepseek-7b-hub .realdata || exit 1
 ls -la /tmp/deepseek-7b-hub
-declare -A EXAMPLE=([lora]=deepseek-7b-lora-3x24gb [full]=deepseek-7b-full-h200)
+declare -A EXAMPLE=([lora]=deepseek-7b-lora-3x24gb [full]=deepseek-7b-full-h200 [fullacc]=deepseek-7b-full-h200)
+# fullacc: the one-H200 example at micro-batch 4 x 2 accumulation (the fp32 accumulation buffer), training only.
+declare -A EXTRA=([fullacc]="micro_batch_size: 4, ")
+declare -A TARGET=([fullacc]="results/train/default/summary.json")
 for run in $RUNS; do
   left=$((BUDGET_S - SECONDS))
   [ "$left" -lt 60 ] && { stamp "skip $run ($left s left)"; continue; }
   stamp "run $run: config/examples/${EXAMPLE[$run]}.yaml ($left s left)"
   cat > /tmp/steps.yaml <<YAML
-train: {gpus: 1, max_steps: $SFT_STEPS}
+train: {${EXTRA[$run]:-}gpus: 1, max_steps: $SFT_STEPS}
 preference: {train: {gpus: 1, max_steps: $DPO_STEPS}}
 YAML
   rm -rf results logs benchmarks .snakemake
-  timeout -k 10 "$left" python3 -m snakemake --cores 16 --resources gpu=1 --show-failed-logs \
+  timeout -k 10 "$left" python3 -m snakemake ${TARGET[$run]:-} --cores 16 --resources gpu=1 --show-failed-logs \
     --configfile "config/examples/${EXAMPLE[$run]}.yaml" bench/configs/device_realpath.yaml /tmp/steps.yaml
   stamp "run $run exit code $?"
   python3 - "$run" <<'PY'
 import json, pathlib, sys
 run = sys.argv[1]
 for p in sorted(pathlib.Path("results").rglob("*.json")):
-    if any(k in p.name for k in ("summary", "metrics", "reference", "stats")) or p.parent.name == "plan":
-        if "tokenizer" in str(p) or "model" in p.parts:
+    if any(k in p.name for k in ("summary", "metrics", "reference")) or "plan" in p.parts:
+        if "tokenizer" in str(p) or "model" in p.parts or ("provenance" in p.parts and "plan" in p.parts):
             continue
         d = json.loads(p.read_text())
         keep = {k: d.get(k) for k in ("peak_memory_gib_per_rank", "tokens_per_s_per_gpu", "step_time_s", "mfu",
                 "final_train_loss", "final_val_loss", "memory", "peak_memory_gib", "predicted_peak_gib",
                 "fp32_master_weights", "final_val_reward_accuracy", "time_s", "wall_time_s") if k in d}
-        if p.parent.name == "plan":
+        if "plan" in p.parts and "provenance" not in p.parts:
             keep = {"chosen": d.get("chosen", {}).get("estimate", {}).get("peak_allocated_gib"),
                     "evaluate": d.get("evaluate"), "dpo": (d.get("dpo") or {}).get("chosen", {}).get("estimate", {}).get("peak_allocated_gib"),
                     "status": d.get("status")}

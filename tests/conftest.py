@@ -20,6 +20,7 @@ WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs")
 def copy_workflow(dest: Path) -> Path:
     """Copy the workflow's files into `dest` (without caches, results or logs); returns `dest`."""
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".snakemake", "results", "logs")
+    dest.mkdir(parents=True, exist_ok=True)
     for name in WORKFLOW_FILES:
         src = REPO / name
         if src.is_dir():

@@ -325,7 +325,8 @@ def test_zero3_partitioned_parameters_keep_their_weight_decay_group():
 
 
 @pytest.mark.gpu
-def test_triton_adamw_matches_torch_adamw():
+@pytest.mark.parametrize("accumulate_fp32", [False, True])  # bf16 .grad in, or the fp32 accumulation buffer
+def test_triton_adamw_matches_torch_adamw(accumulate_fp32):
     """The fused Triton step is torch's fused AdamW on fp32 gradient copies, bf16 weights rounded the same way."""
     device = torch.device("cuda")
     if not optim.triton_available(device):
@@ -333,7 +334,12 @@ def test_triton_adamw_matches_torch_adamw():
     nets = [_mlp(torch.bfloat16).to(device) for _ in range(2)]
     opts = [
         optim.MasterWeightAdamW(
-            optim.param_groups(net, 0.1), lr=1e-2, betas=(0.9, 0.95), grad_clip=0.5, kernel=k
+            optim.param_groups(net, 0.1),
+            lr=1e-2,
+            betas=(0.9, 0.95),
+            grad_clip=0.5,
+            kernel=k,
+            accumulate_fp32=accumulate_fp32,
         )
         for net, k in zip(nets, ("triton", "torch"), strict=True)
     ]

@@ -248,6 +248,7 @@ def _records(workdir: Path) -> dict[str, dict]:
 def _jobs(workdir: Path) -> list[str]:
     """The records a run of the fast config leaves (the report's aside), by rule[/wildcards]."""
     key = next((workdir / "results/tokenized").iterdir()).name
+    pairs_key = next((workdir / "results/tokenized_pairs").iterdir()).name
     return [
         "download",
         "conversations",
@@ -255,6 +256,11 @@ def _jobs(workdir: Path) -> list[str]:
         f"tokenize/{key}",
         "plan/default",
         "train/default",
+        "preferences/best_vs_rest",
+        f"tokenize_pairs/{pairs_key}",
+        "plan_dpo/default",
+        "reference/default",
+        "dpo/default",
         "evaluate/default",
     ]
 
