@@ -9,13 +9,16 @@ SNAKEMAKE_ARGS ?=
 
 .PHONY: run test lint format clean-results
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt requirements-kernels.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and alone: this exact version is the CPU build on a CPU-only machine here; on a GPU
 	# machine pip picks the CUDA build of the same version.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -r requirements.txt -r requirements-dev.txt
+	# GPU-only kernels, without their Triton requirement (torch's CUDA build brings Triton; the CPU build does
+	# not and needs none): requirements-kernels.txt.
+	$(BIN)/pip install --quiet --no-deps -r requirements-kernels.txt
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $(STAMP)
 

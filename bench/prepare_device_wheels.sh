@@ -40,6 +40,8 @@ PKGS=(
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.9.0
   # our transformers / tokenizers pins (the image has 5.17.0 / 0.23.2)
   transformers==5.23.0 tokenizers==0.23.3 regex==2026.11.19
+  # requirements-kernels.txt (triton comes with the image's CUDA torch)
+  liger-kernel==0.8.5
 )
 
 PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64

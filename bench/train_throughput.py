@@ -59,6 +59,7 @@ BEST = dict(
     optimizer_kernel="auto",
     fused_cross_entropy=False,
     attention="auto",
+    kernels="torch",
     compile=False,
     micro_batch_size=8,
 )
@@ -147,6 +148,21 @@ CASES = [
         30,
         "(b) full 7B, LoRA r16 on all linear layers, 8 x 1",
         {**BEST, "learning_rate": 1e-4, "lora": {"enabled": True, "rank": 16}},
+        estimate_s=100,
+    ),
+    Case(
+        "b24_liger",
+        "train",
+        24,
+        "(b) as b24 with Liger's RMSNorm, RoPE and SwiGLU",
+        {**BEST, "kernels": "liger"},
+    ),
+    Case(
+        "lora30_liger",
+        "train",
+        30,
+        "(b) as lora30 with Liger's RMSNorm, RoPE and SwiGLU",
+        {**BEST, "kernels": "liger", "learning_rate": 1e-4, "lora": {"enabled": True, "rank": 16}},
         estimate_s=100,
     ),
     Case(

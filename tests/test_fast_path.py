@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_training
-from snaketune import attention, optim
+from snaketune import attention, kernels, optim
 from snaketune.batching import IGNORE, packed_attention_mask, token_loss_sum
 from snaketune.losses import causal_targets, fused_linear_cross_entropy
 from snaketune.model import LossModel
@@ -174,6 +174,55 @@ def test_varlen_kernel_matches_masked_sdpa():
     ref_grads = torch.autograd.grad(ref[real.cuda()].sum(), (q, k, v))
     for g, r in zip(grads, ref_grads, strict=True):
         assert ((g.float() - r.float()).norm() / r.float().norm()) < 2e-2
+
+
+# ---- fused RMSNorm / RoPE / SwiGLU (Liger) -------------------------------------------------------------
+
+
+def test_kernels_resolve_to_torch_where_liger_cannot_run():
+    cpu = torch.device("cpu")
+    assert kernels.resolve("auto", cpu, "llama") == "torch"
+    assert kernels.resolve("torch", cpu, "llama") == "torch"
+    with pytest.raises(
+        ValueError, match=r"'train.kernels': liger needs a CUDA device .*allowed here: auto, torch"
+    ):
+        kernels.resolve("liger", cpu, "llama")
+    with pytest.raises(ValueError, match=r"'train.kernels': 'fast'; allowed: auto, torch, liger"):
+        kernels.resolve("fast", cpu, "llama")
+
+
+@pytest.mark.gpu
+def test_liger_kernels_match_the_torch_modules(monkeypatch):
+    """Liger's RMSNorm, RoPE and SwiGLU give transformers' loss and gradients (bf16, packed rows, varlen)."""
+    cuda = torch.device("cuda")
+    usable, why = kernels.liger_available(cuda) if torch.cuda.is_available() else (False, "needs CUDA")
+    if not usable:
+        pytest.skip(why)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.models.llama import modeling_llama
+
+    from snaketune.architectures import BUILTIN_TINY
+
+    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):  # Liger patches the module globally
+        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(
+        LlamaConfig(**BUILTIN_TINY, vocab_size=256), attn_implementation="sdpa", dtype=torch.bfloat16
+    ).to(cuda)
+    ids, labels, pos, lengths = _packed_batch(torch.Generator().manual_seed(2), vocab=256, b=4, length=128)
+    cu = attention.segments(pos, lengths).to(cuda)
+    ids, labels, pos = ids.to(cuda), labels.to(cuda), pos.to(cuda)
+    results = []
+    for mode in ("torch", "liger"):  # torch first: Liger's RoPE replaces the module's function
+        model = LossModel(copy.deepcopy(net), packed_attention=True, fused_cross_entropy=True)
+        kernels.apply(model.net, mode)
+        loss = model(ids, labels, pos, cu)
+        loss.backward()
+        results.append((loss.float(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (ref_loss, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=0)
+    for name, ref in ref_grads.items():
+        assert ((grads[name] - ref).norm() / ref.norm()) < 3e-2, name
 
 
 # ---- master-weight AdamW -------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ STRATEGIES = ("as_configured", "auto")
 BF16_OPTIMIZERS = ("auto", "snaketune", "deepspeed")
 OPTIMIZER_KERNELS = ("auto", "triton", "torch")
 ATTENTIONS = ("auto", "varlen", "sdpa")
+KERNELS = ("auto", "torch", "liger")
 EXPERIMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # ISO 639-1 codes plus the regional variants oasst1 uses (pt-BR, zh, ...): shape check only.
 LANG_CODE = re.compile(r"^[a-z]{2,3}(-[A-Za-z]{2,4})?$")
@@ -224,6 +225,9 @@ class TrainConfig:
     attention: str = "auto"
     """`varlen`: packed conversations attend only to themselves through FlashAttention's varlen kernel (CUDA, bf16;
     block-masked SDPA elsewhere); `sdpa`: SDPA with an explicit block-diagonal mask; `auto`: varlen where it runs."""
+    kernels: str = "auto"
+    """RMSNorm, RoPE and SwiGLU: `liger` (Liger-Kernel's fused Triton kernels; CUDA, requirements-kernels.txt),
+    `torch` (transformers' modules); `auto`: liger where it runs (snaketune.kernels)."""
     compile: bool = False
     """torch.compile every decoder layer (one compiled graph shared by all layers; the first step pays the compile)."""
     strategy: str = "as_configured"
@@ -280,6 +284,8 @@ class TrainConfig:
             )
         if self.attention not in ATTENTIONS:
             _fail("train.attention", f"{self.attention!r} is not allowed; allowed: {', '.join(ATTENTIONS)}")
+        if self.kernels not in KERNELS:
+            _fail("train.kernels", f"{self.kernels!r} is not allowed; allowed: {', '.join(KERNELS)}")
         if self.keep_checkpoints < 1:
             _fail("train.keep_checkpoints", f"{self.keep_checkpoints} must be >= 1")
         if not self.deepspeed.endswith(".json"):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from snaketune import attention
+from snaketune import attention, kernels
 from snaketune.config import ModelConfig, TrainConfig
 from snaketune.dsconfig import build_ds_config, offloads, uses_master_weights, zero_stage
 from snaketune.model import apply_lora, compile_layers, count_params, flop_counts, load_model
@@ -59,6 +59,8 @@ class Built:
     accumulate_fp32: bool
     fused_cross_entropy: bool
     attention: str
+    kernels: str
+    """`liger` or `torch` (snaketune.kernels)."""
     n_params: int
     n_trainable: int
     flops_per_token: float
@@ -123,6 +125,8 @@ def build(
     if stage != 3:
         net.to(device)  # a no-op where it was loaded or built there; builtin-tiny is built on the host
     net.train()  # from_pretrained returns eval mode, where transformers skips gradient checkpointing
+    fused = kernels.resolve(cfg.kernels, device, getattr(net.config, "model_type", ""))
+    kernels.apply(net, fused)
     if cfg.gradient_checkpointing:
         net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         net.config.use_cache = False
@@ -174,6 +178,7 @@ def build(
         accumulate_fp32=accumulate_fp32,
         fused_cross_entropy=fused_ce,
         attention=attn,
+        kernels=fused,
         n_params=n_params,
         n_trainable=n_trainable,
         flops_per_token=dense_flops,

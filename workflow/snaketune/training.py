@@ -232,10 +232,11 @@ class Trainer:
         )
         log.info("parameters: %s total, %s trainable", f"{b.n_params:,}", f"{b.n_trainable:,}")
         log.info(
-            "fp32 master weights: %s; loss: %s; attention: %s; torch.compile: %s",
+            "fp32 master weights: %s; loss: %s; attention: %s; RMSNorm/RoPE/SwiGLU: %s; torch.compile: %s",
             b.precision_summary,
             "fused linear cross-entropy" if self.fused_ce else "logits + cross-entropy",
             self.attention_summary,
+            "Liger kernels" if b.kernels == "liger" else "torch",
             "every decoder layer" if cfg.compile else "off",
         )
         if cfg.fused_cross_entropy and not self.fused_ce:
@@ -486,6 +487,7 @@ class Trainer:
             "fp32_gradient_accumulation": b.accumulate_fp32,
             "fused_cross_entropy": self.fused_ce,
             "attention": self.attention_summary,
+            "kernels": b.kernels,
             "compile": self.cfg.compile,
             "final_train_loss": last.get("train/loss"),
             "final_val_loss": last.get("val/loss"),
