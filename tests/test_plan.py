@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 import torch
 
 from snaketune import plan
@@ -115,6 +116,7 @@ def test_plan_matches_the_fast_path_on_an_h200(case, layers, micro, lora, deepsp
         "micro_batch_size": micro,
         "global_batch_size": 8,
         "lora": {"enabled": lora, "rank": 16},
+        "kernels": "torch",  # before Liger's kernels (train.kernels)
     }
     if case == "b24_ds_zero2":
         train.update(bf16_optimizer="deepspeed", attention="sdpa")
@@ -125,6 +127,50 @@ def test_plan_matches_the_fast_path_on_an_h200(case, layers, micro, lora, deepsp
     assert setup.accumulation == 8 // micro
     est = plan.estimate(deepseek(layers), setup)
     assert est.peak_allocated_gib == pytest.approx(result["peak_gib"], rel=TOLERANCE), est
+
+
+LIGER_RUN = REPO / "bench/runs/2026-12-01_h200_liger/throughput.json"
+
+
+@pytest.mark.parametrize(("case", "layers", "lora"), [("b24_liger", 24, False), ("lora30_liger", 30, True)])
+def test_plan_counts_what_liger_saves(case, layers, lora):
+    """bench/RESULTS.md (issue #16): the same runs with Liger's RMSNorm, RoPE and SwiGLU measured 5.1 and 4.4 GiB
+    less; the plan counts what those kernels do not save for backward (nothing fitted to these runs)."""
+    result = next(r for r in json.loads(LIGER_RUN.read_text())["results"] if r["case"] == case)
+    train = {"micro_batch_size": 8, "global_batch_size": 8, "lora": {"enabled": lora}, "kernels": "liger"}
+    train["fused_cross_entropy"] = False  # as bench/train_throughput.py BEST
+    ds = json.loads(Path(DEEPSPEED["zero0.json"]).read_text())
+    setup = plan._setup_for(train, ds, world=1, seq_len=512, precision="bf16")
+    assert setup.liger
+    est = plan.estimate(deepseek(layers), setup)
+    assert est.peak_allocated_gib == pytest.approx(result["peak_gib"], rel=TOLERANCE), est
+    torch_modules = plan.estimate(deepseek(layers), setup.replace(liger=False))
+    baseline = next(
+        r for r in json.loads(LIGER_RUN.read_text())["results"] if r["case"] == case[: -len("_liger")]
+    )
+    saved = torch_modules.peak_allocated_gib - est.peak_allocated_gib
+    assert saved == pytest.approx(baseline["peak_gib"] - result["peak_gib"], rel=0.05)
+
+
+# The user's path on one H200 (bench/RESULTS.md, issues #13/#15): config/examples/*.yaml as written, through
+# Snakemake, on a hub-format 7B directory and real oasst rows at 2,048 tokens, before train.kernels existed.
+EXAMPLE_RUNS = [
+    # (example, overrides, measured max_memory_allocated GiB)
+    ("deepseek-7b-lora-3x24gb", {"gpus": 1}, 18.746),
+    ("deepseek-7b-full-h200", {"gpus": 1}, 105.737),
+    ("deepseek-7b-full-h200", {"gpus": 1, "micro_batch_size": 4}, 122.590),
+]
+
+
+@pytest.mark.parametrize(("example", "overrides", "measured"), EXAMPLE_RUNS)
+def test_plan_matches_the_example_configs_on_an_h200(example, overrides, measured):
+    cfg = yaml.safe_load((REPO / "config/examples" / f"{example}.yaml").read_text())
+    train = {**cfg["train"], **overrides, "kernels": "torch"}
+    ds = json.loads((REPO / train["deepspeed"]).read_text())
+    max_length = int(cfg["tokenize"]["max_length"])
+    setup = plan._setup_for(train, ds, world=1, seq_len=max_length, precision="bf16")
+    est = plan.estimate(deepseek(30), setup)
+    assert est.peak_allocated_gib == pytest.approx(measured, rel=TOLERANCE), est
 
 
 def test_parameter_counts_are_exact():

@@ -15,8 +15,10 @@ build of torch does not bring, so CPU ranks always run `torch`.
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the memory plan imports this module and must not need torch
+    import torch
 
 KERNELS = ("auto", "torch", "liger")
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -31,6 +33,16 @@ def liger_available(device: torch.device) -> tuple[bool, str]:
         if importlib.util.find_spec(module) is None:
             return False, f"needs the {module} package (pip install --no-deps -r requirements-kernels.txt)"
     return True, ""
+
+
+def planned(mode: str) -> bool:
+    """Whether a GPU rank of this environment runs Liger's kernels under `mode`: what the memory plan assumes
+    (it runs before any rank, often on a machine without a GPU, so `auto` counts on the packages, not a
+    device). A rank whose environment lacks them uses less-fused modules and more memory than planned only
+    where the plan's machine has the packages and the GPU nodes do not."""
+    if mode == "liger":
+        return True
+    return mode == "auto" and all(importlib.util.find_spec(m) is not None for m in ("triton", "liger_kernel"))
 
 
 def resolve(mode: str, device: torch.device, model_type: str) -> str:

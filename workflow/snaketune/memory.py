@@ -244,6 +244,8 @@ class Setup:
     """snaketune.losses.fused_linear_cross_entropy: one chunk of logits at a time."""
     varlen: bool = False
     """snaketune.attention's varlen kernel: no (micro_batch, 1, seq, seq) mask tensor."""
+    liger: bool = False
+    """Liger's RMSNorm, RoPE and SwiGLU (snaketune.kernels): less saved for backward, LIGER_SAVED_LESS."""
     reduce_bucket: float = 5e8
     prefetch_bucket: float = 5e7
     sub_group: float = 1e9
@@ -356,10 +358,14 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
     per_layer = 2 * norm + a * (2 * q + 2 * kv) + 4 * a * i + a * s.lora_rank * len(targets)
     residual = 4 if s.precision == "autocast" else a
     factor = LORA_ACTIVATION_FACTOR if s.lora_rank else ACTIVATION_FACTOR
+    # Liger's RMSNorm saves its bf16 input and the row's rstd instead of the fp32 upcast (and, where the norm's
+    # weight trains, the normalized output); its SwiGLU recomputes SiLU(gate) in backward instead of saving it.
+    # Counted, not fitted: the counts give 5.02 / 4.39 GiB less for b24 / lora30, measured 5.08 / 4.39 (bench/RESULTS.md, issue #16).
+    saved_less = (2 * (4 * h if not s.lora_rank else (4 - a) * h) + a * i) if s.liger else 0
     if s.gradient_checkpointing:
-        acts = tokens * arch.layers * residual * h + tokens * per_layer * factor
+        acts = tokens * arch.layers * residual * h + tokens * (per_layer * factor - saved_less)
     else:
-        acts = tokens * arch.layers * per_layer * factor
+        acts = tokens * arch.layers * (per_layer * factor - saved_less)
     acts += tokens * norm  # the final norm
     if s.fused_cross_entropy:
         # At the end of the forward pass, on top of every layer's saved activations: one chunk of logits (bf16

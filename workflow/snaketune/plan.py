@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from snaketune import kernels
 from snaketune.config import LoraConfig
 from snaketune.dsconfig import uses_master_weights, zero_stage
 from snaketune.memory import (  # noqa: F401 - the plan's public names include the memory model's
@@ -155,7 +156,8 @@ def detect_budget(gpu_memory_gib: float | None, *, devices=None, host_gib: float
 def _setup_for(train: dict, ds: dict, *, world: int, seq_len: int, precision: str, **changes) -> Setup:
     """The Setup a training with these train settings and this DeepSpeed file runs (snaketune.training decides
     the same way: MasterWeightAdamW at ZeRO-0 in bf16 without offload unless train.bf16_optimizer says
-    deepspeed; the fused loss except under ZeRO-3; varlen attention in bf16 unless train.attention is sdpa)."""
+    deepspeed; the fused loss except under ZeRO-3; varlen attention in bf16 unless train.attention is sdpa; Liger's
+    kernels in bf16 where snaketune.kernels.planned says the ranks will run them)."""
     lora = train.get("lora") or {}
     stage = zero_stage(ds)
     master = uses_master_weights(ds, train.get("bf16_optimizer", "auto"), bf16=precision == "bf16")
@@ -165,6 +167,7 @@ def _setup_for(train: dict, ds: dict, *, world: int, seq_len: int, precision: st
         master_weights=master,
         fused_cross_entropy=bool(train.get("fused_cross_entropy", True)) and stage != 3,
         varlen=precision == "bf16" and train.get("attention", "auto") != "sdpa",
+        liger=precision == "bf16" and kernels.planned(train.get("kernels", "auto")),
         world=world,
         gradient_checkpointing=bool(train.get("gradient_checkpointing")),
         micro_batch=int(train["micro_batch_size"]),
