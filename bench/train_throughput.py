@@ -158,6 +158,14 @@ CASES = [
         {**BEST, "kernels": "liger"},
     ),
     Case(
+        "b30_liger",
+        "train",
+        30,
+        "(b) full 7B, as b24_liger (8 x 1)",
+        {**BEST, "kernels": "liger"},
+        estimate_s=100,
+    ),
+    Case(
         "lora30_liger",
         "train",
         30,
