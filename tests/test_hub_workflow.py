@@ -27,6 +27,7 @@ EXPERIMENTS = {
     "zero0": {"train": {"deepspeed": "config/deepspeed/zero0.json"}},
     "zero2": {"train": {"deepspeed": "config/deepspeed/zero2.json"}},
     "zero3": {"train": {"deepspeed": "config/deepspeed/zero3.json"}},
+    "zero3_offload": {"train": {"deepspeed": "config/deepspeed/zero3_offload.json"}},
     "lora": {
         "train": {"deepspeed": "config/deepspeed/zero2.json", "lora": {"enabled": True, "rank": 4}},
         "preference": {"enabled": True},
@@ -115,7 +116,7 @@ def test_hub_model_has_the_users_layout(hub_run):
 def test_every_strategy_trains_from_the_hub_directory(hub_run):
     workdir, _, result = hub_run
     summaries = {name: _json(workdir / f"results/train/{name}/summary.json") for name in EXPERIMENTS}
-    assert [summaries[n]["zero_stage"] for n in ("zero0", "zero2", "zero3")] == [0, 2, 3]
+    assert [summaries[n]["zero_stage"] for n in ("zero0", "zero2", "zero3", "zero3_offload")] == [0, 2, 3, 3]
     for name, s in summaries.items():
         assert s["world_size"] == 2 and s["steps"] == 4, name
         assert s["parameters"] == summaries["zero0"]["parameters"]  # 102,400-row embeddings, untied
@@ -126,9 +127,14 @@ def test_every_strategy_trains_from_the_hub_directory(hub_run):
     )
     # ZeRO-3 partitions the parameters while they load; the decay groups follow the real shapes.
     assert summaries["zero3"]["weight_decay_parameters"] == summaries["zero2"]["weight_decay_parameters"]
+    assert (
+        summaries["zero3_offload"]["weight_decay_parameters"] == summaries["zero2"]["weight_decay_parameters"]
+    )
     assert summaries["zero0"]["weight_decay_parameters"] == summaries["zero2"]["weight_decay_parameters"]
     log = (workdir / "logs/train/zero3.log").read_text()
     assert "optimizer tensors checked" in log
+    # With the optimizer offloaded its states live on the host, and the check says so.
+    assert "optimizer tensors checked on the host" in (workdir / "logs/train/zero3_offload.log").read_text()
     # The saved models are hub directories again, with the real tokenizer and the DeepSeek chat template.
     for name in EXPERIMENTS:
         tok = _json(workdir / f"results/train/{name}/model/tokenizer_config.json")

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 import torch
+import yaml
 
 from snaketune import plan
 from snaketune.architectures import DEEPSEEK_LLM_7B
