@@ -22,7 +22,9 @@ parameter (../shared/FACTS.md: 16 B/param for mixed-precision Adam):
   output (w*(2*q_dim + 2*kv_dim)), the SwiGLU MLP (gate, SiLU, up, product: 4*w*i), LoRA's rank-r
   intermediates; times ACTIVATION_FACTOR for what backward adds (gradient temporaries, kernel
   workspaces, allocator rounding). With gradient checkpointing: each layer's input (w*h) plus one
-  layer's activations while it is recomputed.
+  layer's activations while it is recomputed. Liger's kernels (train.kernels) save less, counted per layer
+  and not scaled: 4h per RMSNorm (no fp32 upcast; (4 - w)h with LoRA, whose frozen norm weights need no
+  normalized output) and w*i in SwiGLU (SiLU(gate) recomputed in backward).
 - logits: 12 B per token and vocabulary entry: the logits (bf16), the contiguous copy the loss slices, the
   fp32 upcast and log-softmax output of the loss (snaketune.batching.token_loss_sum); with the fused loss
   (snaketune.losses) 8 B per entry of one chunk of tokens, the hidden states' gradient and, with several
@@ -245,7 +247,7 @@ class Setup:
     varlen: bool = False
     """snaketune.attention's varlen kernel: no (micro_batch, 1, seq, seq) mask tensor."""
     liger: bool = False
-    """Liger's RMSNorm, RoPE and SwiGLU (snaketune.kernels): less saved for backward, LIGER_SAVED_LESS."""
+    """Liger's RMSNorm, RoPE and SwiGLU (snaketune.kernels): less saved for backward (`saved_less` in estimate)."""
     reduce_bucket: float = 5e8
     prefetch_bucket: float = 5e7
     sub_group: float = 1e9
@@ -360,7 +362,7 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
     factor = LORA_ACTIVATION_FACTOR if s.lora_rank else ACTIVATION_FACTOR
     # Liger's RMSNorm saves its bf16 input and the row's rstd instead of the fp32 upcast (and, where the norm's
     # weight trains, the normalized output); its SwiGLU recomputes SiLU(gate) in backward instead of saving it.
-    # Counted, not fitted: the counts give 5.02 / 4.39 GiB less for b24 / lora30, measured 5.08 / 4.39 (bench/RESULTS.md, issue #16).
+    # Counted, not fitted: 5.02 / 4.39 GiB less for b24 / lora30, measured 5.08 / 4.39 (bench/RESULTS.md, #16).
     saved_less = (2 * (4 * h if not s.lora_rank else (4 - a) * h) + a * i) if s.liger else 0
     if s.gradient_checkpointing:
         acts = tokens * arch.layers * residual * h + tokens * (per_layer * factor - saved_less)
