@@ -271,3 +271,33 @@ def train_job(
             plan=plan,
             module=module,
         )
+
+
+def train_rule_job(smk, *, model: dict, module: str = "snaketune.training", **extra) -> None:
+    """The train and dpo rules' scripts: the run spec from the rule's params (spec) and inputs (data,
+    tokenizer, deepspeed, plan), `extra` keys added, then train_job with the rule's outputs and resources."""
+    from snaketune.checkpoint import run_key  # torch: imported only where a training is launched
+
+    spec = smk.params.spec
+    run_spec = {
+        "experiment": smk.wildcards.experiment,
+        "model": model,
+        "train": spec["train"],
+        "data_dir": smk.input.data,
+        "tokenizer_dir": str(Path(smk.input.tokenizer).parent),
+        "deepspeed_config": smk.input.deepspeed,
+        "max_length": spec["max_length"],
+        "run_key": run_key(spec["run_key"], smk.input.data),
+        **extra,
+    }
+    train_job(
+        run_spec,
+        checkpoints=smk.params.checkpoints,
+        outputs=(smk.output.model, smk.output.metrics, smk.output.tb, smk.output.summary),
+        plan=json.loads(Path(smk.input.plan).read_text()),
+        granted=int(smk.resources.gpu),
+        log_file=smk.log[0],
+        threads=smk.threads,
+        nodes=int(smk.resources.nodes),
+        module=module,
+    )
