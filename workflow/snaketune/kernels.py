@@ -17,10 +17,11 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
+from snaketune.config import KERNELS  # the values train.kernels allows
+
 if TYPE_CHECKING:  # the memory plan imports this module and must not need torch
     import torch
 
-KERNELS = ("auto", "torch", "liger")
 SUPPORTED_MODEL_TYPES = ("llama",)
 """Model types whose modules Liger's llama patch replaces (deepseek-llm-7b-base is `llama`)."""
 
@@ -29,10 +30,14 @@ def liger_available(device: torch.device) -> tuple[bool, str]:
     """(usable, why not) for Liger's kernels on `device`."""
     if device.type != "cuda":
         return False, f"needs a CUDA device (this rank runs on {device.type})"
-    for module in ("triton", "liger_kernel"):
-        if importlib.util.find_spec(module) is None:
-            return False, f"needs the {module} package (pip install --no-deps -r requirements-kernels.txt)"
+    missing = _missing_packages()
+    if missing:
+        return False, f"needs the {missing[0]} package (pip install --no-deps -r requirements-kernels.txt)"
     return True, ""
+
+
+def _missing_packages() -> list[str]:
+    return [m for m in ("triton", "liger_kernel") if importlib.util.find_spec(m) is None]
 
 
 def planned(mode: str) -> bool:
@@ -42,7 +47,7 @@ def planned(mode: str) -> bool:
     where the plan's machine has the packages and the GPU nodes do not."""
     if mode == "liger":
         return True
-    return mode == "auto" and all(importlib.util.find_spec(m) is not None for m in ("triton", "liger_kernel"))
+    return mode == "auto" and not _missing_packages()
 
 
 def resolve(mode: str, device: torch.device, model_type: str) -> str:
