@@ -12,3 +12,20 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limi
 python3 -c 'import torch, deepspeed, transformers, snakemake; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "transformers", transformers.__version__, "snakemake", snakemake.__version__)'
 git log -1 --format='commit %H %s' 2>/dev/null || true
 git status --short 2>/dev/null | head -20 || true
+
+# gpu_peak FILE: the peak of an `nvidia-smi --query-gpu=timestamp,memory.used,... --format=csv,noheader` log.
+gpu_peak() {
+  python3 - "$1" <<'PY'
+import sys
+rows = []
+for line in open(sys.argv[1]):
+    parts = [p.strip() for p in line.split(",")]
+    try:
+        rows.append((parts[0], int(parts[1].split()[0])))
+    except (IndexError, ValueError):
+        pass
+if rows:
+    peak = max(rows, key=lambda r: r[1])
+    print(f"nvidia-smi: {len(rows)} samples, peak memory.used {peak[1] / 1024:.1f} GiB at {peak[0]}")
+PY
+}

@@ -63,17 +63,5 @@ PY
   rm -rf results/train/*/model results/dpo/*/model results/checkpoints
 done
 kill $SMI 2>/dev/null
-python3 - "$OUT/gpu_samples.csv" <<'PY'
-import sys
-rows = []
-for line in open(sys.argv[1]):
-    parts = [p.strip() for p in line.split(",")]
-    try:
-        rows.append((parts[0], int(parts[1].split()[0])))
-    except (IndexError, ValueError):
-        pass
-if rows:
-    peak = max(rows, key=lambda r: r[1])
-    print(f"nvidia-smi: {len(rows)} samples, peak memory.used {peak[1] / 1024:.1f} GiB at {peak[0]}")
-PY
+gpu_peak "$OUT/gpu_samples.csv"
 stamp done
