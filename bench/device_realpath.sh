@@ -4,6 +4,7 @@
 # then runs config/examples/<name>.yaml through Snakemake as written, with bench/configs/device_realpath.yaml
 # (model and data paths) and the steps given here, one rank:
 #   RUNS="lora full" SFT_STEPS=20 DPO_STEPS=10 bash bench/device_realpath.sh
+#   RUNS="qlora lora4k" SFT_STEPS=12 bash bench/device_realpath.sh
 # Everything lands in $OUT: device.log and realpath_<run>.tar.gz (plan, summaries, eval metrics, logs).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -24,10 +25,16 @@ fi
 stamp "hub-format 7B directory"
 python3 bench/write_hub_model.py /tmp/deepseek-7b-hub .realdata || exit 1
 ls -la /tmp/deepseek-7b-hub
-declare -A EXAMPLE=([lora]=deepseek-7b-lora-3x24gb [full]=deepseek-7b-full-h200 [fullacc]=deepseek-7b-full-h200)
+declare -A EXAMPLE=([lora]=deepseek-7b-lora-3x24gb [full]=deepseek-7b-full-h200 [fullacc]=deepseek-7b-full-h200
+  [qlora]=deepseek-7b-qlora-16gb [qlora24]=deepseek-7b-qlora-16gb [lora4k]=deepseek-7b-qlora-16gb)
 # fullacc: the one-H200 example at micro-batch 4 x 2 accumulation (the fp32 accumulation buffer), training only.
-declare -A EXTRA=([fullacc]="micro_batch_size: 4, ")
-declare -A TARGET=([fullacc]="results/train/default/summary.json")
+# qlora24: the QLoRA example under gpu_memory_gib 24 at micro-batch 4 x 2, training only. lora4k: the QLoRA
+# example with an unquantized bf16 base under gpu_memory_gib 24, training only (the losses QLoRA's must follow).
+declare -A EXTRA=([fullacc]="micro_batch_size: 4, " [qlora24]="micro_batch_size: 4, "
+  [lora4k]="lora: {enabled: true, rank: 16, alpha: 32, quantize: none}, ")
+declare -A TOP=([qlora24]="gpu_memory_gib: 24" [lora4k]="gpu_memory_gib: 24")
+declare -A TARGET=([fullacc]="results/train/default/summary.json" [qlora24]="results/train/default/summary.json"
+  [lora4k]="results/train/default/summary.json")
 for run in $RUNS; do
   left=$((BUDGET_S - SECONDS))
   [ "$left" -lt 60 ] && { stamp "skip $run ($left s left)"; continue; }
@@ -35,6 +42,7 @@ for run in $RUNS; do
   cat > /tmp/steps.yaml <<YAML
 train: {${EXTRA[$run]:-}gpus: 1, max_steps: $SFT_STEPS}
 preference: {train: {gpus: 1, max_steps: $DPO_STEPS}}
+${TOP[$run]:-}
 YAML
   rm -rf results logs benchmarks .snakemake
   timeout -k 10 "$left" python3 -m snakemake ${TARGET[$run]:-} --cores 16 --resources gpu=1 --show-failed-logs \

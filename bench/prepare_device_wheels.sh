@@ -42,6 +42,7 @@ PKGS=(
   transformers==5.23.0 tokenizers==0.23.3 regex==2026.11.19
   # requirements-kernels.txt (triton comes with the image's CUDA torch)
   liger-kernel==0.8.5
+  # bitsandbytes: below (one CUDA library of its 43 MB)
 )
 
 PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
@@ -59,6 +60,32 @@ fi
 # and this workflow needs none on GPU: torch's fused AdamW, NCCL). setup.py imports torch at build time.
 if ! ls "$DEST"/deepspeed-0.19.8-*.whl >/dev/null 2>&1; then
   DS_BUILD_OPS=0 "$PIP" wheel -q --no-deps --no-build-isolation -w "$DEST" deepspeed==0.19.8
+fi
+
+# bitsandbytes (QLoRA, 8-bit Adam states) ships one library per CUDA/ROCm/XPU version: 43 MB. The device's torch
+# is a CUDA 13.0 build (KINDS.md), so keep libbitsandbytes_cuda130.so and the CPU one and drop the rest from the
+# wheel and its RECORD: 4 MB that travel.
+BNB=bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl
+if ! [ -f "$DEST/$BNB" ]; then
+  tmp=$(mktemp -d)
+  "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi none \
+    --platform manylinux_2_24_x86_64 -d "$tmp" bitsandbytes==0.50.2
+  "$PY" - "$tmp/$BNB" "$DEST/$BNB" <<'PY'
+import re, sys, zipfile
+src, dst = sys.argv[1:]
+keep = re.compile(r"bitsandbytes/libbitsandbytes_(cuda130|cpu)\.so$")
+drop = lambda n: n.startswith("bitsandbytes/libbitsandbytes_") and not keep.search(n)
+with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+    for item in zin.infolist():
+        if drop(item.filename):
+            continue
+        data = zin.read(item.filename)
+        if item.filename.endswith(".dist-info/RECORD"):
+            lines = [l for l in data.decode().splitlines() if not drop(l.split(",", 1)[0])]
+            data = ("\n".join(lines) + "\n").encode()
+        zout.writestr(item, data)
+PY
+  rm -rf "$tmp"
 fi
 
 # One version of each package (two stop the whole install there).

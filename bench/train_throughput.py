@@ -75,6 +75,8 @@ class Case:
     train: dict = field(default_factory=dict)
     tokenize: dict = field(default_factory=dict)
     estimate_s: int = 90
+    gpu_memory_gib: float | None = None
+    """The plan's budget and the allocator's cap (config key gpu_memory_gib) for this case only."""
 
 
 CASES = [
@@ -174,6 +176,38 @@ CASES = [
         estimate_s=100,
     ),
     Case(
+        "lora30_cap24_liger",
+        "train",
+        30,
+        "(b) as lora30_liger under gpu_memory_gib 24, with gradient checkpointing",
+        {
+            **BEST,
+            "kernels": "liger",
+            "learning_rate": 1e-4,
+            "gradient_checkpointing": True,
+            "lora": {"enabled": True, "rank": 16},
+        },
+        estimate_s=100,
+        gpu_memory_gib=24,
+    ),
+    Case(
+        "b30_8bit",
+        "train",
+        30,
+        "(b) as b30_liger with 8-bit Adam states (bitsandbytes)",
+        {**BEST, "kernels": "liger", "optimizer_states": "8bit"},
+        estimate_s=100,
+    ),
+    Case(
+        "b30_8bit_auto80",
+        "train",
+        30,
+        "(b) as b30_liger under gpu_memory_gib 80, train.strategy auto (the plan picks 8-bit states)",
+        {**BEST, "kernels": "liger", "strategy": "auto"},
+        estimate_s=110,
+        gpu_memory_gib=80,
+    ),
+    Case(
         "seed30",
         "seed",
         30,
@@ -208,8 +242,8 @@ def bench_config(work: Path, cases: list[Case], tiny: bool) -> Path:
         if case.kind != "train":
             continue
         train = dict(case.train)
-        if tiny:  # CPU ranks: fp32, and torch.compile would spend minutes compiling
-            train.update(precision="fp32", compile=False)
+        if tiny:  # CPU ranks: fp32, no Liger (CUDA only), and torch.compile would spend minutes compiling
+            train.update(precision="fp32", compile=False, kernels="auto")
         model = {} if tiny else {"base": "arch:deepseek-llm-7b", "num_layers": case.layers}
         experiments[case.name] = {"model": model, "tokenize": dict(case.tokenize), "train": train}
     cfg["experiments"] = experiments
@@ -234,10 +268,15 @@ def run(cmd: list[str], *, cwd: Path, log_path: Path, timeout: float, env: dict 
             return "timeout"
 
 
-def snakemake(work: Path, config: Path, targets: list[str], log_path: Path, timeout: float) -> int | str:
+def snakemake(
+    work: Path, config: Path, targets: list[str], log_path: Path, timeout: float, gpu_memory_gib=None
+) -> int | str:
     cores = str(os.cpu_count() or 2)
     cmd = [sys.executable, "-m", "snakemake", *targets, "--cores", cores, "--resources", "gpu=1"]
-    return run([*cmd, "--configfile", str(config)], cwd=work, log_path=log_path, timeout=timeout)
+    cmd += ["--configfile", str(config)]
+    if gpu_memory_gib is not None:
+        cmd += ["--config", f"gpu_memory_gib={gpu_memory_gib}"]
+    return run(cmd, cwd=work, log_path=log_path, timeout=timeout)
 
 
 def tokenized_dir(work: Path, packing: bool) -> Path | None:
@@ -277,6 +316,7 @@ def train_result(work: Path, case: Case, rc) -> dict:
         est = (plan.get("chosen") or {}).get("estimate") or {}
         res["plan_peak_gib"] = est.get("peak_allocated_gib")
         res["plan_status"] = plan.get("status")
+        res["plan_chosen"] = (plan.get("chosen") or {}).get("name")
     if not summary_path.exists():
         log_file = work / "logs/train" / f"{case.name}.log"
         tail = log_file.read_text().splitlines()[-12:] if log_file.exists() else []
@@ -307,6 +347,8 @@ def train_result(work: Path, case: Case, rc) -> dict:
                 "optimizer_kernel",
                 "fused_cross_entropy",
                 "attention",
+                "kernels",
+                "optimizer_states",
                 "compile",
             )
         },
@@ -404,7 +446,9 @@ def table(results: list[dict]) -> str:
             f"| {r['case']} | {r['what']} | {r['layers']} | {fmt(r.get('step_s'), '.3f')} | "
             f"{fmt(r.get('positions_per_s'))} | {fmt(r.get('real_per_s'))} | {fmt(r.get('loss_per_s'))} | "
             f"{fmt(r.get('mfu_790'), '.3f')} | {fmt(r.get('mfu_project'), '.3f')} | {peak} | "
-            f"{fmt(r.get('alloc_retries'), 'd')} | {ratio} | {r['status']} |"
+            f"{fmt(r.get('alloc_retries'), 'd')} | {ratio} | {r['status']}"
+            + (f", plan: {r['plan_chosen']}" if r.get("plan_chosen") else "")
+            + " |"
         )
     return "\n".join(lines)
 
@@ -460,7 +504,9 @@ def main(argv: list[str]) -> int:
         log(f"{case.name}: start ({case.what})")
         if case.kind == "train":
             target = f"results/train/{case.name}/summary.json"
-            rc = snakemake(work, config, [target], logs / f"{case.name}.log", left)
+            rc = snakemake(
+                work, config, [target], logs / f"{case.name}.log", left, gpu_memory_gib=case.gpu_memory_gib
+            )
             res = train_result(work, case, rc)
             shutil.rmtree(work / "results/train" / case.name / "model", ignore_errors=True)  # free the disk
         else:

@@ -57,6 +57,7 @@ def plan_params(wildcards):
         "evaluation": {
             "batch_size": CFG.eval.batch_size,
             "max_new_tokens": CFG.eval.max_new_tokens,
+            "quantize": exp.train.lora.quantize,
         },
         "candidate_files": candidate_deepspeed_files(),
         "code": keys.code_hash("plan"),

@@ -57,6 +57,7 @@ def evaluate_params(wildcards):
         "builtin_dataset": exp.dataset.source == "builtin",
         "max_prompt_tokens": exp.tokenize.max_length,
         "beta": exp.preference.beta if exp.preference.enabled else None,
+        "quantize": exp.train.lora.quantize,  # QLoRA's models are evaluated in 4 bits, as they trained
         "code": keys.code_hash("evaluate"),
     }
 

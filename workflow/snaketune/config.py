@@ -39,6 +39,8 @@ BF16_OPTIMIZERS = ("auto", "snaketune", "deepspeed")
 OPTIMIZER_KERNELS = ("auto", "triton", "torch")
 ATTENTIONS = ("auto", "varlen", "sdpa")
 KERNELS = ("auto", "torch", "liger")
+QUANTIZE = ("none", "nf4")
+OPTIMIZER_STATES = ("fp32", "8bit")
 EXPERIMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # ISO 639-1 codes plus the regional variants oasst1 uses (pt-BR, zh, ...): shape check only.
 LANG_CODE = re.compile(r"^[a-z]{2,3}(-[A-Za-z]{2,4})?$")
@@ -168,8 +170,18 @@ class LoraConfig:
     """Dropout on the LoRA branch."""
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     """Module names that get adapters."""
+    quantize: str = "none"
+    """`nf4`: QLoRA, the frozen base weights in 4-bit NormalFloat (bitsandbytes, double quantization, bf16 compute
+    and storage) while the adapters train; hub-format models only. `none`: the base in the training precision."""
 
     def __post_init__(self) -> None:
+        if self.quantize not in QUANTIZE:
+            _fail("train.lora.quantize", f"{self.quantize!r} is not allowed; allowed: {', '.join(QUANTIZE)}")
+        if self.quantize != "none" and not self.enabled:
+            _fail(
+                "train.lora.quantize",
+                f"{self.quantize!r} needs train.lora.enabled: true (QLoRA trains adapters)",
+            )
         if self.rank < 1:
             _fail("train.lora.rank", f"{self.rank} must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
@@ -218,6 +230,10 @@ class TrainConfig:
     """The step of bf16_optimizer `snaketune`: `triton` (one fused pass per tensor: bf16 gradient in, fp32 master,
     m, v and bf16 weight out; CUDA with triton), `torch` (fp32 gradient copies + torch's fused AdamW); `auto`: triton
     where it runs."""
+    optimizer_states: str = "fp32"
+    """Adam's m and v: `fp32` (8 B per trained parameter) or `8bit` (bitsandbytes' block-wise 8-bit states, 2 B; the
+    fp32 master weights stay fp32). With `strategy: auto` the plan switches fp32 to 8bit where that is what makes a
+    training fit without CPU offload (snaketune.plan). Not with optimizer offload (DeepSpeed's CPU Adam)."""
     fused_cross_entropy: bool = False
     """Compute the loss from the final hidden states chunk by chunk, never materializing the [tokens, vocabulary]
     logits (snaketune.losses): less memory for long sequences, 2% slower at 8 x 512 on an H200 (bench/RESULTS.md);
@@ -281,6 +297,11 @@ class TrainConfig:
             _fail(
                 "train.optimizer_kernel",
                 f"{self.optimizer_kernel!r} is not allowed; allowed: {', '.join(OPTIMIZER_KERNELS)}",
+            )
+        if self.optimizer_states not in OPTIMIZER_STATES:
+            _fail(
+                "train.optimizer_states",
+                f"{self.optimizer_states!r} is not allowed; allowed: {', '.join(OPTIMIZER_STATES)}",
             )
         if self.attention not in ATTENTIONS:
             _fail("train.attention", f"{self.attention!r} is not allowed; allowed: {', '.join(ATTENTIONS)}")
@@ -566,6 +587,13 @@ def load_config(raw: dict[str, Any]) -> Config:
             )
             merged = _deep_merge(merged_sections["train"], sections["preference"].train or {})
             dpo_train = _build(TrainConfig, merged, where)
+        for train, where in ((sections["train"], "train."), (dpo_train, "preference.train.")):
+            if train is not None and train.lora.quantize != "none" and sections["model"].is_builtin:
+                _fail(
+                    f"experiments.{name}.{where}lora.quantize",
+                    f"{train.lora.quantize!r} quantizes a pretrained model's weights as they load; model.base "
+                    f"{sections['model'].base!r} is built here (use a hub id or a hub-format directory, or quantize: none)",
+                )
         experiments[name] = ExperimentConfig(name=name, dataset=dataset, dpo_train=dpo_train, **sections)
     if not isinstance(raw.get("eval") or {}, dict):
         _fail("eval", f"must be a mapping of eval settings, got {raw['eval']!r}")

@@ -99,6 +99,10 @@ def build_ds_config(
     if zero_stage(cfg) and "offload_optimizer" in zero and zero["offload_optimizer"].get("device") == "cpu":
         # A client torch optimizer is fine on CPU-only machines (DeepSpeedCPUAdam would JIT-compile).
         cfg.setdefault("zero_force_ds_cpu_optimizer", False)
+    if train.optimizer_states == "8bit" and zero_stage(cfg):
+        # bitsandbytes' AdamW8bit over ZeRO's flat fp32 partitions: DeepSpeed lists only its own and torch's
+        # Adam as tested (tests/test_optimizer_states.py runs it under ZeRO-2).
+        cfg.setdefault("zero_allow_untested_optimizer", True)
     return cfg
 
 

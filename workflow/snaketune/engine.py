@@ -10,6 +10,8 @@ One function, `build`, shared by the SFT trainer (snaketune.training) and the pr
 - The model is put in training mode: `from_pretrained` returns it in eval mode, where transformers skips
   gradient checkpointing (and dropout), so a hub model would otherwise train without the checkpointing it
   was planned with.
+- QLoRA (`train.lora.quantize: nf4`): the hub model's linear layers load in 4 bits onto the rank's GPU
+  (snaketune.model.nf4_config); only the adapters train, as with LoRA.
 - bf16 at ZeRO stage 0: snaketune.optim.MasterWeightAdamW (fp32 masters in the optimizer, bf16 weights and
   gradients); with gradient accumulation it sums the micro-batches' gradients in fp32. Other stages use
   DeepSpeed's own bf16 optimizer.
@@ -27,7 +29,7 @@ import torch
 from snaketune import attention, kernels
 from snaketune.config import ModelConfig, TrainConfig
 from snaketune.dsconfig import build_ds_config, offloads, uses_master_weights, zero_stage
-from snaketune.model import apply_lora, compile_layers, count_params, flop_counts, load_model
+from snaketune.model import apply_lora, compile_layers, count_params, flop_counts, is_quantized, load_model
 from snaketune.optim import MasterWeightAdamW, build_optimizer, check_placement, decays
 
 log = logging.getLogger("snaketune.train")
@@ -111,6 +113,11 @@ def build(
             f"train.lora.enabled with ZeRO stage 3 ({source}) is not supported yet: "
             "use config/deepspeed/zero2.json or zero0.json for LoRA"
         )
+    if cfg.optimizer_states == "8bit" and offloads(ds_config):
+        raise ValueError(
+            f"train.optimizer_states '8bit' with optimizer offload ({source}): DeepSpeed's CPU Adam keeps fp32 "
+            "states; allowed with offload: fp32"
+        )
     net = load_model(
         model_cfg,
         vocab_size=len(tokenizer),
@@ -121,8 +128,10 @@ def build(
         device=device,
         # ZeRO-3 partitions big models while they are built or loaded (the tiny one is cheaper to build whole).
         zero_init_config=ds_config if stage == 3 and model_cfg.base != "builtin-tiny" else None,
+        quantize=cfg.lora.quantize,
     )
-    if stage != 3:
+    quantized = is_quantized(net)  # loaded onto the device; transformers refuses .to() on it
+    if stage != 3 and not quantized:
         net.to(device)  # a no-op where it was loaded or built there; builtin-tiny is built on the host
     net.train()  # from_pretrained returns eval mode, where transformers skips gradient checkpointing
     fused = kernels.resolve(cfg.kernels, device, getattr(net.config, "model_type", ""))
@@ -137,8 +146,12 @@ def build(
         # peft's default fp32 adapters would cast every adapted layer's input to fp32 (measured: +13 GiB
         # of activations and 5% slower for LoRA r16 on all linear layers of the 7B, 8 x 512).
         net = apply_lora(net, cfg.lora, fp32_adapters=not master)
-        if stage != 3:
+        if stage != 3 and not quantized:
             net.to(device)  # the adapters are created on the host
+        elif quantized:  # peft puts them beside their base layer; check_placement says if not
+            for p in net.parameters():
+                if p.requires_grad and p.device != device:
+                    p.data = p.data.to(device)
     n_params, n_trainable = count_params(net)
     dense_flops, attention_coefficient = flop_counts(net, lora=cfg.lora.enabled)
     if cfg.compile:
@@ -158,6 +171,7 @@ def build(
         kernel=cfg.optimizer_kernel,
         offload=offloads(ds_config),
         accumulate_fp32=accumulate_fp32,
+        states=cfg.optimizer_states,
     )
     schedule = lr_lambda(cfg, total_steps)
     engine, _, _, _ = deepspeed.initialize(

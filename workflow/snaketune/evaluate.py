@@ -173,13 +173,16 @@ def evaluate(
     pairs_dir: str | Path | None = None,
     reference_logprobs: str | Path | None = None,
     beta: float | None = None,
+    quantize: str = "none",
 ) -> dict[str, Any]:
     """Evaluate base, fine-tuned and (with `dpo_dir`) DPO model; write metrics.json and generations.jsonl.
 
     generations.jsonl has one row per prompt: {"prompt", "base", "tuned", ["dpo",] "expected"}; expected is the
     builtin dataset's exact answer, or the data's own reply for auto prompts (None otherwise). The preference
     metrics need `pairs_dir`, `reference_logprobs` and `beta`. `memory_cap_gib` caps the CUDA allocator
-    (gpu_memory_gib), as in training; `max_prompt_tokens` cuts longer prompts (keeping their end).
+    (gpu_memory_gib), as in training; `max_prompt_tokens` cuts longer prompts (keeping their end). With
+    `quantize` nf4 (a QLoRA training's train.lora.quantize) every model loads in 4 bits, as the base trained:
+    what fits the GPUs that trained it.
     """
     t0 = time.perf_counter()
     model_cfg: ModelConfig = _build(ModelConfig, model, "model.")
@@ -225,11 +228,21 @@ def evaluate(
         t = time.perf_counter()
         if which == "base":
             net = load_base_model(
-                model_cfg, tokenizer, seed=seed, train_dtype=train_dtype, dtype=dtype, device=dev
+                model_cfg,
+                tokenizer,
+                seed=seed,
+                train_dtype=train_dtype,
+                dtype=dtype,
+                device=dev,
+                quantize=quantize,
             )
         else:
             net = load_tuned_model(
-                tuned_dir if which == "tuned" else dpo_dir, model_cfg, dtype=dtype, device=dev
+                tuned_dir if which == "tuned" else dpo_dir,
+                model_cfg,
+                dtype=dtype,
+                device=dev,
+                quantize=quantize,
             )
         arch = arch or memory.arch_from_hf_config(causal_lm(net).config.to_dict())
         with peak_memory(dev, peaks, "validation"):
@@ -307,7 +320,7 @@ def evaluate(
         },
         "exact_match": None,
         "memory": _memory_record(
-            arch, peaks, split, tokenizer, texts, batch_size, max_new_tokens, dtype, dev
+            arch, peaks, split, tokenizer, texts, batch_size, max_new_tokens, dtype, dev, quantize != "none"
         ),
         "versions": package_versions(),
         "time_s": {which: results[which]["time_s"] for which in models},
@@ -342,7 +355,9 @@ def evaluate(
     return metrics
 
 
-def _memory_record(arch, peaks, split, tokenizer, texts, batch_size, max_new_tokens, dtype, dev) -> dict:
+def _memory_record(
+    arch, peaks, split, tokenizer, texts, batch_size, max_new_tokens, dtype, dev, quantized=False
+) -> dict:
     """Measured peak per phase (CUDA) beside the memory model's estimate for these lengths."""
     if arch is None:
         return {}
@@ -353,6 +368,7 @@ def _memory_record(arch, peaks, split, tokenizer, texts, batch_size, max_new_tok
         new_tokens=max_new_tokens,
         precision="fp32" if dtype == torch.float32 else "bf16",
         varlen=dev.type == "cuda",
+        quantized=quantized,
     )
     est = memory.estimate_eval(arch, setup)
     return {

@@ -23,7 +23,7 @@ import torch
 
 from snaketune import attention, batching
 from snaketune.config import ModelConfig
-from snaketune.model import LossModel, load_model
+from snaketune.model import LossModel, load_model, nf4_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,8 +49,10 @@ def load_base_model(
     train_dtype: torch.dtype,
     dtype: torch.dtype,
     device: torch.device | None = None,
+    quantize: str = "none",
 ) -> torch.nn.Module:
-    """The model before fine-tuning, in `dtype`, on `device` (default: the host).
+    """The model before fine-tuning, in `dtype`, on `device` (default: the host); `quantize` nf4: its linear
+    layers in 4 bits (hub models, snaketune.model.nf4_config).
 
     Builtin models are created exactly as the train stage creates them (same config, tokenizer sizes, seed,
     device and the dtype it trained in: random init in bf16 differs from fp32 init rounded to bf16), then
@@ -64,19 +66,30 @@ def load_base_model(
         dtype=train_dtype if model.is_builtin else dtype,
         seed=seed,
         device=device,
+        quantize=quantize,
     )
+    if quantize != "none":
+        return net.eval()  # loaded onto `device` in `dtype`; transformers refuses .to() on a 4-bit model
     if device is not None:
         net.to(device)
     return net.to(dtype=dtype).eval()
 
 
 def load_tuned_model(
-    model_dir: str | Path, model: ModelConfig, *, dtype: torch.dtype, device: torch.device | None = None
+    model_dir: str | Path,
+    model: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+    quantize: str = "none",
 ) -> torch.nn.Module:
-    """A model the train or preference stage saved (merged weights for LoRA), onto `device`."""
+    """A model the train or preference stage saved (merged weights for LoRA), onto `device`; `quantize` nf4:
+    its linear layers in 4 bits, as QLoRA's base trained."""
     from transformers import AutoModelForCausalLM
 
     placement = {"device_map": {"": device}} if device is not None else {}
+    if quantize != "none":
+        placement["quantization_config"] = nf4_config(dtype)
     return AutoModelForCausalLM.from_pretrained(
         str(model_dir),
         dtype=dtype,

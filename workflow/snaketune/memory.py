@@ -4,14 +4,19 @@ architecture and the setup, without torch (the plan rule runs on the login node)
 Memory model, bytes per GPU. P parameters, T of them trained (P, or the LoRA adapters), N ranks, w bytes per
 weight (2 bf16, 4 fp32); bf16 training keeps an fp32 master copy (4 B) and Adam's m and v (8 B) per trained
 parameter (../shared/FACTS.md: 16 B/param for mixed-precision Adam):
-- weights: w*P, or w*P/N under ZeRO-3 (frozen weights too).
+- weights: w*P, or w*P/N under ZeRO-3 (frozen weights too). QLoRA (train.lora.quantize: nf4): the decoder
+  layers' linear weights at NF4_BYTES each (4-bit codes, an 8-bit absmax per 64, an fp32 absmax per 256 of
+  those), the embeddings, lm_head and norms at w; each matmul dequantizes its weight to a w-byte temporary.
 - gradients: ZeRO-0 4*T (DeepSpeed's bf16 optimizer accumulates in fp32), or w*T with snaketune's fp32
   masters (snaketune.optim.MasterWeightAdamW: the model's bf16 gradients, cast to fp32 one chunk at a time in
   the step), 4*T with those masters and gradient accumulation (its fp32 accumulation buffer); ZeRO-1 w*T, ZeRO-2/3 w*T/N, none on the GPU with optimizer offload; while backward runs, the
   largest trained tensor's gradient also exists whole before it is reduced (the 102,400 x 4,096 embedding for
   DeepSeek-7B). With snaketune's masters and one micro-batch per step the gradients are freed after every
   step and grow while backward frees the activations, so the peak holds all activations and no gradients.
-- optimizer: (4 + 8)*T, divided by N from ZeRO-1 on; on the host with offload.
+- optimizer: (4 + 8)*T, divided by N from ZeRO-1 on; on the host with offload. With 8-bit states
+  (train.optimizer_states: 8bit) m and v take snaketune.adam8bit.BYTES_PER_PARAM (2 B and a block's fp32
+  absmax per 256) instead of 8; with snaketune's masters the step then casts one tensor's gradient to fp32 at a
+  time (the largest: the embedding) instead of a chunk.
 - buffers, while backward runs (DeepSpeed frees them at its end): ZeRO-1/2 gradient buckets
   (reduce_bucket_size x w, twice with overlap_comm); ZeRO-3 reduce and prefetch buckets, and with N > 1 the
   gathered weights of two layers or an embedding.
@@ -83,6 +88,10 @@ HOST_PER_RANK_GIB = 5.0
 """Host memory of one rank: CUDA PyTorch + DeepSpeed + transformers, pinned buffers, the tokenized data."""
 HOST_OFFLOAD_BYTES = 18
 """Host bytes per trained parameter with optimizer offload: fp32 master 4, Adam 8, fp32 grads 4, bf16 2."""
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""Bytes per 4-bit NormalFloat weight with double quantization (snaketune.model.nf4_config), counted."""
+STATE_8BIT_BYTES = 2 + 8 / 256
+"""snaketune.adam8bit.BYTES_PER_PARAM (kept here so that the plan does not import torch)."""
 HOST_USABLE = 0.9
 """Share of the machine's RAM a training may plan to use (the OS, Snakemake and page cache keep the rest)."""
 ENV_HOST_MEMORY = "SNAKETUNE_HOST_MEMORY_GIB"
@@ -238,6 +247,10 @@ class Setup:
     lora_rank: int = 0
     """0: full fine-tuning."""
     lora_targets: tuple[str, ...] = ()
+    quantized: bool = False
+    """QLoRA: the frozen linear weights in NF4 (train.lora.quantize: nf4)."""
+    states_8bit: bool = False
+    """Adam's m and v in 8 bits (train.optimizer_states: 8bit)."""
     engine: str = "deepspeed"
     """deepspeed | torch (torch AdamW, no DeepSpeed: FACTS.md's reference runs only)."""
     master_weights: bool = False
@@ -314,6 +327,13 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
     master = 4 if s.precision == "bf16" else 0
 
     weights = 0.0 if s.offload_params else w * total / (n if stage == 3 else 1)
+    dequantized = 0.0
+    if s.quantized:
+        sizes = [fan_in * fan_out for fan_in, fan_out in shapes.values()]
+        linear = arch.layers * sum(sizes)
+        weights = w * (total - linear) + NF4_BYTES * linear
+        dequantized = w * max(sizes)  # one weight at a time, in w bytes
+    state_bytes = STATE_8BIT_BYTES if s.states_8bit else 8.0
     if s.precision == "autocast":
         weights += 2 * total  # autocast's bf16 copies of the weights, saved for backward
     if s.master_weights and stage == 0 and s.accumulation > 1:
@@ -331,7 +351,7 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
     elif torch_engine:
         optim = 8.0 * trained  # the fp32 weights are the master copy
     else:
-        optim = (master + 8) * trained / (1 if stage == 0 else n)
+        optim = (master + state_bytes) * trained / (1 if stage == 0 else n)
 
     buffers = 0.0
     if stage in (1, 2) and s.contiguous_gradients:
@@ -344,10 +364,14 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
         largest = max((s.lora_rank * max(shapes[t]) for t in targets), default=0)
     else:
         largest = arch.embedding_params()
-    transient_grad = 0.0 if torch_engine else w * largest
+    transient_grad = (0.0 if torch_engine else w * largest) + dequantized
 
     step_extra = 0.0
-    if s.master_weights and stage == 0 and s.accumulation == 1:
+    if s.master_weights and stage == 0 and s.states_8bit:
+        step_extra = (
+            4.0 * largest
+        )  # one tensor's fp32 gradient (snaketune.optim.MasterWeightAdamW._step_8bit)
+    elif s.master_weights and stage == 0 and s.accumulation == 1:
         step_extra = 4.0 * min(trained, MASTER_CHUNK_ELEMENTS)  # one chunk of fp32 gradients
     elif not (torch_engine or s.offload_optimizer or stage == 0):
         step_extra = (w + master) * (trained / n if stage < 3 else min(trained / n, s.sub_group))
@@ -435,6 +459,8 @@ class EvalSetup:
     precision: str = "bf16"
     varlen: bool = True
     """FlashAttention varlen for the validation rows (CUDA): no (batch, 1, L, L) mask."""
+    quantized: bool = False
+    """The models load in 4 bits (a QLoRA training's train.lora.quantize: nf4)."""
 
 
 @dataclass(frozen=True)
@@ -469,6 +495,10 @@ def estimate_eval(arch: Arch, e: EvalSetup) -> EvalEstimate:
     h, i = arch.hidden, arch.intermediate
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     weights = a * arch.params()
+    if e.quantized:  # the decoder layers' linear weights in NF4, one dequantized at a time (see `estimate`)
+        sizes = [fan_in * fan_out for fan_in, fan_out in arch.linear_shapes().values()]
+        linear = arch.layers * sum(sizes)
+        weights = a * (arch.params() - linear) + NF4_BYTES * linear + a * max(sizes)
     per_token = 2 * a * h + 4 * h + a * (2 * q + 2 * kv) + 3 * a * i
     tokens = e.batch * e.seq_len
     chunk = min(tokens, max(256, FUSED_CHUNK_BYTES // (4 * arch.vocab) // 256 * 256))

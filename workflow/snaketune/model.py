@@ -5,7 +5,8 @@
 - `arch:deepseek-llm-7b`: the exact 7B architecture (../shared/FACTS.md), random init; optionally cut to
   `model.num_layers` for benchmarks.
 - anything else: `from_pretrained` on a hub id or local directory, safetensors only, remote code only
-  when `model.trust_remote_code` is set.
+  when `model.trust_remote_code` is set; with `quantize: nf4` (QLoRA) its linear layers load as bitsandbytes
+  4-bit NormalFloat weights (the lm_head and embeddings stay in the training dtype).
 """
 
 from __future__ import annotations
@@ -68,11 +69,18 @@ def load_model(
     zero_init_config: dict | None = None,
     attn_implementation: str = "sdpa",
     device: torch.device | None = None,
+    quantize: str = "none",
 ) -> PreTrainedModel:
     """Build or load the model. With `zero_init_config` (ZeRO-3) parameters are partitioned as they are
     created or loaded, so no rank ever holds the whole model; else hub models load onto `device` and
     builtin architectures are built there (builtin-tiny is built on the host: its CPU init is the one the
-    evaluate stage rebuilds as the base model)."""
+    evaluate stage rebuilds as the base model). `quantize: nf4` loads a hub model's linear layers in 4 bits
+    (`quantization_config`, below)."""
+    if quantize != "none" and (model.is_builtin or zero_init_config is not None):
+        raise ValueError(
+            f"config key 'train.lora.quantize': {quantize!r} needs a pretrained (hub-format) model.base and ZeRO "
+            f"stage 0-2 (model.base {model.base!r}, ZeRO-3: {zero_init_config is not None})"
+        )
     if zero_init_config is not None:
         import deepspeed
 
@@ -102,6 +110,8 @@ def load_model(
         # Straight onto the rank's device, shard by shard: no full copy in host memory, and every parameter
         # is where the optimizer will find it.
         placement["device_map"] = {"": device}
+    if quantize == "nf4":
+        placement["quantization_config"] = nf4_config(dtype)
     net = AutoModelForCausalLM.from_pretrained(
         model.base,
         revision=model.revision,
@@ -117,6 +127,37 @@ def load_model(
             f"tokenizer has {vocab_size} tokens; use the model's own tokenizer (model.tokenizer: auto)"
         )
     return net
+
+
+def nf4_config(dtype: torch.dtype):
+    """QLoRA's quantization (Dettmers et al. 2023): 4-bit NormalFloat blocks of 64 weights, their absmax
+    quantized again to 8 bits (double quantization: 0.516 B per weight in all), dequantized to `dtype` for
+    every matmul. Stored in bf16-typed tensors, the layout FSDP and ZeRO-3 can shard (bitsandbytes'
+    quant_storage); transformers keeps the lm_head unquantized."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=torch.bfloat16,
+    )
+
+
+def is_quantized(net: torch.nn.Module) -> bool:
+    """A model loaded with bitsandbytes quantization (transformers refuses .to() on it)."""
+    return bool(getattr(causal_lm(net), "is_loaded_in_4bit", False))
+
+
+def numel(p: torch.Tensor) -> int:
+    """Elements a parameter stands for: ZeRO-3's full size (ds_numel), a 4-bit weight's unpacked shape."""
+    if hasattr(p, "ds_numel"):
+        return p.ds_numel
+    quant_state = getattr(p, "quant_state", None)
+    if quant_state is not None:
+        return quant_state.shape.numel()
+    return p.numel()
 
 
 def apply_lora(net: PreTrainedModel, lora: LoraConfig, *, fp32_adapters: bool = True) -> PreTrainedModel:
@@ -141,11 +182,27 @@ def apply_lora(net: PreTrainedModel, lora: LoraConfig, *, fp32_adapters: bool = 
     return get_peft_model(net, cfg, autocast_adapter_dtype=fp32_adapters)
 
 
+def merge_adapter(model: ModelConfig, adapter_dir: str | Path, *, dtype: torch.dtype) -> PreTrainedModel:
+    """A QLoRA training's merged model: the saved adapters added to the base weights as the checkpoint stores
+    them (loaded on the host in `dtype`), as QLoRA's authors merge. Merging into the 4-bit weights instead would
+    give a model that exists only in 4 bits; the bf16 one is what the evaluate stage and users load."""
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(
+        model.base,
+        revision=model.revision,
+        trust_remote_code=model.trust_remote_code,
+        dtype=dtype,
+        use_safetensors=True,
+    )
+    return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+
+
 def count_params(net: torch.nn.Module) -> tuple[int, int]:
-    """(total, trainable) parameter counts; ZeRO-3 partitioned parameters report their full size (ds_numel)."""
+    """(total, trainable) parameter counts; ZeRO-3 partitioned and 4-bit parameters count their full size."""
     total = trainable = 0
     for p in net.parameters():
-        n = getattr(p, "ds_numel", p.numel())
+        n = numel(p)
         total += n
         if p.requires_grad:
             trainable += n
@@ -163,7 +220,7 @@ def flop_counts(net: torch.nn.Module, *, lora: bool) -> tuple[float, float]:
     cfg = net.config
     total, _ = count_params(net)
     emb = net.get_input_embeddings()
-    dense = total - getattr(emb.weight, "ds_numel", emb.weight.numel())
+    dense = total - numel(emb.weight)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return (4 if lora else 6) * dense, 12.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
 

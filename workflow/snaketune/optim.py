@@ -22,6 +22,8 @@ import functools
 import torch
 from torch.optim.adam import adam as _adam_functional
 
+from snaketune import adam8bit
+
 CHUNK_ELEMENTS = 2**28
 """Most parameters whose fp32 gradients exist at once in a step (1 GiB of fp32)."""
 KERNELS = ("auto", "triton", "torch")
@@ -138,6 +140,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         fused: bool | None = None,
         kernel: str = "auto",
         accumulate_fp32: bool = False,
+        states: str = "fp32",
     ):
         self.model_params: list[list[torch.Tensor]] = []
         master_groups = []
@@ -165,6 +168,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.kernel = (
             "triton" if kernel == "triton" or (kernel == "auto" and triton_available(device)) else "torch"
         )
+        self.states = states
+        if states == "8bit":  # bitsandbytes' 8-bit kernel does the update (snaketune.adam8bit)
+            adam8bit.require()
+            self.kernel = "bitsandbytes 8-bit"
         self._global_grad_norm: torch.Tensor | None = None
         self.main_grads: torch.Tensor | None = None
         self._grad_views: list[list[torch.Tensor]] = []
@@ -241,7 +248,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         divisor = None
         if self.grad_clip > 0:
             divisor = torch.clamp((norm.float() + 1e-6) / self.grad_clip, min=1.0)
-        if self.kernel == "triton":
+        if self.states == "8bit":
+            self._step_8bit(divisor)
+        elif self.kernel == "triton":
             self._step_triton(divisor)
         else:
             self._step_torch(divisor)
@@ -303,6 +312,26 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     HAS_DIVISOR=divisor is not None, BLOCK=TRITON_BLOCK,
                 )  # fmt: skip
 
+    def _step_8bit(self, divisor: torch.Tensor | None) -> None:
+        """Tensor by tensor: the bf16 gradient cast to fp32 (and clipped), the 8-bit AdamW update of the fp32
+        master and its states, the master rounded into the bf16 weight. One fp32 gradient exists at a time."""
+        for index, (group, params) in enumerate(zip(self.param_groups, self.model_params, strict=True)):
+            for master, weight, grad in zip(group["params"], params, self._grads(index), strict=True):
+                if grad is None:
+                    continue
+                state = self.state[master]
+                if not state:
+                    state.update(adam8bit.init_state(master))
+                g = grad.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+                if divisor is not None:
+                    g.div_(divisor)
+                adam8bit.update(
+                    master, g, state, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                )  # fmt: skip
+                del g
+                weight.copy_(master)
+
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["master_weights"] = [m for g in self.param_groups for m in g["params"]]
@@ -312,6 +341,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         masters = state_dict.pop("master_weights", None)
         super().load_state_dict(state_dict)
+        for state in self.state.values():
+            adam8bit.restore_dtypes(state)
         if masters is None:
             return  # an older checkpoint: the masters stay the (loaded) bf16 weights, upcast
         mine = [m for g in self.param_groups for m in g["params"]]
@@ -338,6 +369,7 @@ def build_optimizer(
     offload: bool,
     kernel: str = "auto",
     accumulate_fp32: bool = False,
+    states: str = "fp32",
 ) -> torch.optim.Optimizer:
     """The optimizer the trainer hands to deepspeed.initialize, built from parameters that already live where
     they train (check_placement says so after DeepSpeed has wrapped it)."""
@@ -351,7 +383,10 @@ def build_optimizer(
             grad_clip=grad_clip,
             kernel=kernel,
             accumulate_fp32=accumulate_fp32,
+            states=states,
         )
+    if states == "8bit":
+        return adam8bit.client_optimizer(groups, lr=lr, betas=betas, eps=1e-8)
     if offload and device.type == "cuda":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -398,6 +433,8 @@ def check_placement(
     for what, tensor in items:
         n += 1
         want_dtype = None if what.startswith(("model parameter", "trained parameter")) else dtype
+        if tensor.dtype == torch.uint8 and any(f"['{k}']" in what for k in adam8bit.STATE_KEYS):
+            want_dtype = torch.uint8  # 8-bit m and v (train.optimizer_states)
         if tensor.device.type != device.type or (device.index is not None and tensor.device != device):
             bad.append(f"{what} on {tensor.device} (expected {device})")
         elif want_dtype is not None and tensor.dtype != want_dtype:

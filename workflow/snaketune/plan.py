@@ -175,6 +175,8 @@ def _setup_for(train: dict, ds: dict, *, world: int, seq_len: int, precision: st
         precision=precision,
         lora_rank=int(lora.get("rank", 16)) if lora.get("enabled") else 0,
         lora_targets=tuple(lora.get("targets") or LORA_TARGETS),
+        quantized=bool(lora.get("enabled")) and lora.get("quantize", "none") != "none",
+        states_8bit=train.get("optimizer_states", "fp32") == "8bit",
     )
     fields.update(changes)
     return setup_from_deepspeed(ds, **fields)
@@ -298,6 +300,8 @@ def plan_training(
         candidates.append(
             _entry(strat.name, path, s, estimate(arch, s), budget, relative_speed=strat.relative_speed)
         )
+    if strategy == "auto" and not lora and not setup.states_8bit:
+        candidates = _with_8bit_states(candidates, arch, budget)
     if strategy == "auto" and budget.gpu_gib is not None:
         pick = next((c for c in candidates if c["fits"]), None)
     else:
@@ -306,6 +310,7 @@ def plan_training(
               "gradient_checkpointing": bool(train.get("gradient_checkpointing"))}  # fmt: skip
     if pick is not None:
         chosen = {k: pick[k] for k in ("name", "deepspeed_config", "gradient_checkpointing")}
+        chosen["optimizer_states"] = "8bit" if pick["setup"]["states_8bit"] else "fp32"
         chosen["estimate"] = pick["estimate"]
     stage = {
         "strategy": strategy,
@@ -329,6 +334,34 @@ def plan_training(
     return stage
 
 
+SPEED_8BIT = 0.97
+"""Relative speed of 8-bit Adam states against fp32 (an assumption: the step reads 2 B of states per parameter
+instead of 8 B, but dequantizes and quantizes them; bench/RESULTS.md has the measurement)."""
+
+
+def _with_8bit_states(candidates: list[dict], arch: Arch, budget: Budget) -> list[dict]:
+    """`train.strategy: auto` of a full fine-tune with fp32 states: each strategy without offload again with
+    8-bit states (snaketune.adam8bit), ranked after every fp32 one without offload and before offload: exact
+    fp32 states wherever they fit, 8-bit ones (~3% slower, slightly different arithmetic) before CPU offload
+    (10x slower, FACTS.md)."""
+    exact = [c for c in candidates if not c["estimate"]["offload"]]
+    offloaded = [c for c in candidates if c["estimate"]["offload"]]
+    quantized = []
+    for c in exact:
+        s = Setup(**{**c["setup"], "lora_targets": tuple(c["setup"]["lora_targets"]), "states_8bit": True})
+        quantized.append(
+            _entry(
+                c["name"] + "+8bit",
+                c["deepspeed_config"],
+                s,
+                estimate(arch, s),
+                budget,
+                relative_speed=round(c["relative_speed"] * SPEED_8BIT, 3),
+            )
+        )
+    return exact + quantized + offloaded
+
+
 def plan_evaluation(arch: Arch, evaluation: dict, *, max_length: int, precision: str, budget: Budget) -> dict:
     """The evaluate stage's memory at eval.batch_size and, where that does not fit, the largest batch size that
     does (halving): the stage then runs with it (`batch_size`), so a recipe that fits training never dies in
@@ -345,6 +378,7 @@ def plan_evaluation(arch: Arch, evaluation: dict, *, max_length: int, precision:
             new_tokens=new_tokens,
             precision="fp32" if precision == "fp32" else "bf16",
             varlen=precision == "bf16",
+            quantized=evaluation.get("quantize", "none") != "none",
         )
         return estimate_eval(arch, setup)
 
@@ -518,13 +552,19 @@ def apply_plan(run_spec: dict, plan: dict) -> dict:
     from snaketune.io import sha256_file, sha256_text, stable_json
 
     chosen = plan["chosen"]
-    same = (chosen["deepspeed_config"], chosen["gradient_checkpointing"]) == (
+    states = chosen.get("optimizer_states", run_spec["train"].get("optimizer_states", "fp32"))
+    same = (chosen["deepspeed_config"], chosen["gradient_checkpointing"], states) == (
         run_spec["deepspeed_config"],
         run_spec["train"]["gradient_checkpointing"],
+        run_spec["train"].get("optimizer_states", "fp32"),
     )
     if plan.get("strategy") != "auto" or same:
         return run_spec
-    train = {**run_spec["train"], "gradient_checkpointing": chosen["gradient_checkpointing"]}
+    train = {
+        **run_spec["train"],
+        "gradient_checkpointing": chosen["gradient_checkpointing"],
+        "optimizer_states": states,
+    }
     named = [run_spec["run_key"], chosen["name"], sha256_file(chosen["deepspeed_config"])]
     run_key = sha256_text(stable_json(named))[:16]
     return {**run_spec, "train": train, "deepspeed_config": chosen["deepspeed_config"], "run_key": run_key}

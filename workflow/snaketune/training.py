@@ -35,7 +35,7 @@ from snaketune.metrics import (
     peak_flops,
     peak_memory_gib,
 )
-from snaketune.model import LossModel
+from snaketune.model import LossModel, merge_adapter
 from snaketune.tokenization import load_tokenizer
 
 log = logging.getLogger("snaketune.train")
@@ -230,7 +230,13 @@ class Trainer:
             self.dtype,
             self.stage,
         )
-        log.info("parameters: %s total, %s trainable", f"{b.n_params:,}", f"{b.n_trainable:,}")
+        log.info(
+            "parameters: %s total, %s trainable%s; Adam states: %s",
+            f"{b.n_params:,}",
+            f"{b.n_trainable:,}",
+            "; base weights in 4-bit NF4 (QLoRA)" if cfg.lora.quantize == "nf4" else "",
+            "8-bit (bitsandbytes, block-wise)" if cfg.optimizer_states == "8bit" else "fp32",
+        )
         log.info(
             "fp32 master weights: %s; loss: %s; attention: %s; RMSNorm/RoPE/SwiGLU: %s; torch.compile: %s",
             b.precision_summary,
@@ -443,7 +449,7 @@ class Trainer:
 
     def save_model(self) -> None:
         """HF layout in output_dir/model: safetensors, config, tokenizer with chat template; for LoRA the
-        merged model there and the adapter in model/adapter/."""
+        merged model there and the adapter in model/adapter/ (QLoRA: merged into the unquantized base)."""
         self.engine.module.restore_attention()
         module = self.engine.module.net
         # Collective under ZeRO-3: every rank takes part in gathering the partitioned weights.
@@ -454,7 +460,12 @@ class Trainer:
             with atomic_dir(self.out / "model") as tmp:
                 if self.cfg.lora.enabled:
                     module.save_pretrained(tmp / "adapter", safe_serialization=True)
-                    merged = module.merge_and_unload()
+                    if (
+                        self.cfg.lora.quantize != "none"
+                    ):  # QLoRA: into the base's own weights, not their 4 bits
+                        merged = merge_adapter(self.model_cfg, tmp / "adapter", dtype=self.dtype)
+                    else:
+                        merged = module.merge_and_unload()
                     merged.save_pretrained(tmp, safe_serialization=True)
                 else:
                     module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
@@ -483,6 +494,8 @@ class Trainer:
             "trainable_parameters": b.n_trainable,
             "weight_decay_parameters": b.decayed,
             "lora": self.cfg.lora.enabled,
+            "lora_quantize": self.cfg.lora.quantize,
+            "optimizer_states": self.cfg.optimizer_states,
             "fp32_master_weights": b.precision_summary,
             "fp32_gradient_accumulation": b.accumulate_fp32,
             "fused_cross_entropy": self.fused_ce,
