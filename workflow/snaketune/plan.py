@@ -15,7 +15,9 @@ reduce-scatter + all-gather = all-reduce, DeepSpeed's docs); ZeRO-3 0.8 (weights
 backward: 1.5x the traffic; worse over PCIe); gradient checkpointing x0.75 (a second forward, +1/3 of the
 compute); ZeRO-3 + CPU optimizer offload 0.09 and 0.07 with checkpointing (FACTS.md: 928 tok/s for 3.67B
 parameters against 8,632 for 5.70B under ZeRO-2). Full fine-tuning or LoRA stays as configured; LoRA is
-never planned with ZeRO-3 (the trainer refuses that combination).
+never planned with ZeRO-3 (the trainer refuses that combination). A full fine-tune with fp32 Adam states also
+gets each strategy without offload with 8-bit states (train.optimizer_states), ranked after the fp32 ones and
+before offload (`_with_8bit_states`).
 """
 
 from __future__ import annotations
@@ -334,15 +336,17 @@ def plan_training(
     return stage
 
 
-SPEED_8BIT = 0.97
-"""Relative speed of 8-bit Adam states against fp32 (an assumption: the step reads 2 B of states per parameter
-instead of 8 B, but dequantizes and quantizes them; bench/RESULTS.md has the measurement)."""
+SPEED_8BIT = 0.63
+"""Relative speed of 8-bit Adam states against fp32 states, measured where the step weighs most: the full 7B at
+8 x 512 tokens per optimizer step on one H200, 7,914 against 12,480 tokens/s (bitsandbytes' block-wise update
+and the fp32 gradient copy it needs cost 0.19 s per step for 6.9B parameters; bench/RESULTS.md). With more
+tokens per step the ratio is closer to 1; it only orders the candidates."""
 
 
 def _with_8bit_states(candidates: list[dict], arch: Arch, budget: Budget) -> list[dict]:
     """`train.strategy: auto` of a full fine-tune with fp32 states: each strategy without offload again with
     8-bit states (snaketune.adam8bit), ranked after every fp32 one without offload and before offload: exact
-    fp32 states wherever they fit, 8-bit ones (~3% slower, slightly different arithmetic) before CPU offload
+    fp32 states wherever they fit, 8-bit ones (SPEED_8BIT, slightly different arithmetic) before CPU offload
     (10x slower, FACTS.md)."""
     exact = [c for c in candidates if not c["estimate"]["offload"]]
     offloaded = [c for c in candidates if c["estimate"]["offload"]]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from snaketune import attention, batching, checkpoint, engine, gpus, ranks
+from snaketune import attention, batching, checkpoint, engine, gpus, profiling, ranks
 from snaketune.config import ModelConfig, TrainConfig, _build
 from snaketune.io import atomic_dir, sha256_tree, write_json
 from snaketune.metrics import (
@@ -288,6 +288,7 @@ class Trainer:
         window_count = 0
         t_start = time.perf_counter()
         last = {}
+        profiler = profiling.from_env(self.rank, self.device)  # SNAKETUNE_PROFILE=DIR: a trace of a few steps
         for step in range(self.start_step, self.total_steps):
             batch_ids = self.order.global_batch(step, cfg.global_batch_size)
             normalizer = self.step_normalizer(batch_ids)
@@ -313,6 +314,8 @@ class Trainer:
             if step == self.start_step:
                 engine.check_optimizer(self.built, self.device)  # the states exist from the first step on
             window_count += normalizer
+            if profiler:
+                profiler.step()
             local_loss_tokens = self.local_loss_units(mine)
             step_seconds = time.perf_counter() - t_step
             # PaLM's attention term over each conversation's own length (snaketune.model.flop_counts).
@@ -341,6 +344,8 @@ class Trainer:
                     self._progress(done, t_start, last)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < self.total_steps:
                 self.save_checkpoint(done)
+        if profiler:
+            profiler.close()
         if writer:
             writer.close()
             self.out.mkdir(parents=True, exist_ok=True)  # Snakemake makes it; a direct launch may not

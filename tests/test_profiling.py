@@ -1,0 +1,44 @@
+"""SNAKETUNE_PROFILE (snaketune.profiling): a trace of a few training steps and the table of where they went."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import torch
+
+from snaketune import profiling
+
+
+def test_profiler_writes_a_trace_and_a_table_of_the_profiled_steps(tmp_path):
+    prof = profiling.StepProfiler(tmp_path, rank=0, device=torch.device("cpu"))
+    net = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(net.parameters())
+    for _ in range(profiling.WAIT + profiling.WARMUP + profiling.ACTIVE + 2):
+        net(torch.randn(8, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        prof.step()
+    prof.close()
+    trace = json.loads(gzip.decompress((tmp_path / "trace_rank0.json.gz").read_bytes()))
+    assert trace["traceEvents"]
+    table = (tmp_path / "top_rank0.md").read_text()
+    assert f"over {profiling.ACTIVE} profiled steps" in table and "aten::addmm" in table
+
+
+def test_kernel_table_groups_gpu_kernels_into_families():
+    """On the GPU only the trace's kernel events count (not the host operators that launched them)."""
+    events = [
+        {"cat": "kernel", "name": "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "dur": 600.0},
+        {"cat": "kernel", "name": "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "dur": 300.0},
+        {"cat": "kernel", "name": "adamw", "dur": 300.0},
+        {"cat": "kernel", "name": "_rms_norm_backward_kernel", "dur": 60.0},
+        {"cat": "kernel", "name": "void pytorch_flash::flash_fwd_kernel<...>", "dur": 30.0},
+        {"cat": "cpu_op", "name": "aten::mm", "dur": 5000.0},
+    ]
+    times = profiling.kernel_times({"traceEvents": events})
+    assert times["nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT"] == (2, 900.0) and "aten::mm" not in times
+    table = profiling.top_table(times)
+    assert "| matmul (cuBLAS/CUTLASS) | 0.30 | 69.8% |" in table
+    assert "| optimizer step (AdamW, gradient norm) | 0.10 | 23.3% |" in table
+    assert "fused Triton (Liger RMSNorm/RoPE/SwiGLU, losses) | 0.02 | 4.7% |" in table
