@@ -35,6 +35,15 @@ EXPERIMENTS = {
         "train": {"deepspeed": "config/deepspeed/zero2.json", "lora": {"enabled": True, "rank": 4}},
         "preference": {"enabled": True},
     },
+    # QLoRA: the hub model's linear layers in 4 bits on CPU ranks (bitsandbytes' CPU backend), then DPO on the
+    # merged model (quantized again as it loads), evaluate in 4 bits.
+    "qlora": {
+        "train": {
+            "deepspeed": "config/deepspeed/zero0.json",
+            "lora": {"enabled": True, "rank": 4, "quantize": "nf4"},
+        },
+        "preference": {"enabled": True},
+    },
 }
 
 
@@ -131,6 +140,17 @@ def test_every_strategy_trains_from_the_hub_directory(hub_run):
         summaries["lora"]["lora"]
         and summaries["lora"]["trainable_parameters"] < summaries[ZERO2]["parameters"]
     )
+    # QLoRA: the same adapters on a 4-bit base; the saved model is merged into the unquantized base.
+    assert summaries["qlora"]["lora_quantize"] == "nf4"
+    assert summaries["qlora"]["trainable_parameters"] == summaries["lora"]["trainable_parameters"]
+    assert "base weights in 4-bit NF4 (QLoRA)" in (workdir / "logs/train/qlora.log").read_text()
+    assert "quantization_config" not in _json(workdir / "results/train/qlora/model/config.json")
+    plan = _json(workdir / "results/plan/qlora.json")
+    assert (
+        plan["configured"]["setup"]["quantized"]
+        and plan["configured"]["estimate"]["weights_gib"]
+        < (_json(workdir / "results/plan/lora.json")["configured"]["estimate"]["weights_gib"])
+    )
     # ZeRO-3 partitions the parameters while they load; the decay groups follow the real shapes.
     assert summaries["zero3"]["weight_decay_parameters"] == summaries[ZERO2]["weight_decay_parameters"]
     assert (
@@ -173,6 +193,8 @@ def test_preference_stage_runs_on_the_hub_path(hub_run):
     assert metrics["models"] == ["base", "tuned", "dpo"]
     assert set(metrics["preference"]) == {"beta", "base", "tuned", "dpo"}
     assert not (workdir / f"results/dpo/{ZERO2}").exists()  # only where preference.enabled
+    qlora = _json(workdir / "results/dpo/qlora/summary.json")
+    assert qlora["lora_quantize"] == "nf4" and qlora["steps"] == 3
 
 
 @needs_realdata

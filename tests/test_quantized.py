@@ -208,3 +208,48 @@ def test_master_weight_adamw_with_8bit_states():
     _train(net_b, opt_b, 1, seed=7)
     for a, b in zip(net8.parameters(), net_b.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+# ---- bad inputs ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "key", "says"),
+    [
+        (
+            {"train": {"lora": {"enabled": True, "quantize": "int4"}}},
+            "train.lora.quantize",
+            "allowed: none, nf4",
+        ),
+        ({"train": {"lora": {"quantize": "nf4"}}}, "train.lora.quantize", "needs train.lora.enabled: true"),
+        (
+            {"train": {"lora": {"enabled": True, "quantize": "nf4"}}},
+            "experiments.default.train.lora.quantize",
+            "model.base 'builtin-tiny' is built here",
+        ),
+        ({"train": {"optimizer_states": "4bit"}}, "train.optimizer_states", "allowed: fp32, 8bit"),
+    ],
+    ids=["unknown-quantization", "quantize-without-lora", "quantize-a-builtin-model", "unknown-states"],
+)
+def test_bad_quantization_settings_name_the_key(raw, key, says):
+    from snaketune.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(raw)
+    assert key in str(err.value) and says in str(err.value), str(err.value)
+
+
+def test_8bit_states_with_optimizer_offload_fail_the_run(tiny_data, tmp_path):
+    from snaketune.launch import LaunchError
+
+    with pytest.raises(LaunchError):
+        run_training(
+            tmp_path,
+            tiny_data,
+            train_overrides={"optimizer_states": "8bit", "max_steps": 1},
+            deepspeed="zero3_offload",
+        )
+    log = (tmp_path / "train.log").read_text()
+    assert (
+        "train.optimizer_states '8bit' with optimizer offload" in log and "allowed with offload: fp32" in log
+    )
