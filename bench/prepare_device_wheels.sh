@@ -43,6 +43,8 @@ PKGS=(
   # requirements-kernels.txt (triton comes with the image's CUDA torch)
   liger-kernel==0.8.5
   # bitsandbytes: below (one CUDA library of its 43 MB)
+  # bench/trl_peer.py, the outside reference of bench/train_throughput.py
+  trl==1.16.0
 )
 
 PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64

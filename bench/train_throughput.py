@@ -13,8 +13,11 @@ positions):
    -> tokenize -> plan -> train. Each case is an experiment of bench.yaml (CASES below).
 3. (a) cases: bench/seed_recipe.py (HF Trainer, DeepSpeed fp16 ZeRO-2, micro-batch 1 x 8, every sample padded to
    512) under torchrun, on the same conversations tokenized with packing off (snaketune.tokenization).
-4. A table: tokens/s (positions the GPU computed, real tokens, loss-bearing tokens), MFU, seconds per step,
-   peak memory (and the memory plan's prediction), and each (b) case's ratio to (a) at the same depth.
+4. trl cases: bench/trl_peer.py, TRL's SFTTrainer with Liger's kernels on the same unpacked conversations, 8 per
+   step (the outside reference a user would otherwise pick; positions reported as real tokens: no padding to 512).
+5. A table: tokens/s (positions the GPU computed, real tokens, loss-bearing tokens), MFU, seconds per step,
+   peak memory (and the memory plan's prediction), each (b) case's ratio to (a) at the same depth and to its
+   TRL peer (Case.peer).
 
 MFU here is FACTS.md's: 6 x parameters x positions/s / 790 TFLOP/s (the bf16 matmul rate measured on the H200);
 summary.json's perf/mfu (6 x non-embedding parameters + attention, real tokens, the datasheet's 989 TFLOP/s) is
@@ -69,7 +72,7 @@ BEST = dict(
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # "seed" (a) or "train" (b)
+    kind: str  # "seed" (a), "train" (b) or "trl" (the outside peer, bench/trl_peer.py)
     layers: int
     what: str
     train: dict = field(default_factory=dict)
@@ -77,6 +80,10 @@ class Case:
     estimate_s: int = 90
     gpu_memory_gib: float | None = None
     """The plan's budget and the allocator's cap (config key gpu_memory_gib) for this case only."""
+    peer: str | None = None
+    """The trl case this (b) case is compared with in the table (same model, data and tokens per step)."""
+    options: tuple[str, ...] = ()
+    """Extra command-line options of bench/trl_peer.py (trl cases)."""
 
 
 CASES = [
@@ -158,6 +165,7 @@ CASES = [
         24,
         "(b) as b24 with Liger's RMSNorm, RoPE and SwiGLU",
         {**BEST, "kernels": "liger"},
+        peer="trl24",
     ),
     Case(
         "b30_liger",
@@ -174,6 +182,7 @@ CASES = [
         "(b) as lora30 with Liger's RMSNorm, RoPE and SwiGLU",
         {**BEST, "kernels": "liger", "learning_rate": 1e-4, "lora": {"enabled": True, "rank": 16}},
         estimate_s=100,
+        peer="trl_lora30",
     ),
     Case(
         "lora30_cap24_liger",
@@ -189,6 +198,7 @@ CASES = [
         },
         estimate_s=100,
         gpu_memory_gib=24,
+        peer="trl_lora30_cap24",
     ),
     Case(
         "b30_8bit",
@@ -206,6 +216,29 @@ CASES = [
         {**BEST, "kernels": "liger", "strategy": "auto"},
         estimate_s=110,
         gpu_memory_gib=80,
+    ),
+    Case(
+        "trl24",
+        "trl",
+        24,
+        "TRL SFTTrainer + Liger: full FT, fp32 weights + bf16 autocast, 8 x 1, unpacked",
+        estimate_s=90,
+    ),
+    Case(
+        "trl_lora30",
+        "trl",
+        30,
+        "TRL SFTTrainer + Liger: LoRA r16 all linear, bf16 base, 8 x 1, unpacked",
+        estimate_s=90,
+        options=("--lora",),
+    ),
+    Case(
+        "trl_lora30_cap24",
+        "trl",
+        30,
+        "TRL SFTTrainer + Liger: as trl_lora30 under a 24 GiB cap, gradient checkpointing",
+        estimate_s=90,
+        options=("--lora", "--checkpointing", "--cap", "24"),
     ),
     Case(
         "seed30",
@@ -363,7 +396,7 @@ def train_result(work: Path, case: Case, rc) -> dict:
 
 
 def seed_result(case: Case, report_path: Path, rc) -> dict:
-    res: dict = {"case": case.name, "kind": "seed", "what": case.what, "layers": case.layers, "rc": rc}
+    res: dict = {"case": case.name, "kind": case.kind, "what": case.what, "layers": case.layers, "rc": rc}
     if not report_path.exists():
         res["status"] = f"failed ({rc})"
         return res
@@ -373,7 +406,7 @@ def seed_result(case: Case, report_path: Path, rc) -> dict:
     times = r["step_times"][WARMUP:]
     if r["status"] == "ok" and times:
         step = sum(times) / len(times)
-        per_step = 8  # micro-batch 1 x accumulation 8
+        per_step = 8  # (a) micro-batch 1 x accumulation 8; trl micro-batch 8 x 1
         res.update(
             step_s=step,
             positions_per_s=per_step * r["positions_per_sample"] / step,
@@ -427,11 +460,17 @@ def table(results: list[dict]) -> str:
     seeds = {r["layers"]: r for r in results if r["kind"] == "seed" and r.get("step_s")}
     head = (
         "| case | what | layers | step s | positions/s | real tok/s | loss tok/s | MFU (6N, 790) | "
-        "perf/mfu (989) | peak GiB (plan) | alloc retries | vs (a): positions, real, loss | status |"
+        "perf/mfu (989) | peak GiB (plan) | alloc retries | vs (a): positions, real, loss | vs TRL: real | "
+        "status |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
+    by_name = {r["case"]: r for r in results}
     for r in results:
         ratio = "-"
+        peer = by_name.get(BY_NAME[r["case"]].peer or "")
+        versus = "-"
+        if peer and peer.get("real_per_s") and r.get("real_per_s"):
+            versus = f"{r['real_per_s'] / peer['real_per_s']:.2f}x ({peer['case']})"
         base = seeds.get(r["layers"]) or seeds.get(24)
         if r["kind"] == "train" and r.get("step_s") and base:
             ratio = ", ".join(
@@ -446,7 +485,7 @@ def table(results: list[dict]) -> str:
             f"| {r['case']} | {r['what']} | {r['layers']} | {fmt(r.get('step_s'), '.3f')} | "
             f"{fmt(r.get('positions_per_s'))} | {fmt(r.get('real_per_s'))} | {fmt(r.get('loss_per_s'))} | "
             f"{fmt(r.get('mfu_790'), '.3f')} | {fmt(r.get('mfu_project'), '.3f')} | {peak} | "
-            f"{fmt(r.get('alloc_retries'), 'd')} | {ratio} | {r['status']}"
+            f"{fmt(r.get('alloc_retries'), 'd')} | {ratio} | {versus} | {r['status']}"
             + (f", plan: {r['plan_chosen']}" if r.get("plan_chosen") else "")
             + " |"
         )
@@ -516,27 +555,18 @@ def main(argv: list[str]) -> int:
             tok = AutoTokenizer.from_pretrained(work / "results/tokenizer/builtin")
             report = work / f"{case.name}.json"
             report.unlink(missing_ok=True)
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                "1",
-                str(REPO / "bench/seed_recipe.py"),
-                "--data",
-                str(data / "train"),
-                "--pad-id",
-                str(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
-                "--vocab",
-                str(len(tok)),
-                "--layers",
-                str(case.layers),
-                "--steps",
-                str(TINY_STEPS if args.tiny else STEPS),
-                "--out",
-                str(report),
-            ] + (["--tiny"] if args.tiny else [])
+            steps = str(TINY_STEPS if args.tiny else STEPS)
+            if case.kind == "trl":
+                cmd = [sys.executable, str(REPO / "bench/trl_peer.py"), "--data", str(data / "train"),
+                       "--tokenizer", str(work / "results/tokenizer/builtin"), "--layers", str(case.layers),
+                       "--steps", steps, "--out", str(report), *case.options]  # fmt: skip
+            else:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                       str(REPO / "bench/seed_recipe.py"), "--data", str(data / "train"), "--pad-id",
+                       str(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
+                       "--vocab", str(len(tok)), "--layers", str(case.layers), "--steps", steps,
+                       "--out", str(report)]  # fmt: skip
+            cmd += ["--tiny"] if args.tiny else []
             paths = [str(REPO / "workflow"), os.environ.get("PYTHONPATH", "")]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
             if args.tiny:

@@ -311,6 +311,8 @@ def experiment_summary(exp: Experiment) -> dict[str, Any]:
         "parameters": s.get("parameters"),
         "trainable_parameters": s.get("trainable_parameters"),
         "lora": s.get("lora"),
+        "lora_quantize": s.get("lora_quantize", "none"),
+        "optimizer_states": s.get("optimizer_states", "fp32"),
         "data_key": exp.data_key,
         "tokens": {split: v["tokens"] for split, v in splits.items()},
         "loss_tokens": {split: v["loss_tokens"] for split, v in splits.items()},

@@ -43,12 +43,22 @@ def _acc(x: float | None) -> str:
     return fmt_pct(100.0 * x) if x is not None else "–"
 
 
+def training_mode(e: dict) -> str:
+    """How an experiment trained: full fine-tuning, LoRA or QLoRA, and 8-bit Adam states where used."""
+    mode = "full fine-tuning"
+    if e["lora"]:
+        mode = "QLoRA, 4-bit NF4 base" if e.get("lora_quantize", "none") != "none" else "LoRA"
+    if e.get("optimizer_states") == "8bit":
+        mode += ", 8-bit Adam states"
+    return mode
+
+
 def overview(data: dict, experiments: list[Experiment], summary: dict) -> list[Block]:
     conv = data["conversations"]["conversations"]
     blocks: list[Block] = [Heading(2, "Summary")]
     for exp in experiments:
         e = summary["experiments"][exp.name]
-        mode = "LoRA" if e["lora"] else "full fine-tuning"
+        mode = training_mode(e)
         device = e["device"] or "?"
         text = (
             f"**{exp.name}**: `{e['model']}` ({fmt(e['parameters'])} parameters, {mode}), "
@@ -433,7 +443,8 @@ def comparison_section(experiments: list[Experiment], summary: dict) -> list[Blo
         rows.append(
             [
                 f"**{exp.name}**",
-                f"`{e['model']}`" + (" (LoRA)" if e["lora"] else ""),
+                f"`{e['model']}`"
+                + (f" ({training_mode(e)})" if e["lora"] or e.get("optimizer_states") == "8bit" else ""),
                 fmt(e["steps"]),
                 fmt(e["tuned_val_loss"]),
                 fmt_pct(e["val_loss_change_pct"], signed=True),
