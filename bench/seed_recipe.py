@@ -115,14 +115,16 @@ class PaddedSamples(torch.utils.data.Dataset):
         return float(real), float(loss)
 
 
-def build_model(layers: int, tiny: bool, vocab: int, device: torch.device):
+def build_model(layers: int, tiny: bool, vocab: int, device: torch.device, dtype: torch.dtype | None = None):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     values = dict(BUILTIN_TINY, vocab_size=(vocab + 63) // 64 * 64) if tiny else dict(DEEPSEEK_LLM_7B)
     values.update(num_hidden_layers=layers, pad_token_id=None)
     torch.manual_seed(1234)
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(LlamaConfig(**values), attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(
+            LlamaConfig(**values), attn_implementation="sdpa", dtype=dtype
+        )
 
 
 def main(argv: list[str]) -> int:

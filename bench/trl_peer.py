@@ -98,9 +98,11 @@ def main(argv: list[str]) -> int:
             tok.pad_token = tok.eos_token
         data = dataset(args.data)
         report["samples"] = len(data)
-        model = build_model(args.layers, args.tiny, len(tok), device)
-        if args.lora and cuda:
-            model.to(torch.bfloat16)  # a bf16 base under the adapters, as TRL's LoRA recipes load it
+        # LoRA: a bf16 base under the adapters, as TRL's LoRA recipes load it, built in bf16 (an fp32 build of the 7B
+        # alone is 27.6 GB: over a 24 GiB cap before the first step, which is how trl_lora30_cap24 failed on
+        # 2026-12-01, bench/RESULTS.md).
+        dtype = torch.bfloat16 if args.lora and cuda else None
+        model = build_model(args.layers, args.tiny, len(tok), device, dtype=dtype)
         report["parameters"] = sum(p.numel() for p in model.parameters())
         peft_config = None
         if args.lora:
