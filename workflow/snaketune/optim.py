@@ -10,6 +10,10 @@ fp32 for the step (22 B/param at its peak on one GPU, like ZeRO-2): 7B full fine
 kernel updates the fp32 masters, which are then copied (rounded to nearest) into the bf16 weights. Only one
 chunk of fp32 gradients exists at a time.
 
+With `states="8bit"` (train.optimizer_states) m and v are bitsandbytes' block-wise 8-bit states
+(snaketune.adam8bit): the step goes tensor by tensor, casting one gradient to fp32 at a time, and costs 10 B per
+trained parameter in all; elsewhere bitsandbytes' AdamW8bit is the client optimizer DeepSpeed wraps.
+
 DeepSpeed still drives training (backward scaling, accumulation boundaries, the all-reduce of gradients,
 checkpoints): the trainer gives it this optimizer as a client optimizer with DeepSpeed's own bf16 handling
 off (snaketune.dsconfig), so DeepSpeed treats the model as it would an fp32 one and leaves its dtype alone.
