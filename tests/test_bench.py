@@ -19,7 +19,13 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_train_throughput_runs_both_sides_on_cpu(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "bench/train_throughput.py"), "--tiny", "--only", "seed24,b24_liger,trl24"]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench/train_throughput.py"),
+        "--tiny",
+        "--only",
+        "seed24,b24_liger,trl24",
+    ]
     cmd += ["--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "600"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=700)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
