@@ -368,9 +368,8 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
 
     step_extra = 0.0
     if s.master_weights and stage == 0 and s.states_8bit:
-        step_extra = (
-            4.0 * largest
-        )  # one tensor's fp32 gradient (snaketune.optim.MasterWeightAdamW._step_8bit)
+        # One tensor's fp32 gradient at a time (snaketune.optim.MasterWeightAdamW._step_8bit).
+        step_extra = 4.0 * largest
     elif s.master_weights and stage == 0 and s.accumulation == 1:
         step_extra = 4.0 * min(trained, MASTER_CHUNK_ELEMENTS)  # one chunk of fp32 gradients
     elif not (torch_engine or s.offload_optimizer or stage == 0):

@@ -465,9 +465,8 @@ class Trainer:
             with atomic_dir(self.out / "model") as tmp:
                 if self.cfg.lora.enabled:
                     module.save_pretrained(tmp / "adapter", safe_serialization=True)
-                    if (
-                        self.cfg.lora.quantize != "none"
-                    ):  # QLoRA: into the base's own weights, not their 4 bits
+                    if self.cfg.lora.quantize != "none":
+                        # QLoRA: the adapters go into the base's own weights, not into their 4-bit rounding.
                         merged = merge_adapter(self.model_cfg, tmp / "adapter", dtype=self.dtype)
                     else:
                         merged = module.merge_and_unload()
