@@ -101,7 +101,7 @@ def build_ds_config(
         cfg.setdefault("zero_force_ds_cpu_optimizer", False)
     if train.optimizer_states == "8bit" and zero_stage(cfg):
         # bitsandbytes' AdamW8bit over ZeRO's flat fp32 partitions: DeepSpeed lists only its own and torch's
-        # Adam as tested (tests/test_optimizer_states.py runs it under ZeRO-2).
+        # Adam as tested (tests/test_quantized.py trains and resumes with it under ZeRO-2).
         cfg.setdefault("zero_allow_untested_optimizer", True)
     return cfg
 
