@@ -182,11 +182,13 @@ def apply_lora(net: PreTrainedModel, lora: LoraConfig, *, fp32_adapters: bool = 
     return get_peft_model(net, cfg, autocast_adapter_dtype=fp32_adapters)
 
 
-def merge_adapter(model: ModelConfig, adapter_dir: str | Path, *, dtype: torch.dtype) -> PreTrainedModel:
-    """A QLoRA training's merged model: the saved adapters added to the base weights as the checkpoint stores
+def merge_adapter(
+    model: ModelConfig, trained: torch.nn.Module, lora: LoraConfig, *, dtype: torch.dtype
+) -> PreTrainedModel:
+    """A QLoRA training's merged model: the trained adapters added to the base weights as the checkpoint stores
     them (loaded on the host in `dtype`), as QLoRA's authors merge. Merging into the 4-bit weights instead would
-    give a model that exists only in 4 bits; the bf16 one is what the evaluate stage and users load."""
-    from peft import PeftModel
+    give a model that exists only in 4 bits; the unquantized one is what the evaluate stage and users load."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     base = AutoModelForCausalLM.from_pretrained(
         model.base,
@@ -195,7 +197,12 @@ def merge_adapter(model: ModelConfig, adapter_dir: str | Path, *, dtype: torch.d
         dtype=dtype,
         use_safetensors=True,
     )
-    return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    adapters = {k: v.detach().to("cpu", dtype) for k, v in get_peft_model_state_dict(trained).items()}
+    unquantized = apply_lora(base, lora, fp32_adapters=False)
+    loaded = set_peft_model_state_dict(unquantized, adapters)
+    if loaded.unexpected_keys:
+        raise RuntimeError(f"adapter tensors the unquantized model lacks: {loaded.unexpected_keys[:5]}")
+    return unquantized.merge_and_unload()
 
 
 def count_params(net: torch.nn.Module) -> tuple[int, int]:

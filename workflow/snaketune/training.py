@@ -467,7 +467,7 @@ class Trainer:
                     module.save_pretrained(tmp / "adapter", safe_serialization=True)
                     if self.cfg.lora.quantize != "none":
                         # QLoRA: the adapters go into the base's own weights, not into their 4-bit rounding.
-                        merged = merge_adapter(self.model_cfg, tmp / "adapter", dtype=self.dtype)
+                        merged = merge_adapter(self.model_cfg, module, self.cfg.lora, dtype=self.dtype)
                     else:
                         merged = module.merge_and_unload()
                     merged.save_pretrained(tmp, safe_serialization=True)
