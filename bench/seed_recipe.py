@@ -127,33 +127,10 @@ def build_model(layers: int, tiny: bool, vocab: int, device: torch.device, dtype
         )
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--data", type=Path, required=True, help="tokenized split (packing off)")
-    parser.add_argument("--pad-id", type=int, required=True)
-    parser.add_argument("--vocab", type=int, required=True, help="tokenizer size (builtin-tiny's embedding)")
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tiny", action="store_true")
-    args = parser.parse_args(argv)
-
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    report: dict = {
-        "recipe": "seed",
-        "layers": args.layers,
-        "steps": args.steps,
-        "step_times": [],
-        "losses": [],
-    }
-    data = PaddedSamples(args.data, args.pad_id)
-    real, loss_tokens = data.token_counts()
-    report.update(
-        samples=len(data), positions_per_sample=SEQ, real_per_sample=real, loss_tokens_per_sample=loss_tokens
-    )
+def step_timer(report: dict, cuda: bool):
+    """A Trainer callback that appends each optimizer step's CUDA-synchronized time to report["step_times"] and
+    each logged loss to report["losses"] (this script's and bench/trl_peer.py's report)."""
+    from transformers import TrainerCallback
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -169,6 +146,37 @@ def main(argv: list[str]) -> int:
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs and "loss" in logs:
                 report["losses"].append(logs["loss"])
+
+    return Timer()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", type=Path, required=True, help="tokenized split (packing off)")
+    parser.add_argument("--pad-id", type=int, required=True)
+    parser.add_argument("--vocab", type=int, required=True, help="tokenizer size (builtin-tiny's embedding)")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args(argv)
+
+    from transformers import Trainer, TrainingArguments
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    report: dict = {
+        "recipe": "seed",
+        "layers": args.layers,
+        "steps": args.steps,
+        "step_times": [],
+        "losses": [],
+    }
+    data = PaddedSamples(args.data, args.pad_id)
+    real, loss_tokens = data.token_counts()
+    report.update(
+        samples=len(data), positions_per_sample=SEQ, real_per_sample=real, loss_tokens_per_sample=loss_tokens
+    )
 
     t_start = time.perf_counter()
     try:
@@ -196,7 +204,9 @@ def main(argv: list[str]) -> int:
             seed=1234,
             use_cpu=not cuda,
         )
-        trainer = Trainer(model=model, args=training_args, train_dataset=data, callbacks=[Timer()])
+        trainer = Trainer(
+            model=model, args=training_args, train_dataset=data, callbacks=[step_timer(report, cuda)]
+        )
         trainer.train()
         engine = trainer.model_wrapped
         report["skipped_steps"] = int(getattr(engine, "skipped_steps", 0))

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "workflow"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from seed_recipe import SEQ, PaddedSamples, build_model  # noqa: E402
+from seed_recipe import SEQ, PaddedSamples, build_model, step_timer  # noqa: E402
 
 from snaketune.batching import IGNORE, load_split  # noqa: E402
 
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     import trl
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     cuda = torch.cuda.is_available()
@@ -75,21 +75,6 @@ def main(argv: list[str]) -> int:
     real, loss_tokens = PaddedSamples(args.data, 0).token_counts()
     # No padding to 512: TRL pads each micro-batch to its longest row; positions are reported as real tokens.
     report.update(positions_per_sample=real, real_per_sample=real, loss_tokens_per_sample=loss_tokens)
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            if cuda:
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            if cuda:
-                torch.cuda.synchronize()
-            report["step_times"].append(time.perf_counter() - self.t0)
-
-        def on_log(self, _args, _state, _control, logs=None, **k):
-            if logs and "loss" in logs:
-                report["losses"].append(logs["loss"])
 
     t_start = time.perf_counter()
     try:
@@ -139,7 +124,7 @@ def main(argv: list[str]) -> int:
             train_dataset=data,
             processing_class=tok,
             peft_config=peft_config,
-            callbacks=[Timer()],
+            callbacks=[step_timer(report, cuda)],
         )
         trainer.train()
         report["status"] = "ok"
