@@ -57,6 +57,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--cap", type=float, default=None, help="GiB the allocator may use")
+    parser.add_argument(
+        "--micro", type=int, default=8, help="rows per micro-batch (8 / this accumulation steps)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args(argv)
@@ -98,8 +101,8 @@ def main(argv: list[str]) -> int:
             )
         config = SFTConfig(
             output_dir=str(args.out.parent / f"{args.out.stem}_trainer"),
-            per_device_train_batch_size=8,
-            gradient_accumulation_steps=1,
+            per_device_train_batch_size=args.micro,
+            gradient_accumulation_steps=8 // args.micro,
             learning_rate=1e-4 if args.lora else 1e-5,
             lr_scheduler_type="constant",
             max_steps=args.steps,

@@ -309,12 +309,13 @@ def test_host_ram_is_checked_for_offload():
 @pytest.mark.parametrize(
     ("model", "train", "gib", "expected"),
     [
-        # LoRA of all 30 layers on one 24 GiB GPU, micro-batch 8 x 512: only with checkpointing.
+        # LoRA of all 30 layers on one 24 GiB GPU, 8 x 512 per step: micro-batch 8 needs checkpointing (of 24 of
+        # the 30 layers), micro-batch 2 x 4 accumulation steps fits without it and is faster.
         (
             SEVEN_B,
             dict(gpus=1, global_batch_size=8, micro_batch_size=8, lora={"enabled": True}),
             24,
-            "zero0+ckpt",
+            "zero0+micro2",
         ),
         # Full fine-tuning of 7B on 4 x 80 GiB: ZeRO-0 holds 18 B/param per GPU; ZeRO-2 fits.
         (SEVEN_B, dict(gpus=4, global_batch_size=16, micro_batch_size=4), 80, "zero2"),
@@ -334,6 +335,54 @@ def test_strategy_auto_picks_the_fastest_that_fits(model, train, gib, expected):
     assert all(c["setup"]["lora_rank"] == (16 if train.get("lora") else 0) for c in result["candidates"])
     if train.get("lora"):
         assert not any(n.startswith("zero3") for n in names)  # the trainer refuses LoRA under ZeRO-3
+
+
+def test_checkpointing_is_narrowed_to_the_fewest_layers_that_fit():
+    """LoRA of the 7B at micro-batch 8 x 512 on 24 GiB: every layer checkpointed fits with room to spare; the plan
+    keeps checkpointing on the fewest first layers that still fit (train.gradient_checkpointing: N), which it
+    counts as faster than all of them and slower than none; `auto` then applies N and the micro-batch to the run."""
+    train = train_dict(
+        gpus=1, global_batch_size=8, micro_batch_size=8, lora={"enabled": True}, kernels="liger"
+    )
+    result = make(SEVEN_B, {**train, "strategy": "auto"}, gib=24, host=256)
+    by_name = {c["name"]: c for c in result["candidates"]}
+    narrowed = next(c for n, c in by_name.items() if n.startswith("zero0+ckpt"))
+    k = narrowed["gradient_checkpointing"]
+    assert isinstance(k, int) and 1 < k < 30 and narrowed["name"] == f"zero0+ckpt{k}" and narrowed["fits"]
+    setup = plan.Setup(**{**narrowed["setup"], "lora_targets": tuple(narrowed["setup"]["lora_targets"])})
+    peaks = [plan.estimate(deepseek(30), setup.replace(checkpoint_layers=n)).gpu_gib for n in range(1, 31)]
+    # Every layer checkpointed saves memory (the 30th only its own input: then no layer keeps its activations).
+    assert peaks[:29] == sorted(peaks[:29], reverse=True) and peaks[29] == pytest.approx(peaks[28], rel=0.01)
+    assert peaks[k - 1] <= 24 < peaks[k - 2]  # k fits, k - 1 does not
+    full = plan.estimate(deepseek(30), setup.replace(checkpoint_layers=None))
+    assert full.peak_allocated_gib == pytest.approx(
+        plan.estimate(deepseek(30), setup.replace(checkpoint_layers=30)).peak_allocated_gib
+    )
+    assert 1 / (1 + plan.RECOMPUTE_LORA) < narrowed["relative_speed"] < 1
+    # The chosen strategy is the faster micro-batch 2 without checkpointing; applied, the run says so.
+    spec = {"train": train, "deepspeed_config": DEEPSPEED["zero2.json"], "run_key": "abc"}
+    applied = plan.apply_plan(spec, result)
+    assert result["chosen"]["name"] == "zero0+micro2"
+    assert applied["train"]["micro_batch_size"] == 2 and applied["train"]["gradient_checkpointing"] is False
+    assert applied["run_key"] != "abc"
+    # As configured (strategy as_configured) the candidates still show N, and the run is left as given.
+    as_given = make(SEVEN_B, train, gib=24, host=256)
+    assert f"zero0+ckpt{k}" in {c["name"] for c in as_given["candidates"]}
+    assert plan.apply_plan(spec, as_given) is spec
+
+
+def test_checkpointed_layers_beyond_the_model_are_refused():
+    train = train_dict(gpus=1, global_batch_size=8, micro_batch_size=8, gradient_checkpointing=31)
+    with pytest.raises(ConfigError, match="'train.gradient_checkpointing': 31 layers, but the model has 30"):
+        make(SEVEN_B, train, gib=24, host=256)
+    with pytest.raises(ConfigError, match="'train.gradient_checkpointing': -1 is not allowed"):
+        load_config({"train": {"gradient_checkpointing": -1}})
+    assert (
+        load_config({"train": {"gradient_checkpointing": 12}})
+        .experiments["default"]
+        .train.checkpointed_layers(30)
+        == 12
+    )
 
 
 def test_auto_changes_the_run_and_its_checkpoint_key():
@@ -493,7 +542,7 @@ def test_8bit_states_make_a_full_fine_tune_fit_without_offload():
     assert not any(c["fits"] for c in configured["candidates"] if not c["estimate"]["offload"])
     auto = make(SEVEN_B, {**train, "strategy": "auto"}, gib=80, host=256)
     names = [c["name"] for c in auto["candidates"]]
-    assert auto["fits"] and auto["chosen"]["name"] == "zero0+ckpt+8bit"
+    assert auto["fits"] and auto["chosen"]["name"] == "zero0+ckpt4+8bit"  # the first 4 of 30 layers
     assert auto["chosen"]["optimizer_states"] == "8bit"
     # fp32 strategies without offload first, then the same with 8-bit states, then offload.
     assert names.index("zero3+ckpt") < names.index("zero0+8bit") < names.index("zero3_offload")
@@ -523,7 +572,7 @@ def test_qlora_example_plans_training_and_evaluation_in_16_gib():
         candidate_files=DEEPSPEED,
         evaluation={"batch_size": 8, "max_new_tokens": 128, "quantize": "nf4"},
     )
-    assert result["fits"] and result["chosen"]["name"] == "zero0+ckpt"
+    assert result["fits"] and result["chosen"]["name"] == "zero0+ckpt26"  # the first 26 of 30 layers
     assert result["evaluate"]["fits"] and result["evaluate"]["estimate"]["weights_gib"] < 5
     # The same evaluation in bf16 would not fit 16 GiB even at batch size 1.
     bf16_eval = plan.plan_evaluation(

@@ -22,7 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import run_training
 from snaketune.batching import collate, load_split, packed_attention_mask, token_loss_sum
+from snaketune.config import ConfigError, ModelConfig
 from snaketune.launch import LaunchError, world_size
+from snaketune.model import checkpoint_layers, load_model
 from snaketune.tokenizer import BOS, DEEPSEEK_CHAT_TEMPLATE
 
 COMPARED_STEPS = 6
@@ -141,6 +143,37 @@ def test_micro_batch_times_accumulation_is_invariant(base_run, tiny_data, tmp_pa
     run = run_training(tmp_path, tiny_data, nproc=1, train_overrides={**SHORT, "micro_batch_size": 1})
     assert run.summary["gradient_accumulation_steps"] == 4
     assert_same_steps(run, base_run)
+
+
+def test_checkpointing_some_layers_changes_nothing_but_memory(base_run, tiny_data, tmp_path):
+    """train.gradient_checkpointing: 2 (the first 2 of builtin-tiny's 4 layers recompute in backward) trains
+    exactly as without checkpointing."""
+    run = run_training(tmp_path, tiny_data, nproc=1, train_overrides={**SHORT, "gradient_checkpointing": 2})
+    assert_same_steps(run, base_run)
+
+
+def test_checkpoint_layers_recomputes_only_the_first_n(tiny_data):
+    """Each checkpointed layer runs its forward twice in a training step (once more in backward), the others
+    once; a count above the model's layers is refused with the key and the allowed values."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_data.tokenizer_dir)
+    ids = dict(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    for setting, expected in ((2, [2, 2, 1, 1]), (True, [2, 2, 2, 2]), (False, [1, 1, 1, 1])):
+        net = load_model(ModelConfig(), dtype=torch.float32, seed=0, **ids)
+        net.train()
+        assert checkpoint_layers(net, setting) == expected.count(2)
+        calls = [0] * len(net.model.layers)
+        for i, layer in enumerate(net.model.layers):
+            # On a submodule: transformers checkpoints the layer's forward, inside its hooks.
+            layer.mlp.register_forward_pre_hook(lambda *_, i=i, c=calls: c.__setitem__(i, c[i] + 1))
+        x = torch.randint(0, len(tokenizer), (2, 16))
+        net(input_ids=x, labels=x).loss.backward()
+        assert calls == expected, setting
+    with pytest.raises(
+        ConfigError, match=r"'train.gradient_checkpointing': 5 layers.*allowed: true, false or 1..4"
+    ):
+        checkpoint_layers(load_model(ModelConfig(), dtype=torch.float32, seed=0, **ids), 5)
 
 
 def test_golden_first_losses(base_run):

@@ -220,8 +220,10 @@ class TrainConfig:
     """Sequences per rank per forward/backward."""
     precision: str = "auto"
     """`auto` (bf16 on GPU, fp32 on CPU) | `bf16` | `fp32`."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory (costs ~30% speed)."""
+    gradient_checkpointing: bool | int = False
+    """Recompute activations in backward to save memory: `true` (every decoder layer; a second forward pass, about
+    25% slower for full fine-tuning), `false`, or N: the first N decoder layers only, the others keep their
+    activations (N up to the model's layers). With `strategy: auto` the plan sets the fewest layers that fit."""
     bf16_optimizer: str = "auto"
     """Who keeps the fp32 master weights in bf16 training: `snaketune` (bf16 weights and gradients on the GPU, fp32
     masters and Adam states updated chunk by chunk by a fused AdamW: 16 B/param; ZeRO stage 0 only), `deepspeed`
@@ -307,6 +309,11 @@ class TrainConfig:
             _fail("train.attention", f"{self.attention!r} is not allowed; allowed: {', '.join(ATTENTIONS)}")
         if self.kernels not in KERNELS:
             _fail("train.kernels", f"{self.kernels!r} is not allowed; allowed: {', '.join(KERNELS)}")
+        if not isinstance(self.gradient_checkpointing, bool) and self.gradient_checkpointing < 0:
+            _fail(
+                "train.gradient_checkpointing",
+                f"{self.gradient_checkpointing} is not allowed; allowed: true, false or a number of layers >= 1",
+            )
         if self.keep_checkpoints < 1:
             _fail("train.keep_checkpoints", f"{self.keep_checkpoints} must be >= 1")
         if not self.deepspeed.endswith(".json"):
@@ -314,6 +321,10 @@ class TrainConfig:
                 "train.deepspeed",
                 f"{self.deepspeed!r} must be a .json file (e.g. config/deepspeed/zero2.json)",
             )
+
+    def checkpointed_layers(self, layers: int) -> int:
+        """How many of a model's `layers` decoder layers recompute their activations in backward."""
+        return checkpointed_layers(self.gradient_checkpointing, layers)
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step, so that the global batch is the same for any world size."""
@@ -325,6 +336,19 @@ class TrainConfig:
                 f"= {self.micro_batch_size} x {world_size}; choose a multiple of {per_step}",
             )
         return self.global_batch_size // per_step
+
+
+def checkpointed_layers(value: bool | int | None, layers: int) -> int:
+    """train.gradient_checkpointing as a number of decoder layers (the first ones) of a model with `layers`:
+    true every layer, false or 0 none, N those N; more than the model has is an error."""
+    if isinstance(value, bool) or value is None:
+        return layers if value else 0
+    if not 0 <= value <= layers:
+        _fail(
+            "train.gradient_checkpointing",
+            f"{value} layers, but the model has {layers} decoder layers; allowed: true, false or 1..{layers}",
+        )
+    return value
 
 
 DEFAULT_EVAL_PROMPTS = (

@@ -29,7 +29,15 @@ import torch
 from snaketune import attention, kernels
 from snaketune.config import ModelConfig, TrainConfig
 from snaketune.dsconfig import build_ds_config, offloads, uses_master_weights, zero_stage
-from snaketune.model import apply_lora, compile_layers, count_params, flop_counts, is_quantized, load_model
+from snaketune.model import (
+    apply_lora,
+    checkpoint_layers,
+    compile_layers,
+    count_params,
+    flop_counts,
+    is_quantized,
+    load_model,
+)
 from snaketune.optim import MasterWeightAdamW, build_optimizer, check_placement, decays
 
 log = logging.getLogger("snaketune.train")
@@ -136,11 +144,9 @@ def build(
     net.train()  # from_pretrained returns eval mode, where transformers skips gradient checkpointing
     fused = kernels.resolve(cfg.kernels, device, getattr(net.config, "model_type", ""))
     kernels.apply(net, fused)
-    if cfg.gradient_checkpointing:
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        net.config.use_cache = False
+    checkpointed = checkpoint_layers(net, cfg.gradient_checkpointing)
     if cfg.lora.enabled:
-        if cfg.gradient_checkpointing:
+        if checkpointed:
             net.enable_input_require_grads()
         # With fp32 masters in the optimizer the adapters compute in bf16 like the rest of the model;
         # peft's default fp32 adapters would cast every adapted layer's input to fp32 (measured: +13 GiB

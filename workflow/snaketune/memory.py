@@ -27,7 +27,8 @@ parameter (../shared/FACTS.md: 16 B/param for mixed-precision Adam):
   output (w*(2*q_dim + 2*kv_dim)), the SwiGLU MLP (gate, SiLU, up, product: 4*w*i), LoRA's rank-r
   intermediates; times ACTIVATION_FACTOR for what backward adds (gradient temporaries, kernel
   workspaces, allocator rounding). With gradient checkpointing: each layer's input (w*h) plus one
-  layer's activations while it is recomputed. Liger's kernels (train.kernels) save less, counted per layer
+  layer's activations while it is recomputed; on the first k layers only (train.gradient_checkpointing: k),
+  k inputs plus the other layers' activations. Liger's kernels (train.kernels) save less, counted per layer
   and not scaled: 4h per RMSNorm (no fp32 upcast; (4 - w)h with LoRA, whose frozen norm weights need no
   normalized output) and w*i in SwiGLU (SiLU(gate) recomputed in backward).
 - logits: 12 B per token and vocabulary entry: the logits (bf16), the contiguous copy the loss slices, the
@@ -238,6 +239,8 @@ class Setup:
     offload_params: bool = False
     """Weights in host memory too (DeepSpeed offload_param, ZeRO-3)."""
     gradient_checkpointing: bool = False
+    checkpoint_layers: int | None = None
+    """With gradient_checkpointing: the first this many decoder layers recompute (None: every layer)."""
     micro_batch: int = 1
     accumulation: int = 1
     """Micro-batches per optimizer step and rank."""
@@ -388,7 +391,12 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
     # Counted, not fitted: 5.02 / 4.39 GiB less for b24 / lora30, measured 5.08 / 4.39 (bench/RESULTS.md, #16).
     saved_less = (2 * (4 * h if not s.lora_rank else (4 - a) * h) + a * i) if s.liger else 0
     if s.gradient_checkpointing:
-        acts = tokens * arch.layers * residual * h + tokens * (per_layer * factor - saved_less)
+        # k layers keep only their input; the others all their activations until backward reaches them, and
+        # while a checkpointed layer is recomputed (the uncheckpointed ones are done by then) one layer's worth.
+        k = arch.layers if s.checkpoint_layers is None else min(s.checkpoint_layers, arch.layers)
+        acts = tokens * k * residual * h + tokens * max(arch.layers - k, 1) * (
+            per_layer * factor - saved_less
+        )
     else:
         acts = tokens * arch.layers * (per_layer * factor - saved_less)
     acts += tokens * norm  # the final norm

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 from snaketune import attention
 from snaketune.architectures import BUILTIN_TINY, DEEPSEEK_LLM_7B
 from snaketune.batching import packed_attention_mask, token_loss_sum
-from snaketune.config import LoraConfig, ModelConfig
+from snaketune.config import LoraConfig, ModelConfig, checkpointed_layers
 from snaketune.losses import causal_targets, fused_linear_cross_entropy
 
 log = logging.getLogger(__name__)
@@ -296,3 +296,20 @@ def compile_layers(net: torch.nn.Module) -> int:
     for layer in layers:
         layer.compile()
     return len(layers)
+
+
+def checkpoint_layers(net: torch.nn.Module, setting: bool | int) -> int:
+    """Gradient checkpointing (train.gradient_checkpointing) on the first N decoder layers, N from the setting
+    (true: every layer); the other layers keep their activations for backward, which then recomputes only N
+    layers' forward passes. Non-reentrant torch.utils.checkpoint, as transformers enables it; its per-layer
+    switch is the `gradient_checkpointing` flag of each decoder layer (transformers' GradientCheckpointingLayer).
+    Returns N."""
+    layers = causal_lm(net).model.layers
+    n = checkpointed_layers(setting, len(layers))
+    if not n:
+        return 0
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net.config.use_cache = False
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = index < n
+    return n

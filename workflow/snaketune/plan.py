@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune import kernels
-from snaketune.config import LoraConfig
+from snaketune.config import LoraConfig, checkpointed_layers
 from snaketune.dsconfig import uses_master_weights, zero_stage
 from snaketune.memory import (  # noqa: F401 - the plan's public names include the memory model's
     ACTIVATION_FACTOR,
@@ -45,11 +45,16 @@ from snaketune.memory import (  # noqa: F401 - the plan's public names include t
     setup_from_deepspeed,
 )
 from snaketune.strategies import (  # noqa: F401 - the plan's public names include the strategies'
+    MICRO_SPEED,
+    RECOMPUTE,
+    RECOMPUTE_LORA,
     SPEED_8BIT,
     STRATEGIES,
     STRATEGY_FILES,
     Strategy,
     candidate_strategies,
+    checkpointing_setting,
+    partial_speed,
     strategy_name,
 )
 
@@ -128,6 +133,8 @@ def _setup_for(train: dict, ds: dict, *, world: int, seq_len: int, precision: st
     stage = zero_stage(ds)
     master = uses_master_weights(ds, train.get("bf16_optimizer", "auto"), bf16=precision == "bf16")
     world_micro = int(train["micro_batch_size"]) * world
+    checkpointing = train.get("gradient_checkpointing")
+    partial = None if isinstance(checkpointing, bool) or checkpointing is None else int(checkpointing)
     fields = dict(
         accumulation=max(1, int(train.get("global_batch_size", world_micro)) // world_micro),
         master_weights=master,
@@ -135,7 +142,8 @@ def _setup_for(train: dict, ds: dict, *, world: int, seq_len: int, precision: st
         varlen=precision == "bf16" and train.get("attention", "auto") != "sdpa",
         liger=precision == "bf16" and kernels.planned(train.get("kernels", "auto")),
         world=world,
-        gradient_checkpointing=bool(train.get("gradient_checkpointing")),
+        gradient_checkpointing=bool(checkpointing),
+        checkpoint_layers=partial,
         micro_batch=int(train["micro_batch_size"]),
         seq_len=seq_len,
         precision=precision,
@@ -144,6 +152,10 @@ def _setup_for(train: dict, ds: dict, *, world: int, seq_len: int, precision: st
         quantized=bool(lora.get("enabled")) and lora.get("quantize", "none") != "none",
         states_8bit=train.get("optimizer_states", "fp32") == "8bit",
     )
+    if "gradient_checkpointing" in changes:
+        fields["checkpoint_layers"] = (
+            None  # a candidate strategy: every layer (narrowed by _fewest_checkpointed)
+        )
     fields.update(changes)
     return setup_from_deepspeed(ds, **fields)
 
@@ -152,7 +164,7 @@ def _entry(name: str, deepspeed: str, s: Setup, est: Estimate, budget: Budget, *
     return {
         "name": name,
         "deepspeed_config": deepspeed,
-        "gradient_checkpointing": s.gradient_checkpointing,
+        "gradient_checkpointing": checkpointing_setting(s),
         "setup": dataclasses.asdict(s),
         "estimate": est.as_dict(),
         "fits": budget.fits(est),
@@ -246,6 +258,9 @@ def plan_training(
         precision = "fp32" if budget.gpu_gib is None else "bf16"
     world = int(train["gpus"]) * int(train.get("nodes", 1))  # train.gpus is per node
     common = dict(world=world, seq_len=max_length, precision=precision)
+    checkpointed_layers(
+        train.get("gradient_checkpointing"), arch.layers
+    )  # ConfigError: more than the model has
     ds = json.loads(Path(deepspeed_config).read_text())
     setup = _setup_for(train, ds, **common)
     configured = _entry(
@@ -263,19 +278,23 @@ def plan_training(
             gradient_checkpointing=strat.gradient_checkpointing,
             **common,
         )
-        candidates.append(
-            _entry(strat.name, path, s, estimate(arch, s), budget, relative_speed=strat.relative_speed)
-        )
+        speed = strat.relative_speed
+        if strategy == "auto":
+            s, speed = _largest_fitting_micro(arch, s, budget, speed, int(train.get("global_batch_size", 0)))
+        name = strategy_name(s, micro=setup.micro_batch)
+        candidates.append(_entry(name, path, s, estimate(arch, s), budget, relative_speed=speed))
     if strategy == "auto" and not lora and not setup.states_8bit:
         candidates = _with_8bit_states(candidates, arch, budget)
+    candidates = _fewest_checkpointed(candidates, arch, budget, micro=setup.micro_batch)
     if strategy == "auto" and budget.gpu_gib is not None:
         pick = next((c for c in candidates if c["fits"]), None)
     else:
         pick = configured
     chosen = {"name": "as configured", "deepspeed_config": deepspeed_config,
-              "gradient_checkpointing": bool(train.get("gradient_checkpointing"))}  # fmt: skip
+              "gradient_checkpointing": train.get("gradient_checkpointing", False)}  # fmt: skip
     if pick is not None:
         chosen = {k: pick[k] for k in ("name", "deepspeed_config", "gradient_checkpointing")}
+        chosen["micro_batch_size"] = pick["setup"]["micro_batch"]
         chosen["optimizer_states"] = "8bit" if pick["setup"]["states_8bit"] else "fp32"
         chosen["estimate"] = pick["estimate"]
     stage = {
@@ -321,6 +340,56 @@ def _with_8bit_states(candidates: list[dict], arch: Arch, budget: Budget) -> lis
             )
         )
     return exact + quantized + offloaded
+
+
+def _largest_fitting_micro(
+    arch: Arch, s: Setup, budget: Budget, speed: float, global_batch: int
+) -> tuple[Setup, float]:
+    """`train.strategy: auto`: a setup that does not fit at its micro-batch size, at the largest halving that fits
+    with the same global batch (micro_batch x ranks x accumulation), and its relative speed (MICRO_SPEED per
+    halving); unchanged where the configured size fits or none does."""
+    if budget.gpu_gib is None or budget.fits(estimate(arch, s)):
+        return s, speed
+    micro, halvings = s.micro_batch, 0
+    while micro > 1 and micro % 2 == 0:
+        micro, halvings = micro // 2, halvings + 1
+        per_step = micro * s.world
+        if global_batch % per_step:
+            break
+        smaller = s.replace(micro_batch=micro, accumulation=global_batch // per_step)
+        if budget.fits(estimate(arch, smaller)):
+            return smaller, round(speed * MICRO_SPEED**halvings, 3)
+    return s, speed
+
+
+def _fewest_checkpointed(candidates: list[dict], arch: Arch, budget: Budget, *, micro: int) -> list[dict]:
+    """Each checkpointed candidate that fits with every layer checkpointed, narrowed to the fewest first layers
+    that still fit (the estimate grows with every layer that keeps its activations), at the speed that gives
+    (snaketune.strategies.partial_speed); then within each group (fp32 states, 8-bit states, offload, as
+    _with_8bit_states ranks them) the fastest first. Unchanged without a budget."""
+    if budget.gpu_gib is None:
+        return candidates
+    out = []
+    for c in candidates:
+        if c["setup"]["gradient_checkpointing"] and c["fits"]:
+            full = Setup(**{**c["setup"], "lora_targets": tuple(c["setup"]["lora_targets"])})
+            for k in range(1, arch.layers + 1):
+                s = full.replace(checkpoint_layers=None if k == arch.layers else k)
+                est = estimate(arch, s)
+                if budget.fits(est):
+                    # The factors multiply: this one replaces the 0.75 of every layer checkpointed.
+                    speed = round(
+                        partial_speed(c["relative_speed"], k, arch.layers, lora=bool(s.lora_rank)), 3
+                    )
+                    name = strategy_name(s, micro=micro) + ("+8bit" if s.states_8bit else "")
+                    c = _entry(name, c["deepspeed_config"], s, est, budget, relative_speed=speed)
+                    break
+        out.append(c)
+
+    def group(c: dict) -> int:
+        return 2 if c["estimate"]["offload"] else int(bool(c["setup"]["states_8bit"]))
+
+    return sorted(out, key=lambda c: (group(c), -c["relative_speed"]))
 
 
 def plan_evaluation(arch: Arch, evaluation: dict, *, max_length: int, precision: str, budget: Budget) -> dict:
@@ -513,18 +582,22 @@ def apply_plan(run_spec: dict, plan: dict) -> dict:
     from snaketune.io import sha256_file, sha256_text, stable_json
 
     chosen = plan["chosen"]
-    states = chosen.get("optimizer_states", run_spec["train"].get("optimizer_states", "fp32"))
-    same = (chosen["deepspeed_config"], chosen["gradient_checkpointing"], states) == (
+    current = run_spec["train"]
+    states = chosen.get("optimizer_states", current.get("optimizer_states", "fp32"))
+    micro = chosen.get("micro_batch_size", current["micro_batch_size"])
+    same = (chosen["deepspeed_config"], chosen["gradient_checkpointing"], states, micro) == (
         run_spec["deepspeed_config"],
-        run_spec["train"]["gradient_checkpointing"],
-        run_spec["train"].get("optimizer_states", "fp32"),
+        current["gradient_checkpointing"],
+        current.get("optimizer_states", "fp32"),
+        current["micro_batch_size"],
     )
     if plan.get("strategy") != "auto" or same:
         return run_spec
     train = {
-        **run_spec["train"],
+        **current,
         "gradient_checkpointing": chosen["gradient_checkpointing"],
         "optimizer_states": states,
+        "micro_batch_size": micro,
     }
     named = [run_spec["run_key"], chosen["name"], sha256_file(chosen["deepspeed_config"])]
     run_key = sha256_text(stable_json(named))[:16]

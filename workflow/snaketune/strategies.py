@@ -5,11 +5,14 @@ Speed order for `train.strategy: auto` (fastest first; STRATEGIES): relative thr
 except offload, which FACTS.md measured: ZeRO-0 1.0 and ZeRO-2 0.97 (the same communication volume:
 reduce-scatter + all-gather = all-reduce, DeepSpeed's docs); ZeRO-3 0.8 (weights gathered in forward and
 backward: 1.5x the traffic; worse over PCIe); gradient checkpointing x0.75 (a second forward, +1/3 of the
-compute); ZeRO-3 + CPU optimizer offload 0.09 and 0.07 with checkpointing (FACTS.md: 928 tok/s for 3.67B
-parameters against 8,632 for 5.70B under ZeRO-2). Full fine-tuning or LoRA stays as configured; LoRA is
+compute: RECOMPUTE); ZeRO-3 + CPU optimizer offload 0.09 (FACTS.md: 928 tok/s for 3.67B parameters against
+8,632 for 5.70B under ZeRO-2). Full fine-tuning or LoRA stays as configured; LoRA is
 never planned with ZeRO-3 (the trainer refuses that combination). A full fine-tune with fp32 Adam states also
 gets each strategy without offload with 8-bit states (train.optimizer_states), ranked after the fp32 ones and
-before offload (snaketune.plan._with_8bit_states).
+before offload (snaketune.plan._with_8bit_states). A checkpointed strategy that fits is narrowed to the fewest
+decoder layers that still fit (train.gradient_checkpointing: N), its speed by `partial_speed`; a strategy that
+does not fit at the configured micro-batch is tried at its halvings (the same global batch, more accumulation
+steps; MICRO_SPEED per halving); the candidates of each group are then ordered by speed (snaketune.plan).
 """
 
 from __future__ import annotations
@@ -28,23 +31,61 @@ class Strategy:
     relative_speed: float
 
 
+RECOMPUTE = 1 / 3
+"""Gradient checkpointing's extra compute against a step without it, full fine-tuning: a second forward pass of
+every checkpointed layer (forward is a third of forward + backward): 1 / (1 + 1/3) = 0.75 of the speed without it."""
+CHECKPOINTED = 1 / (1 + RECOMPUTE)
+
 STRATEGIES = (
     Strategy("zero0", "zero0.json", False, 1.00),
     Strategy("zero2", "zero2.json", False, 0.97),
     Strategy("zero3", "zero3.json", False, 0.80),
-    Strategy("zero0+ckpt", "zero0.json", True, 0.75),
-    Strategy("zero2+ckpt", "zero2.json", True, 0.73),
-    Strategy("zero3+ckpt", "zero3.json", True, 0.60),
+    Strategy("zero0+ckpt", "zero0.json", True, 1.00 * CHECKPOINTED),
+    Strategy("zero2+ckpt", "zero2.json", True, 0.97 * CHECKPOINTED),
+    Strategy("zero3+ckpt", "zero3.json", True, 0.80 * CHECKPOINTED),
     Strategy("zero3_offload", "zero3_offload.json", False, 0.09),
-    Strategy("zero3_offload+ckpt", "zero3_offload.json", True, 0.07),
+    Strategy("zero3_offload+ckpt", "zero3_offload.json", True, 0.09 * CHECKPOINTED),
 )
 """Fastest first (the module docstring says why this order)."""
 STRATEGY_FILES = {s.name: s.deepspeed_file for s in STRATEGIES}
 
 
-def strategy_name(s: Setup) -> str:
+RECOMPUTE_LORA = 0.55
+"""The same for LoRA, whose backward computes no gradients of the frozen weights (forward is nearly half the
+step): measured on one H200, LoRA r16 of the 7B at 8 x 512 with Liger's kernels, 0.375 s per step with every layer
+checkpointed against 0.242 s without, in one run (bench/RESULTS.md, issue #16)."""
+MICRO_SPEED = 0.94
+"""Relative speed of each halving of the micro-batch (twice the accumulation steps, the same tokens per optimizer
+step): measured on one H200, the 24-layer full fine-tune at 4 x 2 against 8 x 1, 11,413 against 12,180 tokens/s
+(bench/runs/2026-12-01_h200_explore2). Only orders the candidates of `train.strategy: auto`."""
+
+
+def strategy_name(s: Setup, micro: int | None = None) -> str:
+    """zero2, zero0+ckpt (every layer), zero0+ckpt12 (the first 12), and with `micro` (the configured
+    micro-batch size) "+micro2" where the setup's micro-batch is smaller."""
     name = f"zero{s.zero_stage}" + ("_offload" if s.offload_optimizer or s.offload_params else "")
-    return name + ("+ckpt" if s.gradient_checkpointing else "")
+    if s.gradient_checkpointing and s.checkpoint_layers is not None:
+        name += f"+ckpt{s.checkpoint_layers}"  # the first N layers (train.gradient_checkpointing: N)
+    elif s.gradient_checkpointing:
+        name += "+ckpt"
+    if micro is not None and s.micro_batch != micro:
+        name += f"+micro{s.micro_batch}"
+    return name
+
+
+def checkpointing_setting(s: Setup) -> bool | int:
+    """train.gradient_checkpointing for this setup: true, false or the number of (first) layers."""
+    if s.gradient_checkpointing and s.checkpoint_layers is not None:
+        return s.checkpoint_layers
+    return s.gradient_checkpointing
+
+
+def partial_speed(speed: float, checkpointed: int, layers: int, *, lora: bool) -> float:
+    """The relative speed of a checkpointed strategy (`speed`: STRATEGIES' figure, every layer recomputed) with
+    `checkpointed` of `layers` decoder layers recomputing: the recompute (RECOMPUTE, RECOMPUTE_LORA) in
+    proportion to the layers."""
+    recompute = RECOMPUTE_LORA if lora else RECOMPUTE
+    return speed * (1 + RECOMPUTE) / (1 + recompute * checkpointed / layers)
 
 
 def candidate_strategies(lora: bool) -> list[Strategy]:
