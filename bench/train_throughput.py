@@ -204,7 +204,7 @@ CASES = [
         "lora30_cap24_auto",
         "train",
         30,
-        "(b) as lora30_liger under gpu_memory_gib 24, train.strategy auto (the plan picks micro-batch 2 x 4)",
+        "(b) as lora30_liger under gpu_memory_gib 24, train.strategy auto",
         {
             **BEST,
             "kernels": "liger",

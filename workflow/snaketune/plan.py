@@ -46,15 +46,13 @@ from snaketune.memory import (  # noqa: F401 - the plan's public names include t
 )
 from snaketune.strategies import (  # noqa: F401 - the plan's public names include the strategies'
     MICRO_SPEED,
-    RECOMPUTE,
-    RECOMPUTE_LORA,
+    MICRO_SPEED_LORA,
     SPEED_8BIT,
     STRATEGIES,
     STRATEGY_FILES,
     Strategy,
     candidate_strategies,
     checkpointing_setting,
-    partial_speed,
     strategy_name,
 )
 
@@ -153,9 +151,7 @@ def _setup_for(train: dict, ds: dict, *, world: int, seq_len: int, precision: st
         states_8bit=train.get("optimizer_states", "fp32") == "8bit",
     )
     if "gradient_checkpointing" in changes:
-        fields["checkpoint_layers"] = (
-            None  # a candidate strategy: every layer (narrowed by _fewest_checkpointed)
-        )
+        fields["checkpoint_layers"] = None  # a candidate strategy (snaketune.strategies): every layer
     fields.update(changes)
     return setup_from_deepspeed(ds, **fields)
 
@@ -268,7 +264,7 @@ def plan_training(
     )
     lora = bool((train.get("lora") or {}).get("enabled"))
     candidates = []
-    for strat in candidate_strategies(lora) if candidate_files else []:
+    for strat in candidate_strategies(lora, setup.states_8bit) if candidate_files else []:
         path = candidate_files.get(strat.deepspeed_file)
         if path is None:
             continue
@@ -285,7 +281,7 @@ def plan_training(
         candidates.append(_entry(name, path, s, estimate(arch, s), budget, relative_speed=speed))
     if strategy == "auto" and not lora and not setup.states_8bit:
         candidates = _with_8bit_states(candidates, arch, budget)
-    candidates = _fewest_checkpointed(candidates, arch, budget, micro=setup.micro_batch)
+    candidates = _by_speed(candidates)
     if strategy == "auto" and budget.gpu_gib is not None:
         pick = next((c for c in candidates if c["fits"]), None)
     else:
@@ -358,38 +354,19 @@ def _largest_fitting_micro(
             break
         smaller = s.replace(micro_batch=micro, accumulation=global_batch // per_step)
         if budget.fits(estimate(arch, smaller)):
-            return smaller, round(speed * MICRO_SPEED**halvings, 3)
+            per_halving = MICRO_SPEED_LORA if s.lora_rank else MICRO_SPEED
+            return smaller, round(speed * per_halving**halvings, 3)
     return s, speed
 
 
-def _fewest_checkpointed(candidates: list[dict], arch: Arch, budget: Budget, *, micro: int) -> list[dict]:
-    """Each checkpointed candidate that fits with every layer checkpointed, narrowed to the fewest first layers
-    that still fit (the estimate grows with every layer that keeps its activations), at the speed that gives
-    (snaketune.strategies.partial_speed); then within each group (fp32 states, 8-bit states, offload, as
-    _with_8bit_states ranks them) the fastest first. Unchanged without a budget."""
-    if budget.gpu_gib is None:
-        return candidates
-    out = []
-    for c in candidates:
-        if c["setup"]["gradient_checkpointing"] and c["fits"]:
-            full = Setup(**{**c["setup"], "lora_targets": tuple(c["setup"]["lora_targets"])})
-            for k in range(1, arch.layers + 1):
-                s = full.replace(checkpoint_layers=None if k == arch.layers else k)
-                est = estimate(arch, s)
-                if budget.fits(est):
-                    # The factors multiply: this one replaces the 0.75 of every layer checkpointed.
-                    speed = round(
-                        partial_speed(c["relative_speed"], k, arch.layers, lora=bool(s.lora_rank)), 3
-                    )
-                    name = strategy_name(s, micro=micro) + ("+8bit" if s.states_8bit else "")
-                    c = _entry(name, c["deepspeed_config"], s, est, budget, relative_speed=speed)
-                    break
-        out.append(c)
+def _by_speed(candidates: list[dict]) -> list[dict]:
+    """Fastest first within each group, the groups in _with_8bit_states' order (fp32 states, 8-bit states,
+    offload): the micro-batch halvings of `_largest_fitting_micro` run slower than their strategy's figure."""
 
     def group(c: dict) -> int:
         return 2 if c["estimate"]["offload"] else int(bool(c["setup"]["states_8bit"]))
 
-    return sorted(out, key=lambda c: (group(c), -c["relative_speed"]))
+    return sorted(candidates, key=lambda c: (group(c), -c["relative_speed"]))
 
 
 def plan_evaluation(arch: Arch, evaluation: dict, *, max_length: int, precision: str, budget: Budget) -> dict:
@@ -437,7 +414,7 @@ def _fastest_fitting(
 ) -> tuple[str, Setup, Estimate] | None:
     """The fastest strategy (STRATEGIES order) that fits `budget` with these train settings."""
     lora = bool((train.get("lora") or {}).get("enabled"))
-    for strat in candidate_strategies(lora):
+    for strat in candidate_strategies(lora, train.get("optimizer_states", "fp32") == "8bit"):
         if strat.deepspeed_file not in files:
             continue
         ds = json.loads(Path(files[strat.deepspeed_file]).read_text())
@@ -461,7 +438,8 @@ def not_fitting_message(
     and 98 GiB host RAM (...); LoRA (train.lora.enabled: true) with zero2 needs 16.2 GiB per GPU.'
 
     Tried in this order, each with the fastest strategy that fits, at most three kept: the configured
-    training with another strategy, LoRA instead of full fine-tuning, micro_batch_size 1, both, more GPUs.
+    training with another strategy, with 8-bit Adam states, LoRA instead of full fine-tuning, micro_batch_size 1,
+    LoRA and micro_batch_size 1, more GPUs.
     """
     configured = plan["configured"]
     world = common["world"]
@@ -480,6 +458,10 @@ def not_fitting_message(
     lora_train = {**train, "lora": {**(train.get("lora") or {}), "enabled": True}}
     micro = int(train["micro_batch_size"])
     variants = [("", train)]
+    if full and train.get("optimizer_states", "fp32") != "8bit":
+        variants.append(
+            ("8-bit Adam states (train.optimizer_states: 8bit) with ", {**train, "optimizer_states": "8bit"})
+        )
     if full:
         variants.append(("LoRA (train.lora.enabled: true) with ", lora_train))
     if micro > 1:

@@ -9,10 +9,15 @@ compute: RECOMPUTE); ZeRO-3 + CPU optimizer offload 0.09 (FACTS.md: 928 tok/s fo
 8,632 for 5.70B under ZeRO-2). Full fine-tuning or LoRA stays as configured; LoRA is
 never planned with ZeRO-3 (the trainer refuses that combination). A full fine-tune with fp32 Adam states also
 gets each strategy without offload with 8-bit states (train.optimizer_states), ranked after the fp32 ones and
-before offload (snaketune.plan._with_8bit_states). A checkpointed strategy that fits is narrowed to the fewest
-decoder layers that still fit (train.gradient_checkpointing: N), its speed by `partial_speed`; a strategy that
-does not fit at the configured micro-batch is tried at its halvings (the same global batch, more accumulation
-steps; MICRO_SPEED per halving); the candidates of each group are then ordered by speed (snaketune.plan).
+before offload (snaketune.plan._with_8bit_states). A strategy that does not fit at the configured micro-batch is
+tried at its halvings (the same global batch, more accumulation steps; MICRO_SPEED, MICRO_SPEED_LORA per halving)
+and the candidates of each group are then ordered by speed (snaketune.plan._by_speed).
+
+Checkpointing only the first N layers (train.gradient_checkpointing: N) is the user's to set, not the plan's: on
+one H200 the LoRA 7B at 8 x 512 under 24 GiB ran at 10,787 tokens/s with 24 of 30 layers checkpointed (peak 21.9
+GiB, planned 21.7) against 9,779 and 10,888 with all 30 in two earlier runs, inside the run-to-run spread; and the
+QLoRA example narrowed to 25 of 30 layers under 16 GiB ran out of memory at 13.6 GiB allocated with 2.4 GiB of the
+cap held by the allocator's fragments (the plan counts 5%) (bench/RESULTS.md, issue #16).
 """
 
 from __future__ import annotations
@@ -50,14 +55,16 @@ STRATEGIES = (
 STRATEGY_FILES = {s.name: s.deepspeed_file for s in STRATEGIES}
 
 
-RECOMPUTE_LORA = 0.55
-"""The same for LoRA, whose backward computes no gradients of the frozen weights (forward is nearly half the
-step): measured on one H200, LoRA r16 of the 7B at 8 x 512 with Liger's kernels, 0.375 s per step with every layer
-checkpointed against 0.242 s without, in one run (bench/RESULTS.md, issue #16)."""
 MICRO_SPEED = 0.94
 """Relative speed of each halving of the micro-batch (twice the accumulation steps, the same tokens per optimizer
 step): measured on one H200, the 24-layer full fine-tune at 4 x 2 against 8 x 1, 11,413 against 12,180 tokens/s
 (bench/runs/2026-12-01_h200_explore2). Only orders the candidates of `train.strategy: auto`."""
+MICRO_SPEED_LORA = 0.57
+"""The same for LoRA, where the host is the bottleneck at small micro-batches (peft's adapters add a dozen small
+kernels per linear layer): LoRA r16 of the 7B on one H200 capped at 24 GiB, micro-batch 2 x 4 ran at 0.759 s per
+step against 0.248 s at 8 x 1 uncapped, 0.327 for two halvings (TRL + Liger: 1.582 against 0.367 s), and slower than
+every layer checkpointed at 8 x 1 (0.379 s with 24 of 30 layers) (bench/RESULTS.md, issue #16). So LoRA halves its
+micro-batch only where checkpointing alone does not fit."""
 
 
 def strategy_name(s: Setup, micro: int | None = None) -> str:
@@ -80,17 +87,15 @@ def checkpointing_setting(s: Setup) -> bool | int:
     return s.gradient_checkpointing
 
 
-def partial_speed(speed: float, checkpointed: int, layers: int, *, lora: bool) -> float:
-    """The relative speed of a checkpointed strategy (`speed`: STRATEGIES' figure, every layer recomputed) with
-    `checkpointed` of `layers` decoder layers recomputing: the recompute (RECOMPUTE, RECOMPUTE_LORA) in
-    proportion to the layers."""
-    recompute = RECOMPUTE_LORA if lora else RECOMPUTE
-    return speed * (1 + RECOMPUTE) / (1 + recompute * checkpointed / layers)
-
-
-def candidate_strategies(lora: bool) -> list[Strategy]:
-    # The trainer refuses LoRA under ZeRO-3 (snaketune.training).
-    return [s for s in STRATEGIES if not (lora and s.deepspeed_file.startswith("zero3"))]
+def candidate_strategies(lora: bool, states_8bit: bool = False) -> list[Strategy]:
+    """The strategies the trainer accepts: it refuses LoRA under ZeRO-3 and 8-bit Adam states with optimizer
+    offload (DeepSpeed's CPU Adam keeps fp32 states; snaketune.engine)."""
+    return [
+        s
+        for s in STRATEGIES
+        if not (lora and s.deepspeed_file.startswith("zero3"))
+        and not (states_8bit and "offload" in s.deepspeed_file)
+    ]
 
 
 SPEED_8BIT = 0.63
