@@ -1,0 +1,241 @@
+"""The cases of bench/train_throughput.py: what each one trains, on which depth, with which settings, and which
+TRL case it is compared with (kept apart from the runner, which imports them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ZERO0 = "config/deepspeed/zero0.json"
+BEST = dict(
+    deepspeed=ZERO0,
+    precision="bf16",
+    bf16_optimizer="auto",
+    optimizer_kernel="auto",
+    fused_cross_entropy=False,
+    attention="auto",
+    kernels="torch",
+    compile=False,
+    micro_batch_size=8,
+)
+"""Train settings of (b) on one H200, chosen by bench/RESULTS.md's measurements."""
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str  # "seed" (a), "train" (b) or "trl" (the outside peer, bench/trl_peer.py)
+    layers: int
+    what: str
+    train: dict = field(default_factory=dict)
+    tokenize: dict = field(default_factory=dict)
+    estimate_s: int = 90
+    gpu_memory_gib: float | None = None
+    """The plan's budget and the allocator's cap (config key gpu_memory_gib) for this case only."""
+    peer: str | None = None
+    """The trl case this (b) case is compared with in the table (same model, data and tokens per step)."""
+    options: tuple[str, ...] = ()
+    """Extra command-line options of bench/trl_peer.py (trl cases)."""
+
+
+CASES = [
+    Case(
+        "seed24",
+        "seed",
+        24,
+        "(a) seed recipe: HF Trainer, DeepSpeed fp16 ZeRO-2, 1 x 8, padded to 512",
+        estimate_s=70,
+    ),
+    Case(
+        "b24", "train", 24, "(b) train rule: ZeRO-0, fp32 masters (Triton AdamW), varlen, 8 x 1, packed", BEST
+    ),
+    Case(
+        "b24_fused_ce",
+        "train",
+        24,
+        "(b) as b24 with the fused linear cross-entropy",
+        {**BEST, "fused_cross_entropy": True},
+    ),
+    Case(
+        "b24_torch_adam",
+        "train",
+        24,
+        "(b) as b24 with torch's fused AdamW on fp32 gradient copies",
+        {**BEST, "optimizer_kernel": "torch"},
+    ),
+    Case("b24_sdpa", "train", 24, "(b) as b24 with SDPA + block mask", {**BEST, "attention": "sdpa"}),
+    Case("b24_mb4", "train", 24, "(b) as b24 at micro-batch 4 x 2", {**BEST, "micro_batch_size": 4}),
+    Case(
+        "b24_compile",
+        "train",
+        24,
+        "(b) as b24 with torch.compile per layer",
+        {**BEST, "compile": True},
+        estimate_s=150,
+    ),
+    Case(
+        "b24_ds_zero2",
+        "train",
+        24,
+        "(b) before issue #7: DeepSpeed bf16 ZeRO-2, 4 x 2, logits CE, block mask",
+        dict(
+            deepspeed="config/deepspeed/zero2.json",
+            precision="bf16",
+            bf16_optimizer="deepspeed",
+            fused_cross_entropy=False,
+            attention="sdpa",
+            micro_batch_size=4,
+        ),
+    ),
+    Case(
+        "b24_padded",
+        "train",
+        24,
+        "(b) as b24 on unpacked rows (one conversation each)",
+        BEST,
+        {"packing": False},
+    ),
+    Case(
+        "b30",
+        "train",
+        30,
+        "(b) full 7B: as b24 at micro-batch 4 x 2",
+        {**BEST, "micro_batch_size": 4},
+        estimate_s=110,
+    ),
+    Case(
+        "lora30",
+        "train",
+        30,
+        "(b) full 7B, LoRA r16 on all linear layers, 8 x 1",
+        {**BEST, "learning_rate": 1e-4, "lora": {"enabled": True, "rank": 16}},
+        estimate_s=100,
+    ),
+    Case(
+        "b24_liger",
+        "train",
+        24,
+        "(b) as b24 with Liger's RMSNorm, RoPE and SwiGLU",
+        {**BEST, "kernels": "liger"},
+        peer="trl24",
+    ),
+    Case(
+        "b30_liger",
+        "train",
+        30,
+        "(b) full 7B, as b24_liger (8 x 1)",
+        {**BEST, "kernels": "liger"},
+        estimate_s=100,
+    ),
+    Case(
+        "lora30_liger",
+        "train",
+        30,
+        "(b) as lora30 with Liger's RMSNorm, RoPE and SwiGLU",
+        {**BEST, "kernels": "liger", "learning_rate": 1e-4, "lora": {"enabled": True, "rank": 16}},
+        estimate_s=100,
+        peer="trl_lora30",
+    ),
+    Case(
+        "lora30_cap24_liger",
+        "train",
+        30,
+        "(b) as lora30_liger under gpu_memory_gib 24, with gradient checkpointing",
+        {
+            **BEST,
+            "kernels": "liger",
+            "learning_rate": 1e-4,
+            "gradient_checkpointing": True,
+            "lora": {"enabled": True, "rank": 16},
+        },
+        estimate_s=100,
+        gpu_memory_gib=24,
+        peer="trl_lora30_cap24",
+    ),
+    Case(
+        "lora30_cap24_auto",
+        "train",
+        30,
+        "(b) as lora30_liger under gpu_memory_gib 24, train.strategy auto",
+        {
+            **BEST,
+            "kernels": "liger",
+            "learning_rate": 1e-4,
+            "strategy": "auto",
+            "lora": {"enabled": True, "rank": 16},
+        },
+        estimate_s=100,
+        gpu_memory_gib=24,
+        peer="trl_lora30_cap24_mb2",
+    ),
+    Case(
+        "lora30_cap24_ckpt24",
+        "train",
+        30,
+        "(b) as lora30_liger under gpu_memory_gib 24, checkpointing on the first 24 of 30 layers (the plan's pick at 8 x 1)",
+        {
+            **BEST,
+            "kernels": "liger",
+            "learning_rate": 1e-4,
+            "gradient_checkpointing": 24,
+            "lora": {"enabled": True, "rank": 16},
+        },
+        estimate_s=100,
+        gpu_memory_gib=24,
+    ),
+    Case(
+        "b30_8bit",
+        "train",
+        30,
+        "(b) as b30_liger with 8-bit Adam states (bitsandbytes)",
+        {**BEST, "kernels": "liger", "optimizer_states": "8bit"},
+        estimate_s=100,
+    ),
+    Case(
+        "b30_8bit_auto80",
+        "train",
+        30,
+        "(b) as b30_liger under gpu_memory_gib 80, train.strategy auto (the plan picks 8-bit states)",
+        {**BEST, "kernels": "liger", "strategy": "auto"},
+        estimate_s=110,
+        gpu_memory_gib=80,
+    ),
+    Case(
+        "trl24",
+        "trl",
+        24,
+        "TRL SFTTrainer + Liger: full FT, fp32 weights + bf16 autocast, 8 x 1, unpacked",
+        estimate_s=90,
+    ),
+    Case(
+        "trl_lora30",
+        "trl",
+        30,
+        "TRL SFTTrainer + Liger: LoRA r16 all linear, bf16 base, 8 x 1, unpacked",
+        estimate_s=90,
+        options=("--lora",),
+    ),
+    Case(
+        "trl_lora30_cap24",
+        "trl",
+        30,
+        "TRL SFTTrainer + Liger: as trl_lora30 under a 24 GiB cap, gradient checkpointing",
+        estimate_s=90,
+        options=("--lora", "--checkpointing", "--cap", "24"),
+    ),
+    Case(
+        "trl_lora30_cap24_mb2",
+        "trl",
+        30,
+        "TRL SFTTrainer + Liger: as trl_lora30 under a 24 GiB cap, micro-batch 2 x 4, no checkpointing",
+        estimate_s=90,
+        options=("--lora", "--cap", "24", "--micro", "2"),
+    ),
+    Case(
+        "seed30",
+        "seed",
+        30,
+        "(a) seed recipe at the full 7B (FACTS.md: out of memory at step 2)",
+        estimate_s=70,
+    ),
+]
+BY_NAME = {c.name: c for c in CASES}
