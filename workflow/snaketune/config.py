@@ -223,7 +223,8 @@ class TrainConfig:
     gradient_checkpointing: bool | int = False
     """Recompute activations in backward to save memory: `true` (every decoder layer; a second forward pass, about
     25% slower for full fine-tuning), `false`, or N: the first N decoder layers only, the others keep their
-    activations (N up to the model's layers). With `strategy: auto` the plan sets the fewest layers that fit."""
+    activations (N up to the model's layers; 0 is false). `strategy: auto` sets true or false (snaketune.strategies
+    says why not N)."""
     bf16_optimizer: str = "auto"
     """Who keeps the fp32 master weights in bf16 training: `snaketune` (bf16 weights and gradients on the GPU, fp32
     masters and Adam states updated chunk by chunk by a fused AdamW: 16 B/param; ZeRO stage 0 only), `deepspeed`
@@ -312,7 +313,7 @@ class TrainConfig:
         if not isinstance(self.gradient_checkpointing, bool) and self.gradient_checkpointing < 0:
             _fail(
                 "train.gradient_checkpointing",
-                f"{self.gradient_checkpointing} is not allowed; allowed: true, false or a number of layers >= 1",
+                f"{self.gradient_checkpointing} is not allowed; allowed: true, false or a number of layers >= 0",
             )
         if self.keep_checkpoints < 1:
             _fail("train.keep_checkpoints", f"{self.keep_checkpoints} must be >= 1")

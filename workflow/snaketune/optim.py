@@ -32,8 +32,8 @@ CHUNK_ELEMENTS = 2**28
 """Most parameters whose fp32 gradients exist at once in a step (1 GiB of fp32)."""
 KERNELS = ("auto", "triton", "torch")
 TRITON_BLOCK = 1024
-"""Elements per Triton program (4 warps): 38.8 ms for the 24-layer 7B's 5.7B parameters on one H200, 96% of a
-plain copy's bandwidth, against 41.8 ms at 4096 (bench/optimizer_step.py, bench/RESULTS.md)."""
+"""Elements per Triton program (4 warps): 38.8-39.0 ms for the 24-layer 7B's 5.7B parameters on one H200, 96-98%
+of a plain copy's bandwidth, against 41.8-41.9 ms at 4096 (bench/optimizer_step.py, two runs, bench/RESULTS.md)."""
 
 
 def triton_available(device: torch.device) -> bool:

@@ -254,9 +254,8 @@ def plan_training(
         precision = "fp32" if budget.gpu_gib is None else "bf16"
     world = int(train["gpus"]) * int(train.get("nodes", 1))  # train.gpus is per node
     common = dict(world=world, seq_len=max_length, precision=precision)
-    checkpointed_layers(
-        train.get("gradient_checkpointing"), arch.layers
-    )  # ConfigError: more than the model has
+    # A ConfigError where train.gradient_checkpointing names more layers than the model has.
+    checkpointed_layers(train.get("gradient_checkpointing"), arch.layers)
     ds = json.loads(Path(deepspeed_config).read_text())
     setup = _setup_for(train, ds, **common)
     configured = _entry(
@@ -276,7 +275,7 @@ def plan_training(
         )
         speed = strat.relative_speed
         if strategy == "auto":
-            s, speed = _largest_fitting_micro(arch, s, budget, speed, int(train.get("global_batch_size", 0)))
+            s, speed = _largest_fitting_micro(arch, s, budget, speed)
         name = strategy_name(s, micro=setup.micro_batch)
         candidates.append(_entry(name, path, s, estimate(arch, s), budget, relative_speed=speed))
     if strategy == "auto" and not lora and not setup.states_8bit:
@@ -338,14 +337,13 @@ def _with_8bit_states(candidates: list[dict], arch: Arch, budget: Budget) -> lis
     return exact + quantized + offloaded
 
 
-def _largest_fitting_micro(
-    arch: Arch, s: Setup, budget: Budget, speed: float, global_batch: int
-) -> tuple[Setup, float]:
+def _largest_fitting_micro(arch: Arch, s: Setup, budget: Budget, speed: float) -> tuple[Setup, float]:
     """`train.strategy: auto`: a setup that does not fit at its micro-batch size, at the largest halving that fits
-    with the same global batch (micro_batch x ranks x accumulation), and its relative speed (MICRO_SPEED per
-    halving); unchanged where the configured size fits or none does."""
+    with the same global batch (micro_batch x ranks x accumulation), and its relative speed (MICRO_SPEED or
+    MICRO_SPEED_LORA per halving); unchanged where the configured size fits or none does."""
     if budget.gpu_gib is None or budget.fits(estimate(arch, s)):
         return s, speed
+    global_batch = s.micro_batch * s.world * s.accumulation
     micro, halvings = s.micro_batch, 0
     while micro > 1 and micro % 2 == 0:
         micro, halvings = micro // 2, halvings + 1
