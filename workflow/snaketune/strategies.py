@@ -15,7 +15,7 @@ and the candidates of each group are then ordered by speed (snaketune.plan._by_s
 
 Checkpointing only the first N layers (train.gradient_checkpointing: N) is the user's to set, not the plan's: on
 one H200 the LoRA 7B at 8 x 512 under 24 GiB ran at 10,787 tokens/s with 24 of 30 layers checkpointed (peak 21.9
-GiB, planned 21.7) against 9,779 and 10,888 with all 30 in two earlier runs, inside the run-to-run spread; and the
+GiB, planned 21.7) against 8,645, 9,779 and 10,888 with all 30 in three other runs, inside their spread; and the
 QLoRA example narrowed to 25 of 30 layers under 16 GiB (planned 13.7 GiB allocated, 15.4 with the margins) ran out
 of memory asking for 1,000 MiB with 13.6 GiB allocated and 1.4 GiB reserved but unallocated: a pick sized to the
 plan's margin has none left for what the model does not count (bench/RESULTS.md, issue #16).
