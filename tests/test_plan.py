@@ -16,7 +16,7 @@ import yaml
 
 from snaketune import plan
 from snaketune.architectures import DEEPSEEK_LLM_7B
-from snaketune.config import ConfigError, TrainConfig, load_config, to_dict
+from snaketune.config import ConfigError, TrainConfig, checkpointed_layers, load_config, to_dict
 
 REPO = Path(__file__).resolve().parent.parent
 DEEPSPEED = {name: str(REPO / "config/deepspeed" / name) for name in plan.STRATEGY_FILES.values()}
@@ -403,12 +403,8 @@ def test_checkpointed_layers_beyond_the_model_are_refused():
         make(SEVEN_B, train, gib=24, host=256)
     with pytest.raises(ConfigError, match="'train.gradient_checkpointing': -1 is not allowed"):
         load_config({"train": {"gradient_checkpointing": -1}})
-    assert (
-        load_config({"train": {"gradient_checkpointing": 12}})
-        .experiments["default"]
-        .train.checkpointed_layers(30)
-        == 12
-    )
+    twelve = load_config({"train": {"gradient_checkpointing": 12}}).experiments["default"].train
+    assert checkpointed_layers(twelve.gradient_checkpointing, 30) == 12
 
 
 def test_auto_changes_the_run_and_its_checkpoint_key():

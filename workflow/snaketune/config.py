@@ -323,10 +323,6 @@ class TrainConfig:
                 f"{self.deepspeed!r} must be a .json file (e.g. config/deepspeed/zero2.json)",
             )
 
-    def checkpointed_layers(self, layers: int) -> int:
-        """How many of a model's `layers` decoder layers recompute their activations in backward."""
-        return checkpointed_layers(self.gradient_checkpointing, layers)
-
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step, so that the global batch is the same for any world size."""
         per_step = self.micro_batch_size * world_size
