@@ -183,6 +183,7 @@ def train_result(work: Path, case: Case, rc) -> dict:
                 "gradient_accumulation_steps",
                 "fp32_master_weights",
                 "optimizer_kernel",
+                "loss_kernel",
                 "fused_cross_entropy",
                 "attention",
                 "kernels",

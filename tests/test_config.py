@@ -60,6 +60,11 @@ def test_defaults_match_config_yaml():
             "'train.attention': 'flash' is not allowed; allowed: auto, varlen, sdpa",
         ),
         (("train", "optimizer_kernel"), "cuda", "allowed: auto, triton, torch"),
+        (
+            ("train", "loss_kernel"),
+            "liger",
+            "'train.loss_kernel': 'liger' is not allowed; allowed: auto, triton, torch",
+        ),
         # Wrong types (a --config value arrives as a string) name the key and the type, not a TypeError.
         (
             ("dataset", "builtin_trees"),

@@ -21,7 +21,12 @@ import torch.nn.functional as F
 from conftest import run_training
 from snaketune import attention, kernels, optim
 from snaketune.batching import IGNORE, packed_attention_mask, token_loss_sum
-from snaketune.losses import causal_targets, fused_linear_cross_entropy
+from snaketune.losses import (
+    causal_targets,
+    fused_linear_cross_entropy,
+    logits_cross_entropy,
+    resolve_loss_kernel,
+)
 from snaketune.model import LossModel
 
 STEPS = 12
@@ -103,6 +108,86 @@ def test_causal_targets_match_token_loss_sum():
         logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
     )
     torch.testing.assert_close(fused_layout, token_loss_sum(logits, labels, pos))
+
+
+def test_loss_kernel_resolves_to_torch_where_triton_cannot_run():
+    cpu = torch.device("cpu")
+    assert resolve_loss_kernel("auto", cpu) == "torch"
+    assert resolve_loss_kernel("torch", cpu) == "torch"
+    with pytest.raises(
+        ValueError, match=r"'train.loss_kernel': 'triton' needs a CUDA device .*allowed here: auto, torch"
+    ):
+        resolve_loss_kernel("triton", cpu)
+    with pytest.raises(ValueError, match=r"'train.loss_kernel': 'liger'; allowed: auto, triton, torch"):
+        resolve_loss_kernel("liger", cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [102400, 50257, 97])
+def test_triton_cross_entropy_matches_torch(vocab):
+    """logits_cross_entropy: F.cross_entropy's fp32 loss on the bf16 logits, and its gradient (scaled as the
+    trainer scales it), written over the logits: nothing of the logits' size is allocated besides them."""
+    if not (torch.cuda.is_available() and optim.triton_available(torch.device("cuda"))):
+        pytest.skip("needs CUDA and triton")
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    n = 1000
+    logits = (4 * torch.randn(n, vocab, device="cuda", generator=gen)).bfloat16()
+    targets = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+    targets[::7] = IGNORE
+    targets[-1] = IGNORE
+    normalizer = int((targets != IGNORE).sum())
+    ref_in = logits.clone().float().requires_grad_()
+    ref = F.cross_entropy(ref_in, targets, ignore_index=IGNORE, reduction="sum")
+    (ref / normalizer).backward()
+
+    leaf = logits.clone().requires_grad_()
+    x = leaf * 1  # a non-leaf, as the lm_head's output is
+    x.retain_grad()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss = logits_cross_entropy(x, targets)
+    (loss / normalizer).backward()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, rtol=2e-6, atol=0)
+    assert x.grad.data_ptr() == x.data_ptr()  # the gradient is the logits' memory
+    torch.testing.assert_close(x.grad, ref_in.grad.bfloat16(), rtol=1.6e-2, atol=1e-8)
+    assert (x.grad[targets == IGNORE] == 0).all()
+    # The leaf's own gradient (one logits-sized tensor, as the lm_head's weight and input gradients would
+    # be) and per-row fp32 loss and logsumexp; no fp32 copy of the logits.
+    assert extra <= logits.numel() * 2 + 64 * n + 2**20
+
+
+@pytest.mark.gpu
+def test_loss_model_triton_loss_matches_torch():
+    """LossModel with loss_kernel triton gives the torch loss's loss and gradients (bf16, packed rows)."""
+    cuda = torch.device("cuda")
+    if not (torch.cuda.is_available() and optim.triton_available(cuda)):
+        pytest.skip("needs CUDA and triton")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from snaketune.architectures import BUILTIN_TINY
+
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(
+        LlamaConfig(**BUILTIN_TINY, vocab_size=256), attn_implementation="sdpa", dtype=torch.bfloat16
+    ).to(cuda)
+    ids, labels, pos, lengths = _packed_batch(torch.Generator().manual_seed(2), vocab=256, b=4, length=128)
+    cu = attention.segments(pos, lengths).to(cuda)
+    ids, labels, pos = ids.to(cuda), labels.to(cuda), pos.to(cuda)
+    results = []
+    for kernel in ("torch", "triton"):
+        model = LossModel(
+            copy.deepcopy(net), packed_attention=True, fused_cross_entropy=False, loss_kernel=kernel
+        )
+        loss = model(ids, labels, pos, cu)
+        (loss / 100).backward()
+        results.append((loss, {n: p.grad.float() for n, p in model.named_parameters()}))
+    (ref_loss, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    for name, ref in ref_grads.items():
+        assert ((grads[name] - ref).norm() / ref.norm()) < 1e-2, name
 
 
 # ---- varlen attention ----------------------------------------------------------------------------------

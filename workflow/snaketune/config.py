@@ -37,6 +37,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 STRATEGIES = ("as_configured", "auto")
 BF16_OPTIMIZERS = ("auto", "snaketune", "deepspeed")
 OPTIMIZER_KERNELS = ("auto", "triton", "torch")
+LOSS_KERNELS = ("auto", "triton", "torch")
 ATTENTIONS = ("auto", "varlen", "sdpa")
 KERNELS = ("auto", "torch", "liger")
 QUANTIZE = ("none", "nf4")
@@ -237,6 +238,10 @@ class TrainConfig:
     """Adam's m and v: `fp32` (8 B per trained parameter) or `8bit` (bitsandbytes' block-wise 8-bit states, 2 B; the
     fp32 master weights stay fp32). With `strategy: auto` the plan switches fp32 to 8bit where that is what makes a
     training fit without CPU offload (snaketune.plan). Not with optimizer offload (DeepSpeed's CPU Adam)."""
+    loss_kernel: str = "auto"
+    """The cross-entropy on the logits (where fused_cross_entropy is false): `triton` (snaketune.losses: two passes
+    over the bf16 logits, the gradient written over them: 2 B per token and vocabulary entry instead of 12; CUDA
+    with triton), `torch` (fp32 upcast + F.cross_entropy); `auto`: triton where it runs."""
     fused_cross_entropy: bool = False
     """Compute the loss from the final hidden states chunk by chunk, never materializing the [tokens, vocabulary]
     logits (snaketune.losses): less memory for long sequences, 2% slower at 8 x 512 on an H200 (bench/RESULTS.md);
@@ -300,6 +305,11 @@ class TrainConfig:
             _fail(
                 "train.optimizer_kernel",
                 f"{self.optimizer_kernel!r} is not allowed; allowed: {', '.join(OPTIMIZER_KERNELS)}",
+            )
+        if self.loss_kernel not in LOSS_KERNELS:
+            _fail(
+                "train.loss_kernel",
+                f"{self.loss_kernel!r} is not allowed; allowed: {', '.join(LOSS_KERNELS)}",
             )
         if self.optimizer_states not in OPTIMIZER_STATES:
             _fail(

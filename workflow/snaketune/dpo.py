@@ -49,7 +49,8 @@ class DPOTrainer(Trainer):
             splits.append(split)
         return tuple(splits)
 
-    def wrap(self, net, packed_attention: bool, fused_cross_entropy: bool):
+    def wrap(self, net, packed_attention: bool, fused_cross_entropy: bool, loss_kernel: str):
+        # The preference losses come from per-token log-probabilities (snaketune.logprobs), not train.loss_kernel.
         # The chunked log-probabilities are used wherever the lm_head weight is whole (not under ZeRO-3).
         zero3 = self._zero_stage() == 3
         pref = self.spec.preference

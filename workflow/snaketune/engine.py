@@ -29,6 +29,7 @@ import torch
 from snaketune import attention, kernels
 from snaketune.config import ModelConfig, TrainConfig
 from snaketune.dsconfig import build_ds_config, offloads, uses_master_weights, zero_stage
+from snaketune.losses import resolve_loss_kernel
 from snaketune.model import (
     apply_lora,
     checkpoint_layers,
@@ -68,6 +69,8 @@ class Built:
     master_weights: bool
     accumulate_fp32: bool
     fused_cross_entropy: bool
+    loss_kernel: str
+    """The logits' cross-entropy where fused_cross_entropy is off: `triton` or `torch` (snaketune.losses)."""
     attention: str
     kernels: str
     """`liger` or `torch` (snaketune.kernels)."""
@@ -101,10 +104,10 @@ def build(
     tokenizer,
     total_steps: int,
     rank: int,
-    wrap: Callable[[torch.nn.Module, bool, bool], torch.nn.Module],
+    wrap: Callable[[torch.nn.Module, bool, bool, str], torch.nn.Module],
 ) -> Built:
-    """Load or build the model, place it, add LoRA, wrap it with `wrap(net, packed_attention, fused_ce)` (the
-    loss module DeepSpeed trains), build the optimizer and the DeepSpeed engine."""
+    """Load or build the model, place it, add LoRA, wrap it with `wrap(net, packed_attention, fused_ce,
+    loss_kernel)` (the loss module DeepSpeed trains), build the optimizer and the DeepSpeed engine."""
     import deepspeed
 
     bf16 = dtype == torch.bfloat16
@@ -115,6 +118,7 @@ def build(
     stage = zero_stage(ds_config)
     accumulate_fp32 = master and cfg.accumulation_steps(world) > 1
     fused_ce = cfg.fused_cross_entropy and stage != 3
+    loss_kernel = resolve_loss_kernel(cfg.loss_kernel, device)
     attn = attention.resolve(cfg.attention, device, dtype)
     if cfg.lora.enabled and stage == 3:
         raise ValueError(
@@ -163,7 +167,7 @@ def build(
     if cfg.compile:
         compile_layers(net)
     torch.manual_seed(cfg.seed + rank)  # dropout differs per rank, deterministic per run
-    module = wrap(net, attn == "varlen", fused_ce)
+    module = wrap(net, attn == "varlen", fused_ce, loss_kernel)
     trained = [p for p in module.parameters() if p.requires_grad]
     decayed = [p for p in trained if decays(p)]
     optimizer = build_optimizer(
@@ -197,6 +201,7 @@ def build(
         master_weights=master,
         accumulate_fp32=accumulate_fp32,
         fused_cross_entropy=fused_ce,
+        loss_kernel=loss_kernel,
         attention=attn,
         kernels=fused,
         n_params=n_params,

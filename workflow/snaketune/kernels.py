@@ -50,6 +50,11 @@ def planned(mode: str) -> bool:
     return mode == "auto" and not _missing_packages()
 
 
+def triton_planned(mode: str) -> bool:
+    """The same for Triton alone (train.loss_kernel, train.optimizer_kernel: `auto`, `triton` or `torch`)."""
+    return mode == "triton" or (mode == "auto" and importlib.util.find_spec("triton") is not None)
+
+
 def resolve(mode: str, device: torch.device, model_type: str) -> str:
     """`auto` -> `liger` where it runs and the model type is supported, else `torch`; `liger` where it cannot
     run is an error naming the key and why."""

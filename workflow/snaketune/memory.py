@@ -32,7 +32,9 @@ parameter (../shared/FACTS.md: 16 B/param for mixed-precision Adam):
   and not scaled: 4h per RMSNorm (no fp32 upcast; (4 - w)h with LoRA, whose frozen norm weights need no
   normalized output) and w*i in SwiGLU (SiLU(gate) recomputed in backward).
 - logits: 12 B per token and vocabulary entry: the logits (bf16), the contiguous copy the loss slices, the
-  fp32 upcast and log-softmax output of the loss (snaketune.batching.token_loss_sum); with the fused loss
+  fp32 upcast and log-softmax output of the loss (snaketune.batching.token_loss_sum); with the Triton loss
+  (train.loss_kernel, snaketune.losses.logits_cross_entropy) 2 B (bf16), the logits that become their own gradient,
+  and 8 B per token (its loss and logsumexp in fp32); with the fused loss
   (snaketune.losses) 8 B per entry of one chunk of tokens, the hidden states' gradient and, with several
   chunks, an fp32 sum of the lm_head weight's gradient; and, unless attention is varlen, the packed
   block-diagonal attention mask, micro_batch x seq^2 x (w + 1).
@@ -260,6 +262,8 @@ class Setup:
     """bf16 weights and gradients, fp32 masters in snaketune.optim.MasterWeightAdamW (ZeRO-0 only)."""
     fused_cross_entropy: bool = False
     """snaketune.losses.fused_linear_cross_entropy: one chunk of logits at a time."""
+    triton_loss: bool = False
+    """snaketune.losses.logits_cross_entropy (train.loss_kernel), where the loss is not the fused one."""
     varlen: bool = False
     """snaketune.attention's varlen kernel: no (micro_batch, 1, seq, seq) mask tensor."""
     liger: bool = False
@@ -409,6 +413,8 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
         logits = FUSED_LOGIT_BYTES * chunk * arch.vocab + a * tokens * h
         if not s.lora_rank and chunk < tokens:
             logits += 4 * arch.vocab * h
+    elif s.triton_loss:
+        logits = a * tokens * arch.vocab + 8 * tokens
     else:
         logits = LOGIT_BYTES * tokens * arch.vocab
     if not s.varlen:

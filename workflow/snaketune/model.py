@@ -22,7 +22,7 @@ from snaketune import attention
 from snaketune.architectures import BUILTIN_TINY, DEEPSEEK_LLM_7B
 from snaketune.batching import packed_attention_mask, token_loss_sum
 from snaketune.config import LoraConfig, ModelConfig, checkpointed_layers
-from snaketune.losses import causal_targets, fused_linear_cross_entropy
+from snaketune.losses import causal_targets, fused_linear_cross_entropy, logits_cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -251,15 +251,25 @@ class LossModel(torch.nn.Module):
       snaketune.attention (FlashAttention varlen on CUDA; `cu_seqlens` required); otherwise SDPA with an
       explicit block-diagonal mask (snaketune.batching.packed_attention_mask).
     - `fused_cross_entropy`: snaketune.losses.fused_linear_cross_entropy on the final hidden states and the
-      lm_head weight, never materializing the logits; otherwise logits + snaketune.batching.token_loss_sum.
-    The two switches change memory and speed, not the result (tests/test_fast_path.py).
+      lm_head weight, never materializing the logits; otherwise the logits and their cross-entropy by
+      `loss_kernel`: `triton` (snaketune.losses.logits_cross_entropy, the gradient over the logits) or `torch`
+      (snaketune.batching.token_loss_sum).
+    The switches change memory and speed, not the result (tests/test_fast_path.py).
     """
 
-    def __init__(self, net: torch.nn.Module, *, packed_attention: bool, fused_cross_entropy: bool):
+    def __init__(
+        self,
+        net: torch.nn.Module,
+        *,
+        packed_attention: bool,
+        fused_cross_entropy: bool,
+        loss_kernel: str = "torch",
+    ):
         super().__init__()
         self.net = net
         self.packed_attention = packed_attention
         self.fused_cross_entropy = fused_cross_entropy
+        self.loss_kernel = loss_kernel
         if packed_attention:
             causal_lm(net).set_attn_implementation(attention.register())
 
@@ -277,7 +287,11 @@ class LossModel(torch.nn.Module):
             dtype = self.net.get_input_embeddings().weight.dtype
             kwargs["attention_mask"] = packed_attention_mask(position_ids, dtype)
         if not self.fused_cross_entropy:
-            return token_loss_sum(self.net(**kwargs).logits, labels, position_ids)
+            logits = self.net(**kwargs).logits
+            if self.loss_kernel == "triton":
+                targets = causal_targets(labels, position_ids)
+                return logits_cross_entropy(logits.flatten(0, 1), targets.flatten())
+            return token_loss_sum(logits, labels, position_ids)
         lm = causal_lm(self.net)
         hidden = lm.model(**kwargs).last_hidden_state
         targets = causal_targets(labels, position_ids)

@@ -126,7 +126,7 @@ def _setup_for(train: dict, ds: dict, *, world: int, seq_len: int, precision: st
     """The Setup a training with these train settings and this DeepSpeed file runs (snaketune.training decides
     the same way: MasterWeightAdamW at ZeRO-0 in bf16 without offload unless train.bf16_optimizer says
     deepspeed; the fused loss except under ZeRO-3; varlen attention in bf16 unless train.attention is sdpa; Liger's
-    kernels in bf16 where snaketune.kernels.planned says the ranks will run them)."""
+    kernels in bf16 and the Triton loss where snaketune.kernels.planned / triton_planned say the ranks run them)."""
     lora = train.get("lora") or {}
     stage = zero_stage(ds)
     master = uses_master_weights(ds, train.get("bf16_optimizer", "auto"), bf16=precision == "bf16")
@@ -139,6 +139,7 @@ def _setup_for(train: dict, ds: dict, *, world: int, seq_len: int, precision: st
         fused_cross_entropy=bool(train.get("fused_cross_entropy", True)) and stage != 3,
         varlen=precision == "bf16" and train.get("attention", "auto") != "sdpa",
         liger=precision == "bf16" and kernels.planned(train.get("kernels", "auto")),
+        triton_loss=kernels.triton_planned(train.get("loss_kernel", "auto")),
         world=world,
         gradient_checkpointing=bool(checkpointing),
         checkpoint_layers=partial,

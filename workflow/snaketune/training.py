@@ -95,9 +95,14 @@ class Trainer:
         return batching.load_split(data_dir / "train"), batching.load_split(data_dir / "validation")
 
     def wrap(
-        self, net: torch.nn.Module, packed_attention: bool, fused_cross_entropy: bool
+        self, net: torch.nn.Module, packed_attention: bool, fused_cross_entropy: bool, loss_kernel: str
     ) -> torch.nn.Module:
-        return LossModel(net, packed_attention=packed_attention, fused_cross_entropy=fused_cross_entropy)
+        return LossModel(
+            net,
+            packed_attention=packed_attention,
+            fused_cross_entropy=fused_cross_entropy,
+            loss_kernel=loss_kernel,
+        )
 
     def step_normalizer(self, batch_ids) -> int:
         """What the summed loss of a global batch is divided by: its loss-bearing tokens."""
@@ -240,7 +245,9 @@ class Trainer:
         log.info(
             "fp32 master weights: %s; loss: %s; attention: %s; RMSNorm/RoPE/SwiGLU: %s; torch.compile: %s",
             b.precision_summary,
-            "fused linear cross-entropy" if self.fused_ce else "logits + cross-entropy",
+            "fused linear cross-entropy"
+            if self.fused_ce
+            else f"logits + cross-entropy ({'Triton, gradient in place' if b.loss_kernel == 'triton' else 'torch'})",
             self.attention_summary,
             "Liger kernels" if b.kernels == "liger" else "torch",
             "every decoder layer" if cfg.compile else "off",
@@ -503,6 +510,7 @@ class Trainer:
             "fp32_master_weights": b.precision_summary,
             "fp32_gradient_accumulation": b.accumulate_fp32,
             "fused_cross_entropy": self.fused_ce,
+            "loss_kernel": None if self.fused_ce else b.loss_kernel,
             "attention": self.attention_summary,
             "kernels": b.kernels,
             "compile": self.cfg.compile,
