@@ -117,6 +117,7 @@ def test_plan_matches_the_fast_path_on_an_h200(case, layers, micro, lora, deepsp
         "global_batch_size": 8,
         "lora": {"enabled": lora, "rank": 16},
         "kernels": "torch",  # before Liger's kernels (train.kernels)
+        "loss_kernel": "torch",  # and before the Triton loss (train.loss_kernel)
     }
     if case == "b24_ds_zero2":
         train.update(bf16_optimizer="deepspeed", attention="sdpa")
@@ -138,7 +139,7 @@ def test_plan_counts_what_liger_saves(case, layers, lora):
     less; the plan counts what those kernels do not save for backward (nothing fitted to these runs)."""
     result = next(r for r in json.loads(LIGER_RUN.read_text())["results"] if r["case"] == case)
     train = {"micro_batch_size": 8, "global_batch_size": 8, "lora": {"enabled": lora}, "kernels": "liger"}
-    train["fused_cross_entropy"] = False  # as bench/train_throughput.py BEST
+    train.update(fused_cross_entropy=False, loss_kernel="torch")  # BEST before the Triton loss
     ds = json.loads(Path(DEEPSPEED["zero0.json"]).read_text())
     setup = plan._setup_for(train, ds, world=1, seq_len=512, precision="bf16")
     assert setup.liger
@@ -351,13 +352,51 @@ CAPPED_LORA_RUNS = [
 )
 def test_plan_counts_partial_checkpointing_and_accumulation(case, overrides, measured):
     train = {"micro_batch_size": 8, "global_batch_size": 8, "lora": {"enabled": True}, "kernels": "liger"}
-    train.update(overrides, fused_cross_entropy=False)  # bench/train_throughput.py's BEST
+    train.update(overrides, fused_cross_entropy=False, loss_kernel="torch")  # BEST before the Triton loss
     setup = plan._setup_for(
         train, json.loads(Path(DEEPSPEED["zero0.json"]).read_text()), world=1, seq_len=512, precision="bf16"
     )
     assert setup.checkpoint_layers == overrides.get("gradient_checkpointing")
     est = plan.estimate(deepseek(30), setup)
     assert est.peak_allocated_gib == pytest.approx(measured, rel=TOLERANCE), (case, est)
+
+
+TRITON_LOSS_RUNS = REPO / "bench/runs/2026-12-02_h200_triton_loss"
+TRITON_LOSS_CASES = [
+    # (case, layers, train overrides), as bench/throughput_cases.py defines them; 8 x 512, Liger kernels
+    ("b24_liger", 24, {}),
+    ("b24_liger_torch_loss", 24, {"loss_kernel": "torch"}),
+    ("b30_liger", 30, {}),
+    ("lora30_liger", 30, {"lora": {"enabled": True}}),
+    ("lora30_cap24_ckpt16", 30, {"lora": {"enabled": True}, "gradient_checkpointing": 16}),
+    ("lora30_cap24_ckpt18", 30, {"lora": {"enabled": True}, "gradient_checkpointing": 18}),
+    ("lora30_cap24_auto", 30, {"lora": {"enabled": True}, "gradient_checkpointing": True}),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "layers", "overrides"), TRITON_LOSS_CASES, ids=[c[0] for c in TRITON_LOSS_CASES]
+)
+def test_plan_counts_the_triton_loss(case, layers, overrides):
+    """bench/RESULTS.md (issue #16, 2026-12-02): the runs with train.loss_kernel triton, whose 2 B per token and
+    vocabulary entry (the bf16 logits, then their gradient in the same memory) are counted, not fitted; the
+    torch loss beside them in the same device call."""
+    results = [
+        r
+        for call in sorted(TRITON_LOSS_RUNS.glob("throughput_call*.json"))
+        for r in json.loads(call.read_text())["results"]
+    ]
+    result = next(r for r in results if r["case"] == case)
+    train = {"micro_batch_size": 8, "global_batch_size": 8, "kernels": "liger", "fused_cross_entropy": False}
+    train.update({"loss_kernel": "triton", **overrides})
+    assert result["settings"]["loss_kernel"] == train["loss_kernel"]
+    ds = json.loads(Path(DEEPSPEED["zero0.json"]).read_text())
+    setup = plan._setup_for(train, ds, world=1, seq_len=512, precision="bf16")
+    assert setup.triton_loss == (train["loss_kernel"] == "triton")
+    est = plan.estimate(deepseek(layers), setup)
+    assert est.peak_allocated_gib == pytest.approx(result["peak_gib"], rel=TOLERANCE), est
+    if setup.triton_loss:
+        assert est.logits_gib == pytest.approx((2 * 4096 * 102400 + 8 * 4096) / 2**30)
 
 
 def test_checkpointing_some_layers_is_planned_as_configured():

@@ -26,9 +26,9 @@ import torch
 from snaketune.batching import IGNORE
 from snaketune.config import LOSS_KERNELS
 
-CE_BLOCK = 8192
+CE_BLOCK = 16384
 """Vocabulary entries per iteration of the Triton cross-entropy's row loop (bench/cross_entropy.py)."""
-CE_WARPS = 16
+CE_WARPS = 8
 CHUNK_BYTES = 2**30
 """fp32 logits of one chunk of tokens: 1 GiB, i.e. 2,560 tokens at a 102,400-token vocabulary."""
 
