@@ -21,12 +21,7 @@ import torch.nn.functional as F
 from conftest import run_training
 from snaketune import attention, kernels, optim
 from snaketune.batching import IGNORE, packed_attention_mask, token_loss_sum
-from snaketune.losses import (
-    causal_targets,
-    fused_linear_cross_entropy,
-    logits_cross_entropy,
-    resolve_loss_kernel,
-)
+from snaketune.losses import causal_targets, fused_linear_cross_entropy, logits_cross_entropy
 from snaketune.model import LossModel
 
 STEPS = 12
@@ -110,16 +105,31 @@ def test_causal_targets_match_token_loss_sum():
     torch.testing.assert_close(fused_layout, token_loss_sum(logits, labels, pos))
 
 
+def _tiny_bf16_case(device: torch.device):
+    """builtin-tiny in bf16 on `device` (vocabulary 256) and a batch of packed rows with its cu_seqlens."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from snaketune.architectures import BUILTIN_TINY
+
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(
+        LlamaConfig(**BUILTIN_TINY, vocab_size=256), attn_implementation="sdpa", dtype=torch.bfloat16
+    ).to(device)
+    ids, labels, pos, lengths = _packed_batch(torch.Generator().manual_seed(2), vocab=256, b=4, length=128)
+    cu = attention.segments(pos, lengths).to(device)
+    return net, (ids.to(device), labels.to(device), pos.to(device), cu)
+
+
 def test_loss_kernel_resolves_to_torch_where_triton_cannot_run():
     cpu = torch.device("cpu")
-    assert resolve_loss_kernel("auto", cpu) == "torch"
-    assert resolve_loss_kernel("torch", cpu) == "torch"
+    assert optim.resolve_triton("train.loss_kernel", "auto", cpu) == "torch"
+    assert optim.resolve_triton("train.loss_kernel", "torch", cpu) == "torch"
     with pytest.raises(
         ValueError, match=r"'train.loss_kernel': 'triton' needs a CUDA device .*allowed here: auto, torch"
     ):
-        resolve_loss_kernel("triton", cpu)
+        optim.resolve_triton("train.loss_kernel", "triton", cpu)
     with pytest.raises(ValueError, match=r"'train.loss_kernel': 'liger'; allowed: auto, triton, torch"):
-        resolve_loss_kernel("liger", cpu)
+        optim.resolve_triton("train.loss_kernel", "liger", cpu)
 
 
 @pytest.mark.gpu
@@ -162,17 +172,7 @@ def test_loss_model_triton_loss_matches_torch():
     cuda = torch.device("cuda")
     if not (torch.cuda.is_available() and optim.triton_available(cuda)):
         pytest.skip("needs CUDA and triton")
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from snaketune.architectures import BUILTIN_TINY
-
-    torch.manual_seed(0)
-    net = AutoModelForCausalLM.from_config(
-        LlamaConfig(**BUILTIN_TINY, vocab_size=256), attn_implementation="sdpa", dtype=torch.bfloat16
-    ).to(cuda)
-    ids, labels, pos, lengths = _packed_batch(torch.Generator().manual_seed(2), vocab=256, b=4, length=128)
-    cu = attention.segments(pos, lengths).to(cuda)
-    ids, labels, pos = ids.to(cuda), labels.to(cuda), pos.to(cuda)
+    net, (ids, labels, pos, cu) = _tiny_bf16_case(cuda)
     results = []
     for kernel in ("torch", "triton"):
         model = LossModel(
@@ -280,20 +280,11 @@ def test_liger_kernels_match_the_torch_modules(monkeypatch):
     usable, why = kernels.liger_available(cuda) if torch.cuda.is_available() else (False, "needs CUDA")
     if not usable:
         pytest.skip(why)
-    from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.models.llama import modeling_llama
-
-    from snaketune.architectures import BUILTIN_TINY
 
     for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):  # Liger patches the module globally
         monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
-    torch.manual_seed(0)
-    net = AutoModelForCausalLM.from_config(
-        LlamaConfig(**BUILTIN_TINY, vocab_size=256), attn_implementation="sdpa", dtype=torch.bfloat16
-    ).to(cuda)
-    ids, labels, pos, lengths = _packed_batch(torch.Generator().manual_seed(2), vocab=256, b=4, length=128)
-    cu = attention.segments(pos, lengths).to(cuda)
-    ids, labels, pos = ids.to(cuda), labels.to(cuda), pos.to(cuda)
+    net, (ids, labels, pos, cu) = _tiny_bf16_case(cuda)
     results = []
     for mode in ("torch", "liger"):  # torch first: Liger's RoPE replaces the module's function
         model = LossModel(copy.deepcopy(net), packed_attention=True, fused_cross_entropy=True)

@@ -29,7 +29,6 @@ import torch
 from snaketune import attention, kernels
 from snaketune.config import ModelConfig, TrainConfig
 from snaketune.dsconfig import build_ds_config, offloads, uses_master_weights, zero_stage
-from snaketune.losses import resolve_loss_kernel
 from snaketune.model import (
     apply_lora,
     checkpoint_layers,
@@ -39,7 +38,7 @@ from snaketune.model import (
     is_quantized,
     load_model,
 )
-from snaketune.optim import MasterWeightAdamW, build_optimizer, check_placement, decays
+from snaketune.optim import MasterWeightAdamW, build_optimizer, check_placement, decays, resolve_triton
 
 log = logging.getLogger("snaketune.train")
 
@@ -118,7 +117,7 @@ def build(
     stage = zero_stage(ds_config)
     accumulate_fp32 = master and cfg.accumulation_steps(world) > 1
     fused_ce = cfg.fused_cross_entropy and stage != 3
-    loss_kernel = resolve_loss_kernel(cfg.loss_kernel, device)
+    loss_kernel = resolve_triton("train.loss_kernel", cfg.loss_kernel, device)
     attn = attention.resolve(cfg.attention, device, dtype)
     if cfg.lora.enabled and stage == 3:
         raise ValueError(

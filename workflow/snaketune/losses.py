@@ -24,7 +24,6 @@ import functools
 import torch
 
 from snaketune.batching import IGNORE
-from snaketune.config import LOSS_KERNELS
 
 CE_BLOCK = 16384
 """Vocabulary entries per iteration of the Triton cross-entropy's row loop (bench/cross_entropy.py)."""
@@ -111,20 +110,6 @@ def fused_linear_cross_entropy(
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
     )
-
-
-def resolve_loss_kernel(mode: str, device: torch.device) -> str:
-    """train.loss_kernel -> `triton` or `torch` on `device` (`auto`: triton where it runs)."""
-    from snaketune.optim import triton_available
-
-    if mode not in LOSS_KERNELS:
-        raise ValueError(f"config key 'train.loss_kernel': {mode!r}; allowed: {', '.join(LOSS_KERNELS)}")
-    if mode == "triton" and not triton_available(device):
-        raise ValueError(
-            f"config key 'train.loss_kernel': 'triton' needs a CUDA device and the triton package (device "
-            f"{device}); allowed here: auto, torch"
-        )
-    return "triton" if mode == "triton" or (mode == "auto" and triton_available(device)) else "torch"
 
 
 @functools.cache

@@ -47,6 +47,19 @@ def triton_available(device: torch.device) -> bool:
     return True
 
 
+def resolve_triton(key: str, mode: str, device: torch.device) -> str:
+    """An `auto | triton | torch` setting (train.optimizer_kernel, train.loss_kernel) -> `triton` or `torch` on
+    `device`: `auto` is triton where it runs; `triton` where it cannot is an error naming the key."""
+    if mode not in KERNELS:
+        raise ValueError(f"config key '{key}': {mode!r}; allowed: {', '.join(KERNELS)}")
+    if mode == "triton" and not triton_available(device):
+        raise ValueError(
+            f"config key '{key}': 'triton' needs a CUDA device and the triton package (device {device}); "
+            "allowed here: auto, torch"
+        )
+    return "triton" if mode == "triton" or (mode == "auto" and triton_available(device)) else "torch"
+
+
 @functools.cache
 def _triton_adamw():
     """One pass per parameter: read the bf16 gradient and the fp32 master, m and v; write master, m, v and the
@@ -162,18 +175,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         device = next((p.device for ps in self.model_params for p in ps), torch.device("cpu"))
         # torch's fused AdamW kernels exist for CUDA (and CPU); foreach is the portable fallback.
         self.fused = device.type == "cuda" if fused is None else fused
-        if kernel not in KERNELS:
-            raise ValueError(
-                f"config key 'train.optimizer_kernel': {kernel!r}; allowed: {', '.join(KERNELS)}"
-            )
-        if kernel == "triton" and not triton_available(device):
-            raise ValueError(
-                f"config key 'train.optimizer_kernel': 'triton' needs a CUDA device and the triton package "
-                f"(device {device}); allowed here: auto, torch"
-            )
-        self.kernel = (
-            "triton" if kernel == "triton" or (kernel == "auto" and triton_available(device)) else "torch"
-        )
+        self.kernel = resolve_triton("train.optimizer_kernel", kernel, device)
         self.states = states
         if states == "8bit":  # bitsandbytes' 8-bit kernel does the update (snaketune.adam8bit)
             adam8bit.require()
