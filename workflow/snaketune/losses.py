@@ -119,7 +119,7 @@ def _triton_cross_entropy():
     import triton.language as tl
 
     @triton.jit
-    def forward(
+    def cross_entropy_forward(
         logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, n_cols, ignore, BLOCK: tl.constexpr
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
@@ -140,7 +140,7 @@ def _triton_cross_entropy():
         tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
 
     @triton.jit
-    def backward(
+    def cross_entropy_backward(
         logits_ptr, stride, targets_ptr, lse_ptr, scale_ptr, n_cols, ignore, BLOCK: tl.constexpr
     ):  # fmt: skip
         # d(scale x loss)/d(logits) = scale x (softmax - one_hot(target)), zero on ignored rows, over the logits.
@@ -157,7 +157,7 @@ def _triton_cross_entropy():
             grad = tl.exp(x - lse) - tl.where(offs == target, 1.0, 0.0)
             tl.store(base + offs, (grad * scale).to(logits_ptr.dtype.element_ty), mask=mask)
 
-    return forward, backward
+    return cross_entropy_forward, cross_entropy_backward
 
 
 class _LogitsCrossEntropy(torch.autograd.Function):

@@ -25,10 +25,11 @@ WAIT, WARMUP, ACTIVE = 2, 1, 3
 FAMILIES = (
     ("matmul (cuBLAS/CUTLASS)", re.compile(r"gemm|xmma|nvjet|cublas", re.I)),
     ("attention (FlashAttention/SDPA)", re.compile(r"flash|fmha|attention", re.I)),
-    ("optimizer step (AdamW, gradient norm)", re.compile(r"adam|multi_tensor|optimizer", re.I)),
+    # The gradient norm is torch's vector_norm, a reduce kernel with NormTwoOps (the only 2-norm in a step).
+    ("optimizer step (AdamW, gradient norm)", re.compile(r"adam|multi_tensor|optimizer|NormTwoOps", re.I)),
     (
         "fused Triton (Liger RMSNorm/RoPE/SwiGLU, losses)",
-        re.compile(r"liger|rms|rope|swiglu|silu_mul|triton_", re.I),
+        re.compile(r"liger|rms|rope|swiglu|silu_mul|triton_|cross_entropy", re.I),
     ),
     ("communication (NCCL)", re.compile(r"nccl", re.I)),
     (
