@@ -1,6 +1,6 @@
 """The loss on the logits alone, on the GPU: forward + backward of the next-token cross-entropy over
 (tokens, 102,400) bf16 logits as the train stage runs it with train.loss_kernel `torch` (fp32 upcast +
-F.cross_entropy, snaketune.batching.token_loss_sum's arithmetic), with `triton` (snaketune.losses.
+F.cross_entropy, snaketune.model.batching.token_loss_sum's arithmetic), with `triton` (snaketune.model.losses.
 logits_cross_entropy) at several launch configurations, and with Liger-Kernel's cross-entropy (the field's
 kernel, where liger-kernel is installed); memory beyond the logits themselves, and the bandwidth that
 reading and writing the bf16 logits once each would take as the reference.
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
-from snaketune import losses  # noqa: E402
-from snaketune.batching import IGNORE  # noqa: E402
+from snaketune.model import losses  # noqa: E402
+from snaketune.model.batching import IGNORE  # noqa: E402
 
 
 def measure(fn, logits: torch.Tensor, repeat: int) -> tuple[float, float]:

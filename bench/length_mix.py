@@ -1,6 +1,6 @@
 """A documented conversation-length mix in the oasst1 message schema, for throughput benchmarks.
 
-The builtin sample (snaketune.builtin_data) has short exact-answer conversations (~30 tokens), which would make
+The builtin sample (snaketune.data.builtin) has short exact-answer conversations (~30 tokens), which would make
 padding look far cheaper or far costlier than on real data. This mix has oasst1's shape instead: threads of 1-3
 user/assistant exchanges (60% / 30% / 10%), user turns of log-normal length (median 25 words, sigma 0.9) and
 assistant replies of log-normal length (median 110 words, sigma 0.8), each capped at 600 words. Words come from

@@ -1,4 +1,4 @@
-"""The optimizer step alone, on the GPU: snaketune.optim's Triton AdamW at several launch configurations, the
+"""The optimizer step alone, on the GPU: snaketune.train.optim's Triton AdamW at several launch configurations, the
 gradient norm, and a plain copy as the memory-bandwidth reference, over the parameter shapes of the DeepSeek-7B
 architecture (bf16 weights and gradients, fp32 masters, m and v; 28 B of traffic per parameter for AdamW).
 
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
-from snaketune import optim  # noqa: E402
+from snaketune.train import optim  # noqa: E402
 
 
 def shapes(layers: int, hidden=4096, inter=11008, vocab=102400) -> list[tuple[int, ...]]:

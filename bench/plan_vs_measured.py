@@ -1,4 +1,4 @@
-"""Predicted (snaketune.plan) against measured peak GPU memory of the train stage on one H200.
+"""Predicted (snaketune.plan.search) against measured peak GPU memory of the train stage on one H200.
 
 Run ON THE DEVICE from the repository root, after the carried wheels are installed (bench/plan_vs_measured.sh
 does both; results go to $OUT):
@@ -6,7 +6,7 @@ does both; results go to $OUT):
     PYTHONPATH=/tmp/site:workflow python3 bench/plan_vs_measured.py [--only NAME,NAME] [--budget-s 530]
 
 Each case trains the deepseek-llm-7b architecture (random init, built on the GPU) for 3 optimizer steps on the
-builtin data packed into 512-token blocks, through snaketune.launch as the train rule does it: GPU lock,
+builtin data packed into 512-token blocks, through snaketune.train.launch as the train rule does it: GPU lock,
 the plan's launch-time check, the gpu_memory_gib allocator cap, torchrun, DeepSpeed. Then it compares the
 plan's `peak_allocated_gib` with summary.json's `peak_memory_gib_per_rank` (torch.cuda.max_memory_allocated),
 the plan's per-GPU need with nvidia-smi's peak (allocator cache + CUDA context; where memory is plentiful
@@ -43,8 +43,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "workflow"))
 
-from snaketune import plan as memory_plan  # noqa: E402
-from snaketune.config import ModelConfig, TrainConfig, _build, to_dict  # noqa: E402
+from snaketune.config.load import from_dict, to_dict  # noqa: E402
+from snaketune.config.schema import ModelConfig, TrainConfig  # noqa: E402
+from snaketune.plan import search as memory_plan  # noqa: E402
 
 SEQ = 512
 STEPS = 3
@@ -143,7 +144,7 @@ def train_settings(case: Case) -> dict:
         eval_every=0,
         **case.train,
     )
-    return to_dict(_build(TrainConfig, values, "train."))
+    return to_dict(from_dict(TrainConfig, values, "train."))
 
 
 def model_settings(case: Case, tiny: bool) -> dict:
@@ -168,8 +169,8 @@ def make_plan(case: Case, tiny: bool) -> dict:
 
 
 def run_case(case: Case, work: Path, data: Path, tiny: bool) -> int:
-    """Plan, then train through snaketune.launch; print one RESULT line (JSON)."""
-    from snaketune.launch import LaunchError, launch
+    """Plan, then train through snaketune.train.launch; print one RESULT line (JSON)."""
+    from snaketune.train.launch import LaunchError, launch
 
     plan = make_plan(case, tiny)
     chosen = plan["chosen"]
@@ -250,7 +251,7 @@ def run_case(case: Case, work: Path, data: Path, tiny: bool) -> int:
 
 def prepare_data(data: Path) -> None:
     """The workflow's data stages on the builtin sample, packed into 512-token blocks."""
-    from snaketune import conversations, download, tokenization, tokenizer
+    from snaketune.data import conversations, download, tokenization, tokenizer
 
     if (data / "tokenized" / "stats.json").exists():
         return

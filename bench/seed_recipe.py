@@ -32,8 +32,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "workflow"))
 
-from snaketune.architectures import BUILTIN_TINY, DEEPSEEK_LLM_7B  # noqa: E402
-from snaketune.batching import IGNORE, load_split, target_mask  # noqa: E402
+from snaketune.model.architectures import BUILTIN_TINY, DEEPSEEK_LLM_7B  # noqa: E402
+from snaketune.model.batching import IGNORE, load_split, target_mask  # noqa: E402
 
 SEQ = 512
 

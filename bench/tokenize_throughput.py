@@ -4,7 +4,7 @@ The corpus: every conversation (`paths: all`, every tree state) of the real oass
 ../shared/realdata/oasst (100 English oasst1 trees, 520 oasst2 trees in 30+ languages), repeated under new
 conversation ids until it holds about `--tokens` tokens: the length mix and languages of real oasst data, at
 the scale of the full oasst1 (~21M tokens with `paths: all`) when asked. Each thread count runs the stage
-function (`snaketune.tokenization.tokenize_conversations`, what the tokenize rule calls) in a fresh process,
+function (`snaketune.data.tokenization.tokenize_conversations`, what the tokenize rule calls) in a fresh process,
 as the rule does, and the outputs are compared byte for byte across thread counts.
 
     .venv/bin/python bench/tokenize_throughput.py [--tokens 5000000] [--threads 1,2]
@@ -35,13 +35,13 @@ def build_corpus(out: Path, tokens: int) -> dict:
     sys.path.insert(0, str(REPO / "workflow"))
     import pandas as pd
 
-    from snaketune.conversations import (
+    from snaketune.data.conversations import (
         OUTPUT_COLUMNS,
         Conversations,
         build_conversations,
         write_conversations,
     )
-    from snaketune.messages import read_messages
+    from snaketune.data.readers import read_messages
 
     frames = [
         build_conversations(read_messages(REALDATA / s), paths="all", tree_states=()).train for s in SOURCES
@@ -65,7 +65,7 @@ CHILD = r"""
 import json, os, sys, time
 sys.path.insert(0, {workflow!r})
 t0 = time.perf_counter()
-from snaketune.tokenization import tokenize_conversations
+from snaketune.data.tokenization import tokenize_conversations
 stats = tokenize_conversations({conv!r}, {tok!r}, {out!r}, max_length=2048, packing=True,
     assistant_only_loss=True, chat_template="deepseek", threads={threads})
 print(json.dumps({{"wall": time.perf_counter() - t0, "stats": stats}}))

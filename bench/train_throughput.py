@@ -12,7 +12,7 @@ positions):
    architecture (random init) with the tokenized, packed data: download -> conversations -> train_tokenizer
    -> tokenize -> plan -> train. Each case is an experiment of bench.yaml (bench/throughput_cases.py).
 3. (a) cases: bench/seed_recipe.py (HF Trainer, DeepSpeed fp16 ZeRO-2, micro-batch 1 x 8, every sample padded to
-   512) under torchrun, on the same conversations tokenized with packing off (snaketune.tokenization).
+   512) under torchrun, on the same conversations tokenized with packing off (snaketune.data.tokenization).
 4. trl cases: bench/trl_peer.py, TRL's SFTTrainer with Liger's kernels on the same unpacked conversations, 8 per
    step (the outside reference a user would otherwise pick; positions reported as real tokens: no padding to 512).
 5. A table: tokens/s (positions the GPU computed, real tokens, loss-bearing tokens), MFU, seconds per step,
@@ -126,7 +126,7 @@ def tokenized_dir(work: Path, packing: bool) -> Path | None:
 
 def seed_data(work: Path) -> Path:
     """The conversations tokenized with packing off (one conversation per row, truncated to 512)."""
-    from snaketune.tokenization import tokenize_conversations
+    from snaketune.data.tokenization import tokenize_conversations
 
     out = work / "seed_data"
     if not (out / "stats.json").exists():
@@ -227,7 +227,7 @@ def seed_result(case: Case, report_path: Path, rc) -> dict:
 def mix_stats(work: Path) -> dict:
     import numpy as np
 
-    from snaketune.batching import load_split
+    from snaketune.model.batching import load_split
 
     out: dict = {}
     packed = tokenized_dir(work, True)

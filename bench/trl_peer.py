@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from seed_recipe import SEQ, PaddedSamples, build_model, step_timer  # noqa: E402
 
-from snaketune.batching import IGNORE, load_split  # noqa: E402
+from snaketune.model.batching import IGNORE, load_split  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "workflow"))
-from snaketune.architectures import DEEPSEEK_LLM_7B  # noqa: E402
+from snaketune.model.architectures import DEEPSEEK_LLM_7B  # noqa: E402
 
 
 def main() -> None:

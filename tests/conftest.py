@@ -30,6 +30,25 @@ def copy_workflow(dest: Path) -> Path:
     return dest
 
 
+def assert_close_to_scale(actual, expected, *, terms: int, eps: float | None = None, msg: str = "") -> None:
+    """`actual` equals `expected` within the rounding error of summing `terms` values: every entry within
+    terms x eps x max|expected| (eps: of expected's dtype, 2^-23 for fp32). The bound: summing n terms in floating
+    point errs by at most (n - 1) u sum|x_i| (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed.,
+    eq. 4.4, u = eps / 2), so two summation orders differ by at most (n - 1) eps sum|x_i|; with terms no larger
+    than the tensor's largest entry, sum|x_i| <= n max|expected| is the scale, and this allows n of its ulps, well
+    above the sqrt(n) that random rounding gives. Relative to the tensor, not to each entry: an entry whose terms
+    cancel to near zero keeps the rounding error of the terms that cancelled, so an elementwise rtol fails on one
+    CPU and passes on another, as the kernels' summation order differs (tests/test_fast_path.py on two hosts)."""
+    import torch
+
+    eps = torch.finfo(expected.dtype).eps if eps is None else eps
+    bound = terms * eps * float(expected.abs().max())
+    err = float((actual - expected).abs().max())
+    assert err <= bound, (
+        f"{msg}: max |difference| {err:.3g} > {terms} x {eps:.3g} x max|expected| = {bound:.3g}"
+    )
+
+
 MAX_LENGTH = 128
 # Settings every training test shares unless it overrides them: a 4-sequence global batch on the tiny model,
 # metrics at every step (per-step losses are what the tests compare), no checkpoints, validation at the end.
@@ -59,7 +78,7 @@ class TinyData:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> TinyData:
     """download -> conversations -> tokenizer -> tokenized cache, exactly as the workflow chains them."""
-    from snaketune import conversations, download, tokenization, tokenizer
+    from snaketune.data import conversations, download, tokenization, tokenizer
 
     root = tmp_path_factory.mktemp("tiny_data")
     data = TinyData(root / "raw", root / "conversations", root / "tokenizer", root / "tokenized", MAX_LENGTH)
@@ -123,12 +142,13 @@ def run_spec(
     preference: dict | None = None,
 ) -> dict:
     """The RunSpec dict workflow/scripts/train.py (or dpo.py, with `preference`) writes, for a run under `root`."""
-    from snaketune.config import ModelConfig, TrainConfig, _build, to_dict
+    from snaketune.config.load import from_dict, to_dict
+    from snaketune.config.schema import ModelConfig, TrainConfig
 
     ds_path = Path(deepspeed)
     if ds_path.suffix != ".json":
         ds_path = DEEPSPEED_DIR / f"{deepspeed}.json"
-    train = _build(TrainConfig, {**TRAIN_DEFAULTS, **(train_overrides or {})}, "train.")
+    train = from_dict(TrainConfig, {**TRAIN_DEFAULTS, **(train_overrides or {})}, "train.")
     spec = {
         "experiment": "test",
         "model": to_dict(ModelConfig(**(model or {}))),
@@ -154,17 +174,17 @@ def run_training(
     deepspeed: str | Path = "zero2",
     *,
     checkpoint_dir: Path | None = None,
-    module: str = "snaketune.training",
+    module: str = "snaketune.train.trainer",
     data_dir: Path | None = None,
     model: dict | None = None,
     preference: dict | None = None,
 ) -> TrainRun:
-    """Train with `nproc` ranks through snaketune.launch (torchrun, as the train rule does).
+    """Train with `nproc` ranks through snaketune.train.launch (torchrun, as the train rule does).
 
     `deepspeed` is a file name in config/deepspeed (zero0, zero2, zero3) or a path to a JSON file.
-    Raises snaketune.launch.LaunchError when the run fails; the ranks' output is in tmp_path/train.log.
+    Raises snaketune.train.launch.LaunchError when the run fails; the ranks' output is in tmp_path/train.log.
     """
-    from snaketune.launch import launch
+    from snaketune.train.launch import launch
 
     spec = run_spec(
         tmp_path,
@@ -193,3 +213,39 @@ def run_training(
         rows=read_metrics(out / "metrics.csv"),
         summary=json.loads((out / "summary.json").read_text()),
     )
+
+
+def run_reference(
+    root: Path,
+    data: TinyData,
+    *,
+    data_dir: Path,
+    model: dict,
+    nproc: int = 1,
+    train_overrides: dict | None = None,
+    reference: str = "sft",
+    max_length: int = 64,
+) -> Path:
+    """The reference stage's ranks (snaketune.preference.reference) as the reference rule launches them; returns
+    the directory holding reference.parquet and reference.json."""
+    from snaketune.train.launch import launch
+
+    train = {**TRAIN_DEFAULTS, **(train_overrides or {})}
+    train["global_batch_size"] = train["micro_batch_size"]  # as workflow/scripts/reference.py sets it
+    spec = run_spec(
+        root,
+        data,
+        train_overrides=train,
+        data_dir=data_dir,
+        model=model,
+        preference={"reference": reference, "max_length": max_length},
+    )
+    launch(
+        spec,
+        Path(spec["checkpoint_dir"]) / "run-spec.json",
+        granted=nproc,
+        log_file=root / "reference.log",
+        threads=2,
+        module="snaketune.preference.reference",
+    )
+    return Path(spec["output_dir"])

@@ -20,18 +20,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from snaketune import download
-from snaketune.config import ConfigError, DatasetConfig
-from snaketune.conversations import (
+from snaketune.config.choices import ConfigError
+from snaketune.config.schema import DatasetConfig
+from snaketune.data import download
+from snaketune.data.conversations import (
     REQUIRED_COLUMNS,
     DataError,
     build_conversations,
     read_messages,
     write_conversations,
 )
+from snaketune.data.tokenization import TemplateError, load_tokenizer, tokenize_conversations
+from snaketune.data.tokenizer import TokenizerError, conversation_texts, fetch_tokenizer, train_tokenizer
 from snaketune.io import sha256_tree
-from snaketune.tokenization import TemplateError, load_tokenizer, tokenize_conversations
-from snaketune.tokenizer import TokenizerError, conversation_texts, fetch_tokenizer, train_tokenizer
 
 LONG_PROMPT = " ".join(["please explain in detail how this works"] * 2)
 

@@ -1,4 +1,4 @@
-"""Unit tests of snaketune.batching: the sample order, the rank and micro-batch split, padding, the packed
+"""Unit tests of snaketune.model.batching: the sample order, the rank and micro-batch split, padding, the packed
 attention mask and the loss that training sums and normalizes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from snaketune.batching import (
+from snaketune.model.batching import (
     IGNORE,
     GlobalOrder,
     TokenizedSplit,

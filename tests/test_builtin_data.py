@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from snaketune import builtin_data as bd
+from snaketune.config.choices import BUILTIN_EVAL_QUESTIONS
+from snaketune.data import builtin as bd
 
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "message_id": (str,),
@@ -320,6 +321,7 @@ def test_eval_examples_bounds() -> None:
         bd.eval_examples(10_000)
     # The largest allowed n terminates: the rarest task's questions are all used, none twice.
     largest = 5 * 4 * 16
+    assert largest == BUILTIN_EVAL_QUESTIONS  # the bound the config checks eval.builtin_examples against
     assert len({e["prompt"] for e in bd.eval_examples(largest)}) == largest
     with pytest.raises(ValueError, match="n must be"):
         bd.eval_examples(largest + 1)

@@ -10,8 +10,10 @@ import jsonschema
 import pytest
 import yaml
 
-from snaketune.config import ConfigError, TrainConfig, load_config
-from snaketune.dsconfig import build_ds_config
+from snaketune.config.choices import ConfigError
+from snaketune.config.deepspeed import build_ds_config
+from snaketune.config.load import load_config
+from snaketune.config.schema import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())

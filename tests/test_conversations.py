@@ -1,4 +1,4 @@
-"""Unit tests for snaketune.conversations on small hand-made oasst1-format trees."""
+"""Unit tests for snaketune.data.conversations on small hand-made oasst1-format trees."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from snaketune.conversations import (
+from snaketune.data.conversations import (
     OUTPUT_COLUMNS,
     REQUIRED_COLUMNS,
     Conversations,

@@ -12,11 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from snaketune import batching, evaluate
-from snaketune.builtin_data import eval_examples, expected_answer
-from snaketune.config import DEFAULT_EVAL_PROMPTS, ConfigError, EvalConfig, ModelConfig, load_config, to_dict
-from snaketune.model import load_model
-from snaketune.tokenization import load_tokenizer
+from snaketune.config.choices import DEFAULT_EVAL_PROMPTS, ConfigError
+from snaketune.config.load import load_config, to_dict
+from snaketune.config.schema import EvalConfig, ModelConfig
+from snaketune.data.builtin import eval_examples, expected_answer
+from snaketune.data.tokenization import load_tokenizer
+from snaketune.evaluation import evaluate
+from snaketune.model import batching
+from snaketune.model.build import load_model
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 1234
@@ -326,7 +329,10 @@ def test_config_yaml_spells_out_the_eval_defaults():
         ),
         ({"prompts": ["  "]}, "config key 'eval.prompts': '  ' is not a non-empty string"),
         ({"max_new_tokens": 0}, "config key 'eval.max_new_tokens': 0 must be between 1 and 4096"),
-        ({"builtin_examples": 1000}, "config key 'eval.builtin_examples': n must be between 1 and 320"),
+        (
+            {"builtin_examples": 1000},
+            "config key 'eval.builtin_examples': 1000 is not allowed; allowed: 0 (off) to 320",
+        ),
         ({"batch_size": 0}, "config key 'eval.batch_size'"),
         ({"max_new_token": 8}, "'eval.max_new_token': unknown key; did you mean 'max_new_tokens'?"),
     ],

@@ -468,7 +468,7 @@ def write_json_file(root: Path, version: int) -> list[Path]:
 
 def write_download(root: Path, version: int) -> list[Path]:
     """workflow/scripts/download.py: materialize into io.atomic_files (Parquet, SHA256SUMS, JSON)."""
-    from snaketune.download import materialize
+    from snaketune.data.download import materialize
 
     raw = root / "data/raw"
     targets = [raw / "messages.parquet", raw / "SHA256SUMS", raw / "source.json"]
@@ -479,7 +479,7 @@ def write_download(root: Path, version: int) -> list[Path]:
 
 def write_conversations(root: Path, version: int) -> list[Path]:
     """workflow/scripts/conversations.py: write_conversations into io.atomic_files."""
-    from snaketune import conversations
+    from snaketune.data import conversations
 
     out = root / "data/conversations"
     targets = [out / "train.parquet", out / "validation.parquet", out / "stats.json"]
@@ -494,7 +494,7 @@ def write_conversations(root: Path, version: int) -> list[Path]:
 
 def write_tokenizer(root: Path, version: int) -> list[Path]:
     """workflow/scripts/train_tokenizer.py: the tokenizers library's own writer, into io.atomic_files."""
-    from snaketune import tokenizer
+    from snaketune.data import tokenizer
 
     out = root / "tokenizer/builtin"
     targets = [out / "tokenizer.json", out / "tokenizer_config.json"]
@@ -505,8 +505,8 @@ def write_tokenizer(root: Path, version: int) -> list[Path]:
 
 
 def write_tokenized(root: Path, version: int) -> list[Path]:
-    """snaketune.tokenization: datasets' Arrow writer inside io.atomic_dir."""
-    from snaketune import tokenization
+    """snaketune.data.tokenization: datasets' Arrow writer inside io.atomic_dir."""
+    from snaketune.data import tokenization
 
     out = root / "tokenized/0123456789abcdef"
     tokenization.tokenize_conversations(
@@ -522,8 +522,8 @@ def write_tokenized(root: Path, version: int) -> list[Path]:
 
 
 def write_report(root: Path, version: int) -> list[Path]:
-    """snaketune.report.build_report: matplotlib, HTML, Markdown and JSON into io.atomic_files."""
-    from snaketune import report
+    """snaketune.report.build.build_report: matplotlib, HTML, Markdown and JSON into io.atomic_files."""
+    from snaketune.report import build as report
     from test_report import make_results
 
     inputs_root = root.parent / "report_inputs"  # the inputs are not under test: outside root

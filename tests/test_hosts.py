@@ -1,4 +1,4 @@
-"""snaketune.hosts: SLURM node lists, GPU ids and the multi-node torchrun rendezvous, from made-up environments."""
+"""snaketune.train.hosts: SLURM node lists, GPU ids and the multi-node torchrun rendezvous, from made-up environments."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from snaketune import hosts
-from snaketune.hosts import Allocation, HostsError, expand_nodelist
+from snaketune.train import hosts
+from snaketune.train.hosts import Allocation, HostsError, expand_nodelist
 
 
 @pytest.mark.parametrize(
@@ -153,7 +153,7 @@ def test_srun_env_drops_the_steps_variables_and_keeps_the_jobs():
     ids=["outside-slurm", "too-few-nodes"],
 )
 def test_launcher_refuses_several_nodes_without_them(tmp_path, monkeypatch, slurm, expected):
-    from snaketune.launch import LaunchError, launch
+    from snaketune.train.launch import LaunchError, launch
 
     for name in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(name)

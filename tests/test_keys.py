@@ -56,9 +56,11 @@ def parsed_imports(path: Path) -> set[str]:
             found.update(a.name for a in node.names if a.name.startswith("snaketune."))
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "snaketune":
             assert node.level == 0, f"{path}: relative import (keys' scan reads absolute ones only)"
-            if node.module == "snaketune":
+            if node.module == "snaketune" or keys.is_package(node.module):
                 found.update(
-                    f"snaketune.{a.name}" for a in node.names if (keys.PACKAGE_DIR / f"{a.name}.py").exists()
+                    f"{node.module}.{a.name}"
+                    for a in node.names
+                    if keys.module_path(f"{node.module}.{a.name}")
                 )
             else:
                 found.add(node.module)
@@ -66,13 +68,17 @@ def parsed_imports(path: Path) -> set[str]:
 
 
 def package_modules() -> list[str]:
-    return sorted(f"snaketune.{p.stem}" for p in keys.PACKAGE_DIR.glob("*.py") if p.stem != "__init__")
+    """Every module of the package and its subpackages (their __init__.py files are empty: test_layout)."""
+    return sorted(
+        ".".join(p.relative_to(keys.PACKAGE_DIR.parent).with_suffix("").parts)
+        for p in keys.PACKAGE_DIR.rglob("*.py")
+        if p.name != "__init__.py"
+    )
 
 
 @pytest.mark.parametrize("module", package_modules())
 def test_import_scan_agrees_with_the_parser(module):
-    path = keys.PACKAGE_DIR / f"{module.removeprefix('snaketune.')}.py"
-    assert keys.imported_modules(module) == parsed_imports(path) - {module}
+    assert keys.imported_modules(module) == parsed_imports(keys.module_path(module)) - {module}
 
 
 def test_stage_modules_are_the_import_closure():
@@ -82,7 +88,7 @@ def test_stage_modules_are_the_import_closure():
             module = todo.pop()
             if module not in closure:
                 closure.add(module)
-                todo += parsed_imports(keys.PACKAGE_DIR / f"{module.removeprefix('snaketune.')}.py")
+                todo += parsed_imports(keys.module_path(module))
         assert set(keys.stage_modules(stage)) == closure, stage
 
 
@@ -116,12 +122,20 @@ def test_every_scripted_rule_hashes_its_code():
 
 
 def test_code_hash_follows_imports(tmp_path, monkeypatch):
+    """Through modules and subpackages, in every spelling of an absolute import; an __init__.py is no module."""
     pkg = tmp_path / "snaketune"
-    pkg.mkdir()
-    (pkg / "a.py").write_text("from snaketune import b\n")
+    (pkg / "sub" / "deeper").mkdir(parents=True)
+    (pkg / "a.py").write_text("from snaketune import b\nfrom snaketune.sub import e, h as h2\n")
     (pkg / "b.py").write_text("def f():\n    from snaketune.c import g\n")
     (pkg / "c.py").write_text("X = 1\n")
     (pkg / "d.py").write_text("Y = 1\n")
+    for init in (pkg / "sub" / "__init__.py", pkg / "sub" / "deeper" / "__init__.py"):
+        init.write_text("")
+    (pkg / "sub" / "e.py").write_text("from snaketune.sub.deeper.f import (\n    x,\n)\n")
+    (pkg / "sub" / "h.py").write_text("import snaketune.sub.deeper.i\n")
+    (pkg / "sub" / "deeper" / "f.py").write_text("x = 1\n")
+    (pkg / "sub" / "deeper" / "i.py").write_text("y = 1\n")
+    (pkg / "sub" / "deeper" / "j.py").write_text("z = 1\n")
     monkeypatch.setattr(keys, "PACKAGE_DIR", pkg)
     monkeypatch.setattr(keys, "STAGE_MODULES", {"s": ("snaketune.a",)})
     caches = (keys._source, keys.imported_modules, keys.stage_modules)
@@ -133,11 +147,23 @@ def test_code_hash_follows_imports(tmp_path, monkeypatch):
 
     try:
         before = fresh_hash()
-        assert keys.stage_modules("s") == ("snaketune.a", "snaketune.b", "snaketune.c")
-        (pkg / "d.py").write_text("Y = 2\n")  # not imported
-        assert fresh_hash() == before
-        (pkg / "c.py").write_text("X = 1\n# a comment counts: the hash is of the bytes\n")
-        assert fresh_hash() != before
+        assert keys.stage_modules("s") == (
+            "snaketune.a",
+            "snaketune.b",
+            "snaketune.c",
+            "snaketune.sub.deeper.f",
+            "snaketune.sub.deeper.i",
+            "snaketune.sub.e",
+            "snaketune.sub.h",
+        )
+        for unused in ("d.py", "sub/deeper/j.py"):  # not imported
+            (pkg / unused).write_text("Y = 2\n")
+            assert fresh_hash() == before
+        for module in ("c.py", "sub/deeper/f.py", "sub/deeper/i.py"):
+            path = pkg / module
+            path.write_text(path.read_text() + "# a comment counts: the hash is of the bytes\n")
+            assert fresh_hash() != before, module
+            before = fresh_hash()
     finally:
         for fn in caches:
             fn.cache_clear()
@@ -148,7 +174,7 @@ def test_dag_time_imports_are_light():
     no torch or transformers there (seconds each), nor pyarrow or pandas (tenths)."""
     modules = sorted(
         {m for p in RULES.glob("*.smk") for m in parsed_imports_smk(p)}
-        | {"snaketune.keys", "snaketune.config"}
+        | {"snaketune.keys", "snaketune.config.schema"}
     )
     code = (
         f"import sys; sys.path.insert(0, {str(REPO / 'workflow')!r}); import json\n"
@@ -162,17 +188,44 @@ def test_dag_time_imports_are_light():
 def parsed_imports_smk(path: Path) -> set[str]:
     """`from snaketune import a, b` / `from snaketune.x import y` lines of a rule file."""
     found = set()
-    for sub, names in re.findall(r"^from snaketune(?:\.(\w+))? import ([\w, ]+)", path.read_text(), re.M):
-        found |= {f"snaketune.{sub}"} if sub else {f"snaketune.{n.strip()}" for n in names.split(",")}
+    for sub, names in re.findall(r"^from snaketune((?:\.\w+)*) import ([\w, ]+)", path.read_text(), re.M):
+        parent = f"snaketune{sub}"
+        if parent == "snaketune" or keys.is_package(parent):
+            found |= {f"{parent}.{n.split()[0]}" for n in names.split(",")}
+        else:
+            found.add(parent)
     return found
 
 
-def test_checkpoint_run_key_includes_the_data(tmp_path):
-    from snaketune.checkpoint import run_key
+def test_checkpoint_run_key_covers_the_content_of_every_input(tmp_path):
+    """A job's checkpoint directory is named by its settings and every input it starts from, by content: another
+    SFT model, reference or dataset never resumes a run; a rewrite of the same bytes still does."""
+    import os
 
-    a, b = tmp_path / "a", tmp_path / "b"
-    for d, text in ((a, '{"conversation_files_sha256": 1}'), (b, '{"conversation_files_sha256": 2}')):
-        d.mkdir()
-        (d / "stats.json").write_text(text)
-    assert run_key("k", a).startswith("k-") and run_key("k", a) == run_key("k", a)
-    assert run_key("k", a) != run_key("k", b)
+    from snaketune.train.checkpoint import run_key
+
+    data, model, reference = tmp_path / "data", tmp_path / "model", tmp_path / "reference.parquet"
+    (data / "train").mkdir(parents=True)
+    (data / "stats.json").write_text('{"conversation_files_sha256": 1}')
+    (data / "train" / "rows.arrow").write_bytes(b"rows")
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    reference.write_bytes(b"logprobs")
+    inputs = {"data": str(data), "policy": str(model), "reference": str(reference), "extra": [str(reference)]}
+    key = run_key("k", inputs)
+    assert key.startswith("k-") and key == run_key("k", inputs) and run_key("j", inputs) != key
+    os.utime(model / "model.safetensors", (1, 1))  # timestamps alone: the same run
+    (data / "stats.json").write_text('{"conversation_files_sha256": 1}')
+    assert run_key("k", inputs) == key
+    for path, content in (
+        (model / "model.safetensors", b"other weights"),
+        (reference, b"other logprobs"),
+        (data / "train" / "rows.arrow", b"other rows"),
+    ):
+        before = path.read_bytes()
+        path.write_bytes(content)
+        assert run_key("k", inputs) != key, path
+        path.write_bytes(before)
+    (model / "adapter").mkdir()
+    (model / "adapter" / "a.safetensors").write_bytes(b"adapter")  # a file more
+    assert run_key("k", inputs) != key

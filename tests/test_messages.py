@@ -10,9 +10,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from snaketune import download
-from snaketune.conversations import build_conversations
-from snaketune.messages import DataError, read_messages
+from snaketune.data import download
+from snaketune.data.conversations import build_conversations
+from snaketune.data.messages import DataError
+from snaketune.data.readers import read_messages
 
 REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata" / "oasst"
 needs_realdata = pytest.mark.skipif(not REALDATA.is_dir(), reason=f"{REALDATA} is absent (a user's clone)")

@@ -1,4 +1,4 @@
-"""The preflight memory plan (snaketune.plan): its numbers against measured H200 peaks, the plan file, a
+"""The preflight memory plan (snaketune.plan.search): its numbers against measured H200 peaks, the plan file, a
 configuration that does not fit stopping the workflow before training with what would fit, and
 train.strategy auto."""
 
@@ -14,9 +14,15 @@ import pytest
 import torch
 import yaml
 
-from snaketune import plan
-from snaketune.architectures import DEEPSEEK_LLM_7B
-from snaketune.config import ConfigError, TrainConfig, checkpointed_layers, load_config, to_dict
+from snaketune.config.choices import ConfigError
+from snaketune.config.load import load_config, to_dict
+from snaketune.config.schema import TrainConfig, checkpointed_layers
+from snaketune.model.architectures import DEEPSEEK_LLM_7B
+from snaketune.plan import apply
+from snaketune.plan import search as plan
+from snaketune.plan.arch import arch_from_hf_config
+from snaketune.plan.budget import Budget
+from snaketune.plan.memory import GIB
 
 REPO = Path(__file__).resolve().parent.parent
 DEEPSPEED = {name: str(REPO / "config/deepspeed" / name) for name in plan.STRATEGY_FILES.values()}
@@ -26,7 +32,7 @@ TOLERANCE = 0.10
 
 
 def deepseek(layers: int) -> plan.Arch:
-    return plan.arch_from_hf_config({**DEEPSEEK_LLM_7B, "num_hidden_layers": layers})
+    return arch_from_hf_config({**DEEPSEEK_LLM_7B, "num_hidden_layers": layers})
 
 
 def ds_setup(name: str, **fields) -> plan.Setup:
@@ -180,8 +186,8 @@ def test_parameter_counts_are_exact():
 
 
 def test_parameter_counts_match_the_built_models():
-    from snaketune.config import LoraConfig, ModelConfig
-    from snaketune.model import apply_lora, count_params, load_model
+    from snaketune.config.schema import LoraConfig, ModelConfig
+    from snaketune.model.build import apply_lora, count_params, load_model
 
     arch, _ = plan.resolve_arch({"base": "builtin-tiny"})
     net = load_model(
@@ -215,7 +221,7 @@ def train_dict(**overrides) -> dict:
 
 
 def make(model: dict, train: dict, *, gib: float | None, max_length: int = 512, host: float = 125.0) -> dict:
-    budget = plan.Budget(gib, "test budget" if gib else "no GPU", host)
+    budget = Budget(gib, "test budget" if gib else "no GPU", host)
     return plan.make_plan(
         experiment="x",
         model=model,
@@ -243,7 +249,7 @@ def test_plan_file_for_the_cpu_default(tmp_path):
         max_length=256,
         deepspeed_config=DEEPSPEED["zero2.json"],
         gpu_memory_gib=None,
-        budget=plan.Budget(None, "no GPU: CPU ranks, nothing to check", 16.0),
+        budget=Budget(None, "no GPU: CPU ranks, nothing to check", 16.0),
         candidate_files=DEEPSPEED,
     )
     on_disk = json.loads(out.read_text())
@@ -284,7 +290,7 @@ def test_not_fitting_says_what_would_fit(tmp_path):
     with pytest.raises(plan.PlanError, match="What would fit"):
         plan.write_plan(
             out=out,
-            budget=plan.Budget(24, "test budget", 256),
+            budget=Budget(24, "test budget", 256),
             experiment="x",
             model=SEVEN_B,
             train=train,
@@ -430,7 +436,7 @@ def test_auto_halves_the_micro_batch_where_nothing_else_fits():
     assert result["chosen"]["name"] == f"zero0+ckpt+micro{result['chosen']['micro_batch_size']}"
     assert not any(c["fits"] for c in result["candidates"] if c["setup"]["micro_batch"] == 4)
     spec = {"train": train, "deepspeed_config": DEEPSPEED["zero0.json"], "run_key": "abc"}
-    applied = plan.apply_plan(spec, result)
+    applied = apply.apply_plan(spec, result)
     assert applied["train"]["micro_batch_size"] == result["chosen"]["micro_batch_size"]
     assert applied["train"]["gradient_checkpointing"] is True and applied["run_key"] != "abc"
     assert applied["train"]["global_batch_size"] == 8
@@ -454,26 +460,26 @@ def test_auto_changes_the_run_and_its_checkpoint_key():
         host=256,
     )
     spec = {"train": train_dict(gpus=3), "deepspeed_config": DEEPSPEED["zero2.json"], "run_key": "abc"}
-    applied = plan.apply_plan(spec, auto)
+    applied = apply.apply_plan(spec, auto)
     assert applied["deepspeed_config"] == DEEPSPEED["zero3_offload.json"]
     assert applied["run_key"] != "abc" and len(applied["run_key"]) == 16
     configured = make(SEVEN_B, train_dict(gpus=1, global_batch_size=8), gib=None)
-    assert plan.apply_plan(spec, configured) is spec  # as_configured: the run as given
+    assert apply.apply_plan(spec, configured) is spec  # as_configured: the run as given
 
 
 def test_launch_time_check_uses_the_granted_world_size():
     """The plan is made for train.gpus; Snakemake may grant fewer, and ZeRO then needs more per GPU."""
     result = make({**SEVEN_B, "num_layers": 8}, train_dict(gpus=4, global_batch_size=16), gib=None)
-    ok, line = plan.check_devices(result, world=4, device_gib=80.0, host_gib=256)
+    ok, line = apply.check_devices(result, world=4, device_gib=80.0, host_gib=256)
     assert ok and "zero2 on 4 GPU(s) needs" in line
-    ok, message = plan.check_devices(result, world=1, device_gib=24.0, host_gib=256)
+    ok, message = apply.check_devices(result, world=1, device_gib=24.0, host_gib=256)
     assert not ok and "does not fit" in message
     # gpu_memory_gib caps a larger GPU: 2 ranks would fit 139.8 GiB but not 24.
-    assert plan.check_devices(result, world=2, device_gib=139.8, host_gib=256)[0]
+    assert apply.check_devices(result, world=2, device_gib=139.8, host_gib=256)[0]
     capped = {**result, "gpu_memory_gib": 24}
-    ok, message = plan.check_devices(capped, world=2, device_gib=139.8, host_gib=256)
+    ok, message = apply.check_devices(capped, world=2, device_gib=139.8, host_gib=256)
     assert not ok and "gpu_memory_gib 24" in message
-    assert plan.check_devices(None, world=1, device_gib=24, host_gib=None)[0]
+    assert apply.check_devices(None, world=1, device_gib=24, host_gib=None)[0]
 
 
 def test_config_keys():
@@ -559,10 +565,8 @@ def test_nf4_weights_are_counted():
     bf16 = plan.estimate(arch, plan.Setup(**lora))
     nf4 = plan.estimate(arch, plan.Setup(**lora, quantized=True))
     linear = 30 * sum(a * b for a, b in arch.linear_shapes().values())
-    assert bf16.weights_gib * plan.GIB == 2 * arch.params()
-    assert nf4.weights_gib * plan.GIB == pytest.approx(
-        2 * (arch.params() - linear) + 0.515869 * linear, rel=1e-6
-    )
+    assert bf16.weights_gib * GIB == 2 * arch.params()
+    assert nf4.weights_gib * GIB == pytest.approx(2 * (arch.params() - linear) + 0.515869 * linear, rel=1e-6)
     assert nf4.weights_gib == pytest.approx(4.48, abs=0.01)
 
 
@@ -612,7 +616,7 @@ def test_8bit_states_make_a_full_fine_tune_fit_without_offload():
     # fp32 strategies without offload first, then the same with 8-bit states, then offload.
     assert names.index("zero3+ckpt") < names.index("zero0+8bit") < names.index("zero3_offload")
     spec = {"train": train, "deepspeed_config": DEEPSPEED["zero2.json"], "run_key": "abc"}
-    applied = plan.apply_plan(spec, auto)
+    applied = apply.apply_plan(spec, auto)
     assert applied["train"]["optimizer_states"] == "8bit" and applied["train"]["gradient_checkpointing"]
     assert applied["run_key"] != "abc"
     # Configured with 8-bit states, `auto` never offers CPU offload, which the trainer refuses with them.
@@ -629,7 +633,7 @@ def test_qlora_example_plans_training_and_evaluation_in_16_gib():
     train = {**to_dict(TrainConfig()), **cfg["train"]}
     train["lora"] = {**to_dict(TrainConfig()).get("lora"), **cfg["train"]["lora"]}
     train["deepspeed"] = str(REPO / train["deepspeed"])
-    budget = plan.Budget(16.0, "gpu_memory_gib: 16", 125.0)
+    budget = Budget(16.0, "gpu_memory_gib: 16", 125.0)
     result = plan.make_plan(
         experiment="default",
         model={"base": "arch:deepseek-llm-7b"},

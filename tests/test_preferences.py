@@ -14,11 +14,13 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import run_training
-from snaketune import batching, pairs
-from snaketune.logprobs import pair_logprobs, preference_loss, reply_sums, token_logprobs
-from snaketune.messages import DataError, read_messages
-from snaketune.preferences import GROUP_DROP_REASONS, build_preferences
+from conftest import assert_close_to_scale, run_reference, run_training
+from snaketune.data import pairs
+from snaketune.data.messages import DataError
+from snaketune.data.preferences import GROUP_DROP_REASONS, build_preferences
+from snaketune.data.readers import read_messages
+from snaketune.model import batching
+from snaketune.preference.logprobs import pair_logprobs, preference_loss, reply_sums, token_logprobs
 
 REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata" / "oasst"
 needs_realdata = pytest.mark.skipif(not REALDATA.is_dir(), reason=f"{REALDATA} is absent (a user's clone)")
@@ -73,19 +75,22 @@ def test_token_logprobs_and_their_gradients_equal_autograd():
     plain = (hidden @ weight.t()).log_softmax(-1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
     plain = torch.where(targets != batching.IGNORE, plain, 0.0)
     (plain * upstream).sum().backward()
-    torch.testing.assert_close(mine.double(), plain, rtol=0, atol=1e-5)  # the chunks compute in fp32
-    torch.testing.assert_close(got[0], hidden.grad, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got[1], weight.grad, rtol=0, atol=1e-5)
+    # The chunks compute in fp32: a log-prob sums over the 50 vocabulary entries, the hidden states' gradient over
+    # them too, the weight's over the 37 tokens.
+    fp32 = torch.finfo(torch.float32).eps
+    assert_close_to_scale(mine.double(), plain, terms=50, eps=fp32, msg="log-probs")
+    assert_close_to_scale(got[0], hidden.grad, terms=50, eps=fp32, msg="hidden")
+    assert_close_to_scale(got[1], weight.grad, terms=37, eps=fp32, msg="weight")
 
 
 def test_pair_logprobs_of_a_packed_row_equal_each_side_alone(tiny_data):
     """A pair in one row (chosen, then rejected with restarting positions) gives each side's own summed
     log-probability, as a forward pass over that side alone does; pads change nothing."""
-    from snaketune.evaluate import load_base_model
-    from snaketune.tokenization import load_tokenizer
+    from snaketune.data.tokenization import load_tokenizer
+    from snaketune.evaluation.evaluate import load_base_model
 
     tok = load_tokenizer(tiny_data.tokenizer_dir, "deepseek")
-    from snaketune.config import ModelConfig
+    from snaketune.config.schema import ModelConfig
 
     net = load_base_model(ModelConfig(), tok, seed=3, train_dtype=torch.float32, dtype=torch.float32)
     gen = np.random.default_rng(0)
@@ -200,7 +205,7 @@ def test_no_split_and_no_pairs_are_named():
     ("openpaws_oasst2.trees.jsonl", "openpaws_oasst2.hf_rows.jsonl"),
 ])  # fmt: skip
 def test_real_samples_give_the_same_pairs_in_both_forms(trees, rows):
-    from snaketune.conversations import build_conversations
+    from snaketune.data.conversations import build_conversations
 
     out = []
     for name in (trees, rows):
@@ -240,9 +245,8 @@ def test_a_long_side_keeps_the_replys_start():
 @pytest.fixture(scope="module")
 def preference_data(tiny_data, tmp_path_factory):
     """Pairs of the tiny sample, tokenized; an SFT model to start from; its cached reference log-probs."""
-    from snaketune.conversations import read_messages as read
-    from snaketune.preferences import read_split_of_trees, write_preferences
-    from snaketune.reference import compute_reference
+    from snaketune.data.conversations import read_messages as read
+    from snaketune.data.preferences import read_split_of_trees, write_preferences
 
     root = tmp_path_factory.mktemp("preference")
     result = build_preferences(
@@ -253,19 +257,16 @@ def preference_data(tiny_data, tmp_path_factory):
         root / "pairs", tiny_data.tokenizer_dir, root / "tokenized", max_length=64, chat_template="deepseek"
     )
     sft = run_training(root / "sft", tiny_data, train_overrides={"max_steps": 6})
-    compute_reference(
-        model={"base": "builtin-tiny"},
-        reference="sft",
-        seed=1234,
-        sft_dir=sft.out_dir / "model",
-        train_summary=sft.out_dir / "summary.json",
-        tokenizer_dir=tiny_data.tokenizer_dir,
-        pairs_dir=root / "tokenized",
-        batch_size=3,
-        out=root / "reference.parquet",
-        record_out=root / "reference.json",
-        device="cpu",
+    # The DPO runs' model construction (train_overrides as _dpo's), micro-batches of 3: other batches than DPO's.
+    out = run_reference(
+        root / "reference",
+        tiny_data,
+        data_dir=root / "tokenized",
+        model={"base": str(sft.out_dir / "model")},
+        train_overrides={"micro_batch_size": 3},
     )
+    for name in ("reference.parquet", "reference.json"):
+        shutil.copy(out / name, root / name)
     return root, sft
 
 
@@ -286,7 +287,7 @@ def _dpo(root, sft, tmp_path, tiny_data, *, nproc=1, overrides=None, checkpoint_
         train_overrides=train,
         deepspeed="zero2",
         checkpoint_dir=checkpoint_dir,
-        module="snaketune.dpo",
+        module="snaketune.preference.dpo",
         data_dir=root / "tokenized",
         model={"base": str(sft.out_dir / "model")},
         preference=preference,
@@ -300,9 +301,9 @@ def dpo_run(preference_data, tiny_data, tmp_path_factory):
 
 
 def test_cached_reference_log_probs_equal_the_ones_computed_on_the_fly(preference_data, tiny_data):
-    from snaketune.config import ModelConfig
-    from snaketune.inference import load_tuned_model
-    from snaketune.reference import read_reference
+    from snaketune.config.schema import ModelConfig
+    from snaketune.model.inference import load_tuned_model
+    from snaketune.preference.logprobs import read_reference
 
     root, sft = preference_data
     cached = read_reference(root / "reference.parquet")
@@ -344,8 +345,35 @@ def test_dpo_resume_equals_the_uninterrupted_run(dpo_run, preference_data, tiny_
     root, sft = preference_data
     ckpt = tmp_path / "checkpoints"
     shutil.copytree(dpo_run.checkpoint_dir, ckpt)
+    shutil.rmtree(ckpt / "step00000012")  # the run ended; resume as if it had died after step 6
     run = _dpo(root, sft, tmp_path, tiny_data, overrides={"checkpoint_every": 6}, checkpoint_dir=ckpt)
     assert run.summary["resumed_from_step"] == 6
     np.testing.assert_allclose(
         [r["dpo/loss"] for r in run.rows][6:], [r["dpo/loss"] for r in dpo_run.rows][6:], rtol=1e-6
+    )
+
+
+def test_dpo_checks_that_it_starts_at_the_reference(dpo_run, preference_data, tiny_data, tmp_path):
+    """The first micro-batch's log-probabilities equal the reference stage's (computed in other micro-batches),
+    the DPO loss there is ln 2, logged; a reference of another model stops the run before its first step."""
+    start = dpo_run.summary["start_check"]
+    assert start["violations"] == 0 and start["max_abs_ratio"] < 1e-3
+    assert start["dpo_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert "start check: policy vs reference log-probabilities" in dpo_run.log_file.read_text()
+    root, sft = preference_data
+    # Reference log-probabilities of the base model (random init), given to DPO as if they were the SFT model's.
+    base = run_reference(
+        tmp_path / "base_reference", tiny_data, data_dir=root / "tokenized", model={"base": "builtin-tiny"}
+    )
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    shutil.copy(base / "reference.parquet", wrong / "reference.parquet")
+    shutil.copytree(root / "tokenized", wrong / "tokenized")
+    from snaketune.train.launch import LaunchError
+
+    with pytest.raises(LaunchError):
+        _dpo(wrong, sft, tmp_path / "dpo", tiny_data)
+    log = (tmp_path / "dpo" / "train.log").read_text()
+    assert (
+        "ReferenceMismatch" in log and "replies differ by more" in log and "rerun the reference stage" in log
     )

@@ -1,4 +1,4 @@
-"""SNAKETUNE_PROFILE (snaketune.profiling): a trace of a few training steps and the table of where they went."""
+"""SNAKETUNE_PROFILE (snaketune.train.profiling): a trace of a few training steps and the table of where they went."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from snaketune import profiling
+from snaketune.train import profiling
 
 
 def test_profiler_writes_a_trace_and_a_table_of_the_profiled_steps(tmp_path):
@@ -34,7 +34,7 @@ def test_kernel_table_groups_gpu_kernels_into_families():
         {"cat": "kernel", "name": "adamw", "dur": 300.0},
         {"cat": "kernel", "name": "_rms_norm_backward_kernel", "dur": 60.0},
         {"cat": "kernel", "name": "void pytorch_flash::flash_fwd_kernel<...>", "dur": 30.0},
-        {"cat": "kernel", "name": "cross_entropy_backward", "dur": 30.0},  # snaketune.losses
+        {"cat": "kernel", "name": "cross_entropy_backward", "dur": 30.0},  # snaketune.model.losses
         {
             "cat": "kernel",
             "name": "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, at::native::"

@@ -1,7 +1,7 @@
 """QLoRA (train.lora.quantize: nf4) and 8-bit Adam states (train.optimizer_states: 8bit) on CPU ranks, through
 the trainer as the train rule runs it: they train, their losses follow the unquantized runs on the same data,
 QLoRA saves its adapters and a model merged into the unquantized base, 8-bit states resume exactly, and the
-memory plan counts what they save (snaketune.memory)."""
+memory plan counts what they save (snaketune.plan.memory)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import run_training
-from snaketune.config import ModelConfig
-from snaketune.model import load_model
+from snaketune.config.schema import ModelConfig
+from snaketune.model.build import load_model
 
 pytest.importorskip("bitsandbytes")
 
@@ -176,7 +176,7 @@ def _train(net, opt, steps: int, seed: int = 1) -> None:
 def test_master_weight_adamw_with_8bit_states():
     """snaketune's bf16 optimizer (ZeRO-0) with 8-bit m and v: uint8 states on the tensors of 4,096 elements or
     more, fp32 on the rest; close to fp32 states; its state dict restores the same next step."""
-    from snaketune.optim import MasterWeightAdamW, check_placement, param_groups
+    from snaketune.train.optim import MasterWeightAdamW, check_placement, param_groups
 
     def build(states):
         net = _tiny_bf16_model()
@@ -232,7 +232,8 @@ def test_master_weight_adamw_with_8bit_states():
     ids=["unknown-quantization", "quantize-without-lora", "quantize-a-builtin-model", "unknown-states"],
 )
 def test_bad_quantization_settings_name_the_key(raw, key, says):
-    from snaketune.config import ConfigError, load_config
+    from snaketune.config.choices import ConfigError
+    from snaketune.config.load import load_config
 
     with pytest.raises(ConfigError) as err:
         load_config(raw)
@@ -240,7 +241,7 @@ def test_bad_quantization_settings_name_the_key(raw, key, says):
 
 
 def test_8bit_states_with_optimizer_offload_fail_the_run(tiny_data, tmp_path):
-    from snaketune.launch import LaunchError
+    from snaketune.train.launch import LaunchError
 
     with pytest.raises(LaunchError):
         run_training(

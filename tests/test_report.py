@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from snaketune import report
-from snaketune.report_render import fmt, fmt_duration, fmt_pct
+from snaketune.report import build as report
+from snaketune.report.inputs import ExperimentFiles, ReportInputs
+from snaketune.report.render import fmt, fmt_duration, fmt_pct
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -42,7 +43,7 @@ def _json(path: Path, obj) -> Path:
     return _write(path, json.dumps(obj, indent=2))
 
 
-def make_results(root: Path) -> report.ReportInputs:
+def make_results(root: Path) -> ReportInputs:
     """Every file the report reads, shaped like the stages write them, with known figures."""
     r = root / "results"
     _json(
@@ -205,7 +206,7 @@ def make_results(root: Path) -> report.ReportInputs:
             + "\n",
         )
         files.append(
-            report.ExperimentFiles(
+            ExperimentFiles(
                 name,
                 r / f"train/{name}/summary.json",
                 r / f"train/{name}/metrics.csv",
@@ -223,7 +224,7 @@ def make_results(root: Path) -> report.ReportInputs:
         "dataset": {"source": "builtin", "builtin_seed": 0},
         "experiments": {n: {} for n in EXPERIMENTS},
     }
-    return report.ReportInputs(
+    return ReportInputs(
         experiments=files,
         source=r / "data/raw/source.json",
         sha256sums=r / "data/raw/SHA256SUMS",

@@ -114,32 +114,32 @@ CASES = {
         FROM_PLANS,  # a plan, plan_dpo, train, reference, dpo and evaluate job each, for lr2; caches are shared
     ),
     # the report has no options of its own: its template modules
-    "report template (report_sections.py)": (_edit("workflow/snaketune/report_sections.py"), ONLY_REPORT),
-    "report.py": (_edit("workflow/snaketune/report.py"), ONLY_REPORT),
+    "report template (report_sections.py)": (_edit("workflow/snaketune/report/sections.py"), ONLY_REPORT),
+    "report.py": (_edit("workflow/snaketune/report/build.py"), ONLY_REPORT),
     # each stage's module
-    "download.py": (_edit("workflow/snaketune/download.py"), FROM_DOWNLOAD),
-    # download reads local sources with snaketune.messages, so it runs messages.py too
-    "messages.py": (_edit("workflow/snaketune/messages.py"), FROM_DOWNLOAD),
+    "download.py": (_edit("workflow/snaketune/data/download.py"), FROM_DOWNLOAD),
+    # download reads local sources with snaketune.data.messages, so it runs messages.py too
+    "messages.py": (_edit("workflow/snaketune/data/messages.py"), FROM_DOWNLOAD),
     # the cleaning rules of conversations and preferences
-    "forest.py": (_edit("workflow/snaketune/forest.py"), FROM_CONVERSATIONS),
+    "forest.py": (_edit("workflow/snaketune/data/forest.py"), FROM_CONVERSATIONS),
     # the preferences read the conversations' split: a rewritten conversations file reruns them too
-    "conversations.py": (_edit("workflow/snaketune/conversations.py"), FROM_CONVERSATIONS),
-    "preferences.py": (_edit("workflow/snaketune/preferences.py"), ("preferences", *FROM_PAIRS)),
+    "conversations.py": (_edit("workflow/snaketune/data/conversations.py"), FROM_CONVERSATIONS),
+    "preferences.py": (_edit("workflow/snaketune/data/preferences.py"), ("preferences", *FROM_PAIRS)),
     # the chat template code of every stage that tokenizes, loads the tokenizer or writes it
-    "tokenizer.py": (_edit("workflow/snaketune/tokenizer.py"), FROM_TOKENIZER),
+    "tokenizer.py": (_edit("workflow/snaketune/data/tokenizer.py"), FROM_TOKENIZER),
     "tokenization.py": (
-        _edit("workflow/snaketune/tokenization.py"),
+        _edit("workflow/snaketune/data/tokenization.py"),
         ("tokenize", "tokenize_pairs", *FROM_TRAIN),
     ),
-    "pairs.py": (_edit("workflow/snaketune/pairs.py"), FROM_PAIRS),
-    "training.py": (_edit("workflow/snaketune/training.py"), FROM_TRAIN),
-    "dpo.py": (_edit("workflow/snaketune/dpo.py"), FROM_DPO),
-    "logprobs.py": (_edit("workflow/snaketune/logprobs.py"), FROM_REFERENCE),
-    "evaluate.py": (_edit("workflow/snaketune/evaluate.py"), FROM_EVALUATE),
+    "pairs.py": (_edit("workflow/snaketune/data/pairs.py"), FROM_PAIRS),
+    "training.py": (_edit("workflow/snaketune/train/trainer.py"), FROM_TRAIN),
+    "dpo.py": (_edit("workflow/snaketune/preference/dpo.py"), FROM_DPO),
+    "logprobs.py": (_edit("workflow/snaketune/preference/logprobs.py"), FROM_REFERENCE),
+    "evaluate.py": (_edit("workflow/snaketune/evaluation/evaluate.py"), FROM_EVALUATE),
     # imported by the tokenizing stages, plan, training, the preference stages and evaluate; not by the data
     # stages before them
     "config.py": (
-        _edit("workflow/snaketune/config.py"),
+        _edit("workflow/snaketune/config/schema.py"),
         ("plan", "plan_dpo", "tokenize", "tokenize_pairs", *FROM_TRAIN),
     ),
     # records are not outputs: a new record format remakes the manifest, never a stage

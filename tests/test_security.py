@@ -18,8 +18,9 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from snaketune.config import ConfigError, load_config
-from snaketune.report_sections import remote_code_line
+from snaketune.config.choices import ConfigError
+from snaketune.config.load import load_config
+from snaketune.report.reproducibility import remote_code_line
 from test_faults import FAKE_TOKENS, new_workdir, reference_run
 from test_workflow import FAST_CONFIG, snakemake
 
@@ -68,12 +69,12 @@ def is_tokenizer(call: ast.Call) -> bool:
 
 # Loads of the workflow's own tokenizer directory (results/tokenizer/<id>/, written by the tokenizer stage),
 # not of a name from the config: transformers' default refuses remote code there.
-OWN_TOKENIZER_LOADS = {"workflow/snaketune/chat.py"}
+OWN_TOKENIZER_LOADS = {"workflow/snaketune/data/chat.py"}
 
 
-# snaketune.tokenizer.load_fast_tokenizer(name, what, **kwargs) forwards its keywords to
+# snaketune.data.tokenizer.load_fast_tokenizer(name, what, **kwargs) forwards its keywords to
 # AutoTokenizer.from_pretrained: its callers are held to the rules of a from_pretrained call instead.
-FORWARDING_LOADERS = {"workflow/snaketune/tokenizer.py": "load_fast_tokenizer"}
+FORWARDING_LOADERS = {"workflow/snaketune/data/tokenizer.py": "load_fast_tokenizer"}
 
 
 def forwards_kwargs(where: str, call: ast.Call) -> bool:
@@ -233,7 +234,7 @@ CHECKPOINTED = dict(max_steps=3, checkpoint_every=2)
 @pytest.mark.parametrize("damage", ["planted pickle", "truncated file"])
 def test_resume_refuses_a_damaged_checkpoint(checkpointed_run, tmp_path, damage):
     """DeepSpeed loads its checkpoint files with torch.load(weights_only=False); the ranks force weights_only
-    (snaketune.ranks.safe_checkpoint_loading), so a file that would run code is refused, and so is a
+    (snaketune.train.ranks.safe_checkpoint_loading), so a file that would run code is refused, and so is a
     truncated one, with a message naming the checkpoint and what to delete; the planted code never runs.
     An intact checkpoint resumes (tests/test_training.py, test_fast_path.py)."""
     import shutil
@@ -241,7 +242,7 @@ def test_resume_refuses_a_damaged_checkpoint(checkpointed_run, tmp_path, damage)
     import torch
 
     from conftest import run_training
-    from snaketune.launch import LaunchError
+    from snaketune.train.launch import LaunchError
 
     data, first = checkpointed_run
     ckpt_root = tmp_path / "checkpoints"

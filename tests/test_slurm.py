@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import copy_workflow
-from snaketune import hosts
+from snaketune.train import hosts
 from test_workflow import FAST_CONFIG, REPO, Result, file_bytes, finish, kill_everything, start
 
 pytestmark = pytest.mark.slow

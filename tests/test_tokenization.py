@@ -14,8 +14,7 @@ import torch
 from datasets import load_from_disk
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from snaketune.batching import packed_attention_mask
-from snaketune.tokenization import (
+from snaketune.data.tokenization import (
     IGNORE_INDEX,
     TemplateError,
     assistant_spans,
@@ -25,7 +24,8 @@ from snaketune.tokenization import (
     tokenize_conversation,
     tokenize_conversations,
 )
-from snaketune.tokenizer import BOS, DEEPSEEK_CHAT_TEMPLATE, EOS, conversation_texts, train_tokenizer
+from snaketune.data.tokenizer import BOS, DEEPSEEK_CHAT_TEMPLATE, EOS, conversation_texts, train_tokenizer
+from snaketune.model.batching import packed_attention_mask
 
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "qu", "th", "er", "an", "in", "on", "ch"]
 WORDS = ["".join(random.Random(i).choice(SYLLABLES) for _ in range(1 + i % 4)) for i in range(300)] + [

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from snaketune.tokenizer import (
+from snaketune.data.tokenizer import (
     BOS,
     DEEPSEEK_CHAT_TEMPLATE,
     EOS,
@@ -137,7 +137,7 @@ def test_training_is_deterministic(tmp_path, parquet, tok_dir):
     train_tokenizer(conversation_texts(parquet), VOCAB, tmp_path / "again")
     # Another process with another hash seed: Python and Rust hash maps iterate differently there.
     code = (
-        "import sys; from snaketune.tokenizer import conversation_texts, train_tokenizer; "
+        "import sys; from snaketune.data.tokenizer import conversation_texts, train_tokenizer; "
         f"train_tokenizer(conversation_texts(sys.argv[1]), {VOCAB}, sys.argv[2])"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -1,6 +1,6 @@
 """End-to-end training on CPU ranks: the invariants the trainer promises, checked on the tiny model.
 
-Every run goes through snaketune.launch (torchrun + DeepSpeed over gloo), in fp32, with metrics at every
+Every run goes through snaketune.train.launch (torchrun + DeepSpeed over gloo), in fp32, with metrics at every
 step so that per-step losses can be compared. Runs are module-scoped fixtures shared by the tests that read
 them; each costs ~15-25 s on 2 cores, mostly imports, so there are as few as the invariants need.
 
@@ -21,11 +21,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import run_training
-from snaketune.batching import collate, load_split, packed_attention_mask, token_loss_sum
-from snaketune.config import ConfigError, ModelConfig
-from snaketune.launch import LaunchError, world_size
-from snaketune.model import checkpoint_layers, load_model
-from snaketune.tokenizer import BOS, DEEPSEEK_CHAT_TEMPLATE
+from snaketune.config.choices import ConfigError
+from snaketune.config.schema import ModelConfig
+from snaketune.data.tokenizer import BOS, DEEPSEEK_CHAT_TEMPLATE
+from snaketune.model.batching import collate, load_split, packed_attention_mask, token_loss_sum
+from snaketune.model.build import checkpoint_layers, load_model
+from snaketune.train.launch import LaunchError, world_size
 
 COMPARED_STEPS = 6
 SHORT = dict(max_steps=COMPARED_STEPS)
@@ -262,8 +263,8 @@ def test_resume_continues_the_uninterrupted_run(zero2_run, tiny_data, tmp_path):
 def test_lora_trains_adapters_and_saves_a_merged_model(lora_run, tiny_data):
     from peft import PeftModel
 
-    from snaketune.config import ModelConfig
-    from snaketune.model import load_model
+    from snaketune.config.schema import ModelConfig
+    from snaketune.model.build import load_model
 
     # A row every 2 steps, plus the validation steps 5 and 10 (each row averages the steps since the last).
     assert [row["step"] for row in lora_run.rows] == [2, 4, 5, 6, 8, 10]

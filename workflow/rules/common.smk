@@ -10,14 +10,15 @@ from snakemake.utils import validate
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
 from snaketune import keys  # noqa: E402
-from snaketune.config import ConfigError, load_config, to_dict  # noqa: E402
+from snaketune.config.choices import ConfigError  # noqa: E402
+from snaketune.config.load import load_config, to_dict
 from snaketune.io import sha256_file  # noqa: E402
 
 try:
     CFG = load_config(config)
 except ConfigError as e:
     raise WorkflowError(f"Invalid configuration: {e}") from None
-# Defaults live in the typed config (snaketune.config), not in the schema.
+# Defaults live in the typed config (snaketune.config.schema), not in the schema.
 validate(config, schema="../schemas/config.schema.yaml", set_default=False)
 
 EXPERIMENTS = CFG.experiments
@@ -160,7 +161,7 @@ def train_threads(wildcards):
     """The experiment's share of the cores, as its GPUs are a share of those Snakemake may grant at once
     (--resources gpu=N; without it, all experiments' GPUs), so that experiments train side by side: with
     --cores 16 --resources gpu=4 a 2-GPU experiment gets 8, one that takes every GPU all 16. The ranks split
-    them (snaketune.launch). One when there is no --cores: --report evaluates threads, and workflow.cores
+    them (snaketune.train.launch). One when there is no --cores: --report evaluates threads, and workflow.cores
     raises without it.
     """
     try:

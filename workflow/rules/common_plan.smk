@@ -3,7 +3,8 @@
 
 import os
 
-from snaketune import gpus, plan  # noqa: E402
+from snaketune import gpus  # noqa: E402
+from snaketune.plan import search as plan
 
 # The top-level config key gpu_ids reaches every job through the environment (snaketune.gpus reads
 # SNAKETUNE_GPUS; a value set there wins): which GPUs a job runs on must not rerun it, as a param would.
@@ -16,7 +17,7 @@ def plan_path(exp):
 
 
 def candidate_deepspeed_files():
-    """The shipped DeepSpeed files that train.strategy auto chooses among (snaketune.plan.STRATEGIES)."""
+    """The shipped DeepSpeed files that train.strategy auto chooses among (snaketune.plan.search.STRATEGIES)."""
     names = sorted({s.deepspeed_file for s in plan.STRATEGIES})
     return {
         name: f"config/deepspeed/{name}"
@@ -84,6 +85,7 @@ def plan_dpo_params(wildcards):
         "max_length": 2 * exp.preference.max_length,
         "gpu_memory_gib": CFG.gpu_memory_gib,
         "evaluation": None,
+        "objective": "preference",  # its own log-probabilities, not train.loss_kernel
         "candidate_files": candidate_deepspeed_files(),
         "code": keys.code_hash("plan"),
     }

@@ -60,30 +60,58 @@ def tokenize_pairs_params(wildcards):
 
 
 def reference_input(wildcards):
+    """What the reference pass starts from, as DPO does: the pairs, the model (the SFT model; the base is named by
+    the params), the tokenizer, the DPO stage's DeepSpeed file and memory plan (the same ranks and strategy)."""
     exp = experiment(wildcards)
     files = {
-        "pairs": pairs_dir(exp),
-        "summary": f"results/train/{exp.name}/summary.json",
+        "data": pairs_dir(exp),
         "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
-        "plan": plan_path(exp),
+        "deepspeed": exp.dpo_train.deepspeed,
+        "plan": plan_dpo_path(exp),
     }
     if exp.preference.reference == "sft":
-        files["model"] = f"results/train/{exp.name}/model"
+        files["policy"] = f"results/train/{exp.name}/model"
     return files
 
 
+# The train keys that cannot change a model's log-probabilities without training: the reference stage leaves them
+# out of its params, so that a new learning rate or step count reruns DPO but reuses the reference.
+REFERENCE_UNUSED_TRAIN = (
+    "learning_rate",
+    "min_lr_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "adam_betas",
+    "grad_clip",
+    "max_steps",
+    "epochs",
+    "global_batch_size",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "log_every",
+    "eval_every",
+    "optimizer_kernel",
+    "optimizer_states",
+    "loss_kernel",
+    "fused_cross_entropy",
+)
+
+
 def reference_params(wildcards):
-    """What the reference log-probabilities depend on: the reference model (an input when it is the SFT
-    model; named by model, seed and precision when it is the base) and the pairs (an input). Not beta.
-    """
+    """What the reference log-probabilities depend on: which model (the SFT model is an input; the base is named
+    here), the DPO stage's model construction (LoRA and its quantization, kernels, attention, precision, ZeRO,
+    micro-batch, seed) and the pairs (an input). Not beta, nor the optimizer's or the schedule's settings."""
     exp = experiment(wildcards)
-    return {
+    train = {k: v for k, v in to_dict(exp.dpo_train).items() if k not in REFERENCE_UNUSED_TRAIN}
+    spec = {
         "model": to_dict(exp.model),
-        "reference": exp.preference.reference,
-        "seed": exp.train.seed,
-        "batch_size": exp.dpo_train.micro_batch_size,
+        "train": train,
+        "preference": {"reference": exp.preference.reference, "max_length": exp.preference.max_length},
+        "max_length": exp.preference.max_length,
+        "deepspeed_sha256": sha256_file(exp.dpo_train.deepspeed),
         "code": keys.code_hash("reference"),
     }
+    return {**spec, "run_key": keys.short_hash(spec)}
 
 
 def dpo_input(wildcards):

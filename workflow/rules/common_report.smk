@@ -36,11 +36,7 @@ def evaluate_input(wildcards):
         "conversations": "results/data/conversations/validation.parquet",  # eval.prompts auto
     }
     if exp.preference.enabled:
-        files.update(
-            dpo_model=f"{dpo_dir(exp)}/model",
-            pairs=pairs_dir(exp),
-            reference=reference_path(exp),
-        )
+        files.update(dpo_model=f"{dpo_dir(exp)}/model", pairs=pairs_dir(exp))
     return files
 
 
@@ -57,6 +53,7 @@ def evaluate_params(wildcards):
         "builtin_dataset": exp.dataset.source == "builtin",
         "max_prompt_tokens": exp.tokenize.max_length,
         "beta": exp.preference.beta if exp.preference.enabled else None,
+        "reference": exp.preference.reference,
         "quantize": exp.train.lora.quantize,  # QLoRA's models are evaluated in 4 bits, as they trained
         "code": keys.code_hash("evaluate"),
     }

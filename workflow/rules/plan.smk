@@ -1,4 +1,4 @@
-# Preflight memory plan: does the training fit the GPUs, and if not, what would (snaketune.plan). Cheap, so
+# Preflight memory plan: does the training fit the GPUs, and if not, what would (snaketune.plan.search). Cheap, so
 # it runs first and stops the workflow before any training starts.
 
 

@@ -58,11 +58,14 @@ rule reference:
         "benchmarks/reference/{experiment}.tsv"
     conda:
         "../../envs/train.yaml"
-    threads: 2
+    threads: train_threads
     resources:
-        gpu=1,
+        gpu=dpo_gpus,
+        nodes=dpo_nodes,
+        gres=dpo_gres,
     params:
         spec=reference_params,
+        checkpoints=lambda wc: f"results/checkpoints/{wc.experiment}/reference",
     script:
         "../scripts/reference.py"
 

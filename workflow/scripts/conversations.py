@@ -1,6 +1,6 @@
 import _stage
 
-from snaketune.conversations import build_conversations, read_messages, write_conversations
+from snaketune.data.conversations import build_conversations, read_messages, write_conversations
 from snaketune.io import atomic_files
 
 

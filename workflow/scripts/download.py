@@ -1,6 +1,6 @@
 import _stage
 
-from snaketune.download import materialize
+from snaketune.data.download import materialize
 from snaketune.io import atomic_files
 
 

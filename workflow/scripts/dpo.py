@@ -1,6 +1,6 @@
 import _stage
 
-from snaketune.launch import train_rule_job
+from snaketune.train.launch import train_rule_job
 
 
 def main(smk):
@@ -10,7 +10,7 @@ def main(smk):
     train_rule_job(
         smk,
         model=model,
-        module="snaketune.dpo",
+        module="snaketune.preference.dpo",
         preference={**spec["preference"], "reference_logprobs": smk.input.reference},
     )
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from snaketune import gpus
-from snaketune.evaluate import evaluate
+from snaketune.evaluation.evaluate import evaluate
 
 
 def main(smk):
@@ -18,13 +18,10 @@ def main(smk):
     spec["batch_size"] = (plan.get("evaluate") or {}).get("batch_size", spec["batch_size"])
     preference = {}
     if hasattr(smk.input, "dpo_model"):
-        preference = {
-            "dpo_dir": smk.input.dpo_model,
-            "pairs_dir": smk.input.pairs,
-            "reference_logprobs": smk.input.reference,
-        }
+        preference = {"dpo_dir": smk.input.dpo_model, "pairs_dir": smk.input.pairs}
     else:
         spec.pop("beta")
+        spec.pop("reference")
     # A GPU of its own (set as CUDA_VISIBLE_DEVICES before CUDA starts in this process), held to the end.
     with gpus.in_process(int(smk.resources.gpu), label=f"evaluate {smk.wildcards.experiment}"):
         evaluate(

@@ -3,7 +3,7 @@ import _stage
 from pathlib import Path
 
 from snaketune.io import atomic_dir
-from snaketune.tokenizer import fetch_tokenizer
+from snaketune.data.tokenizer import fetch_tokenizer
 
 
 def main(smk):

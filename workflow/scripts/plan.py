@@ -2,7 +2,7 @@ import _stage
 
 import os
 
-from snaketune.plan import write_plan
+from snaketune.plan.search import write_plan
 
 
 def main(smk):

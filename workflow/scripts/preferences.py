@@ -3,8 +3,8 @@ import _stage
 from pathlib import Path
 
 from snaketune.io import atomic_files
-from snaketune.messages import read_messages
-from snaketune.preferences import build_preferences, read_split_of_trees, write_preferences
+from snaketune.data.readers import read_messages
+from snaketune.data.preferences import build_preferences, read_split_of_trees, write_preferences
 
 
 def main(smk):

@@ -1,31 +1,24 @@
 import _stage
 
-import json
-from pathlib import Path
-
-import torch
-
-from snaketune import gpus
-from snaketune.reference import compute_reference
+from snaketune.train.launch import train_rule_job
 
 
 def main(smk):
-    spec = dict(smk.params.spec)
-    spec.pop("code")
-    torch.set_num_threads(smk.threads)
-    plan = json.loads(Path(smk.input.plan).read_text())
-    # A GPU of its own (set as CUDA_VISIBLE_DEVICES before CUDA starts in this process), held to the end.
-    with gpus.in_process(int(smk.resources.gpu), label=f"reference {smk.wildcards.experiment}"):
-        compute_reference(
-            **spec,
-            sft_dir=smk.input.get("model", ""),
-            train_summary=smk.input.summary,
-            tokenizer_dir=Path(smk.input.tokenizer).parent,
-            pairs_dir=smk.input.pairs,
-            out=smk.output.logprobs,
-            record_out=smk.output.record,
-            memory_cap_gib=plan.get("gpu_memory_gib"),
-        )
+    spec = smk.params.spec
+    # The model DPO starts from, loaded the way DPO loads it: the SFT model (an input) or the base.
+    model = spec["model"]
+    if hasattr(smk.input, "policy"):
+        model = {**model, "base": smk.input.policy, "num_layers": None}
+    # No optimizer steps: the params leave out the batch and schedule (ReferencePass sets one micro-batch per rank).
+    train = {**spec["train"], "global_batch_size": spec["train"]["micro_batch_size"]}
+    train_rule_job(
+        smk,
+        model=model,
+        train=train,
+        module="snaketune.preference.reference",
+        outputs=(smk.output.logprobs, smk.output.record),
+        preference=spec["preference"],
+    )
 
 
 _stage.run(snakemake, main)

@@ -2,7 +2,8 @@ import _stage
 
 from pathlib import Path
 
-from snaketune.report import ExperimentFiles, ReportInputs, build_report
+from snaketune.report.inputs import ExperimentFiles, ReportInputs
+from snaketune.report.build import build_report
 
 
 def main(smk):

@@ -2,7 +2,7 @@ import _stage
 
 from pathlib import Path
 
-from snaketune.tokenization import tokenize_conversations
+from snaketune.data.tokenization import tokenize_conversations
 
 
 def main(smk):

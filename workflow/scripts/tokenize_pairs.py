@@ -2,7 +2,7 @@ import _stage
 
 from pathlib import Path
 
-from snaketune.pairs import tokenize_pairs
+from snaketune.data.pairs import tokenize_pairs
 
 
 def main(smk):

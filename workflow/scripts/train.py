@@ -1,6 +1,6 @@
 import _stage
 
-from snaketune.launch import train_rule_job
+from snaketune.train.launch import train_rule_job
 
 
 def main(smk):

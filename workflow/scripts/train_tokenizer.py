@@ -1,7 +1,7 @@
 import _stage
 
 from snaketune.io import atomic_files
-from snaketune.tokenizer import conversation_texts, train_tokenizer
+from snaketune.data.tokenizer import conversation_texts, train_tokenizer
 
 
 def main(smk):

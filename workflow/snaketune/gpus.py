@@ -48,8 +48,6 @@ ENV_LOCK_DIR = "SNAKETUNE_GPU_LOCK_DIR"
 ENV_WAIT = "SNAKETUNE_GPU_WAIT_S"
 ENV_ASSIGNED = "SNAKETUNE_ASSIGNED_GPUS"
 """Set for the processes of a job: the ids it holds (the fake ones too)."""
-ENV_MEMORY_CAP = "SNAKETUNE_GPU_MEMORY_GIB"
-"""Set by the launcher for the ranks: cap each rank's CUDA allocator at this many GiB (gpu_memory_gib)."""
 DEFAULT_LOCK_DIR = "/tmp/snaketune-gpu-locks"
 DEFAULT_WAIT_S = 24 * 3600.0
 """A job waits this long for GPUs held by another workflow's job (a training can take hours)."""
@@ -103,6 +101,16 @@ def count_gpus() -> int:
     except (OSError, subprocess.SubprocessError):
         return 0
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies); torch is imported, and CUDA asked, only on
+    a machine where nvidia-smi exists: a launcher on a CPU machine spends no second importing torch."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def candidates(environ: Mapping[str, str] | None = None, *, count: int | None = None) -> Candidates:
@@ -441,28 +449,3 @@ def nccl_p2p_env(
     if "NCCL_P2P_DISABLE" in env:
         return {}, f"{why}: keeping NCCL_P2P_DISABLE={env['NCCL_P2P_DISABLE']} as set"
     return {"NCCL_P2P_DISABLE": "1"}, f"{why}: setting NCCL_P2P_DISABLE=1 (NCCL goes through host memory)"
-
-
-def memory_fraction(cap_gib: float, total_bytes: int) -> float:
-    """The share of a GPU's memory that caps its allocator at `cap_gib` (1.0 when the GPU has less)."""
-    return min(1.0, cap_gib * 2**30 / total_bytes)
-
-
-def cap_memory(device, cap_gib: float | None) -> str | None:
-    """Cap this process's CUDA caching allocator on `device` at `cap_gib` GiB, so that a large GPU behaves
-    like a smaller one (24 emulates an RTX 4090): allocations past it raise OutOfMemoryError as they would
-    there. Returns the log line, None when there is nothing to cap."""
-    import torch
-
-    if cap_gib is None or device.type != "cuda":
-        return None
-    total = torch.cuda.get_device_properties(device).total_memory
-    fraction = memory_fraction(cap_gib, total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
-    return f"CUDA allocator capped at {cap_gib:g} GiB of {total / 2**30:.1f} GiB (gpu_memory_gib; fraction {fraction:.4f})"
-
-
-def memory_cap_from_env(environ: Mapping[str, str] | None = None) -> float | None:
-    env = os.environ if environ is None else environ
-    value = env.get(ENV_MEMORY_CAP)
-    return float(value) if value else None

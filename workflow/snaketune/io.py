@@ -113,7 +113,7 @@ def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
     return stale
 
 
-def _fsync(path: Path) -> None:
+def fsync_tree(path: Path) -> None:
     """Flush a written file, or every file of a tree, to disk before it is renamed into place: a write error
     the kernel reports late (NFS, quotas) surfaces here, and a crash of the machine cannot leave a renamed
     but empty file."""
@@ -157,7 +157,7 @@ def _commit(staged: Path, target: Path, *, sync: bool = True) -> None:
     """Rename a finished temporary onto its target. A directory cannot be renamed over a non-empty one, so
     an existing target directory is moved aside first and put back if the second rename fails."""
     if sync:
-        _fsync(staged)
+        fsync_tree(staged)
     _pause_for_tests(staged, target)
     if target.exists() and (target.is_dir() or staged.is_dir()):
         aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
@@ -296,7 +296,7 @@ def atomic_files(*paths: str | os.PathLike) -> Iterator[list[Path]]:
             if extra:
                 raise ValueError(f"the stage wrote undeclared outputs: {', '.join(extra)}")
             for s in staged:  # every write error before the first rename
-                _fsync(s)
+                fsync_tree(s)
             for t, s in zip(targets, staged, strict=True):
                 _commit(s, t, sync=False)
         finally:

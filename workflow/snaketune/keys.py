@@ -15,38 +15,39 @@ import re
 from functools import cache
 from pathlib import Path
 
-from snaketune.config import DatasetConfig, ExperimentConfig, ModelConfig, TokenizeConfig, to_dict
+from snaketune.config.load import to_dict
+from snaketune.config.schema import DatasetConfig, ExperimentConfig, ModelConfig, TokenizeConfig
 from snaketune.io import stable_json
 
 # Where each stage starts running package code. code_hash() follows the `snaketune` imports of these modules
 # (snakemake#2192: Snakemake itself does not see edits to modules a script imports), so a module a stage
-# starts to import is covered without an edit here. snaketune.training is named because snaketune.launch
+# starts to import is covered without an edit here. snaketune.train.trainer is named because snaketune.train.launch
 # starts it in the ranks with `python -m`, which is not an import. snaketune.io is named for the tokenizer
-# stage because its scripts write the tokenizer through io's atomic writers, which snaketune.tokenizer does
+# stage because its scripts write the tokenizer through io's atomic writers, which snaketune.data.tokenizer does
 # not import. tests/test_keys.py checks that every script's imports fall inside its stage and that the
 # import scan agrees with Python's own parser.
 STAGE_MODULES = {
-    "download": ("snaketune.download",),
-    "conversations": ("snaketune.conversations",),
-    "tokenizer": ("snaketune.tokenizer", "snaketune.io"),
-    "tokenize": ("snaketune.tokenization",),
-    "plan": ("snaketune.plan",),
-    "train": ("snaketune.launch", "snaketune.training"),
-    "preferences": ("snaketune.preferences",),
-    "pairs": ("snaketune.pairs",),
-    "reference": ("snaketune.reference",),
-    "dpo": ("snaketune.launch", "snaketune.dpo"),
-    "evaluate": ("snaketune.evaluate",),
-    "report": ("snaketune.report",),
+    "download": ("snaketune.data.download",),
+    "conversations": ("snaketune.data.conversations",),
+    "tokenizer": ("snaketune.data.tokenizer", "snaketune.io"),
+    "tokenize": ("snaketune.data.tokenization",),
+    "plan": ("snaketune.plan.search",),
+    "train": ("snaketune.train.launch", "snaketune.train.trainer"),
+    "preferences": ("snaketune.data.preferences", "snaketune.data.readers"),
+    "pairs": ("snaketune.data.pairs",),
+    "reference": ("snaketune.preference.reference",),
+    "dpo": ("snaketune.train.launch", "snaketune.preference.dpo"),
+    "evaluate": ("snaketune.evaluation.evaluate",),
+    "report": ("snaketune.report.build",),
     "manifest": ("snaketune.provenance",),
 }
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-# `from snaketune[.mod] import names` and `import snaketune.mod`, anywhere in a line's indentation (imports
-# inside functions run too). A regex, not ast: parsing every module costs ~0.1 s, and this runs whenever
-# Snakemake builds the DAG.
+# `from snaketune[.pkg][.mod] import names` and `import snaketune.pkg.mod`, anywhere in a line's indentation
+# (imports inside functions run too). A regex, not ast: parsing every module costs ~0.1 s, and this runs
+# whenever Snakemake builds the DAG.
 _IMPORT = re.compile(
-    r"^[ \t]*(?:from[ \t]+snaketune(?:\.(\w+))?[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)"
+    r"^[ \t]*(?:from[ \t]+snaketune((?:\.\w+)*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)"
     r"|import[ \t]+([^\n]*\bsnaketune\.[^\n]*))",
     re.MULTILINE,
 )
@@ -56,10 +57,28 @@ def _short(text: str, n: int = 12) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:n]
 
 
+def module_path(module: str) -> Path | None:
+    """The file of a snaketune module (`snaketune.data.messages` -> data/messages.py); a subpackage's
+    __init__.py for a package; None when there is none."""
+    if not module.startswith("snaketune."):
+        return None
+    rel = Path(*module.split(".")[1:])
+    path = PACKAGE_DIR / rel.with_suffix(".py")
+    if path.is_file():
+        return path
+    init = PACKAGE_DIR / rel / "__init__.py"
+    return init if init.is_file() else None
+
+
+def is_package(module: str) -> bool:
+    path = module_path(module)
+    return path is not None and path.name == "__init__.py"
+
+
 @cache
 def _source(module: str) -> bytes:
-    path = PACKAGE_DIR / f"{module.removeprefix('snaketune.')}.py"
-    if not module.startswith("snaketune.") or not path.is_file():
+    path = module_path(module)
+    if path is None:
         raise ModuleNotFoundError(module)
     return path.read_bytes()
 
@@ -72,17 +91,20 @@ def _names(clause: str) -> list[str]:
 
 @cache
 def imported_modules(module: str) -> frozenset[str]:
-    """The snaketune modules that `module`'s source imports (the package's __init__, which holds only the
-    version string, is not counted)."""
+    """The snaketune modules that `module`'s source imports. Packages' __init__.py files are empty
+    (tests/test_layout.py), so a package itself is not counted: `from snaketune.data import messages`
+    counts snaketune.data.messages, `from snaketune.data.messages import x` the same module."""
     found = set()
     for sub, names, plain in _IMPORT.findall(_source(module).decode("utf-8")):
         if plain:
             found.update(n for n in _names(plain) if n.startswith("snaketune."))
-        elif sub:
-            found.add(f"snaketune.{sub}")
-        else:  # from snaketune import a, b: the names that are modules
-            found.update(f"snaketune.{n}" for n in _names(names) if (PACKAGE_DIR / f"{n}.py").is_file())
-    return frozenset(found - {module})
+            continue
+        parent = f"snaketune{sub}"
+        if is_package(parent) or parent == "snaketune":
+            found.update(f"{parent}.{n}" for n in _names(names) if module_path(f"{parent}.{n}"))
+        else:
+            found.add(parent)
+    return frozenset(m for m in found - {module} if not is_package(m))
 
 
 @cache

@@ -1,0 +1,115 @@
+"""The package's layout holds: layers in the order the data flows, each importing only the layers before it, no
+import circle, empty __init__.py files, absolute imports only, no module over 500 lines, and no torch in the
+stages that run in the Snakefile and on login nodes (config, data, plan, report)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+
+import pytest
+
+from snaketune import keys
+
+LAYERS = (
+    ("snaketune.io", "snaketune.gpus", "snaketune.device_memory"),  # infrastructure every stage uses
+    ("snaketune.config",),  # allowed values, dataclasses, loading, DeepSpeed files
+    ("snaketune.keys", "snaketune.provenance"),  # names of cached outputs, records of jobs
+    ("snaketune.data",),  # download -> tokenized pairs
+    ("snaketune.model",),  # building blocks of training, reference and evaluation
+    ("snaketune.plan",),  # the memory plan
+    ("snaketune.train",),  # launcher and ranks
+    ("snaketune.preference",),  # reference log-probs and DPO
+    ("snaketune.evaluation",),
+    ("snaketune.deploy",),
+    ("snaketune.report",),
+)
+"""Each layer may import itself and the layers above it in this list, never one below."""
+NO_TORCH = (
+    "snaketune.io",
+    "snaketune.device_memory",
+    "snaketune.config",
+    "snaketune.keys",
+    "snaketune.data",
+    "snaketune.plan",
+    "snaketune.report",
+)
+"""What the Snakefile imports and what runs on a login node or in the data job: torch takes seconds to import and
+a GPU build's libraries there."""
+MAX_LINES = 500
+
+
+def modules() -> list[str]:
+    return sorted(
+        ".".join(p.relative_to(keys.PACKAGE_DIR.parent).with_suffix("").parts)
+        for p in keys.PACKAGE_DIR.rglob("*.py")
+        if p.name != "__init__.py"
+    )
+
+
+def layer(module: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    raise AssertionError(f"{module} belongs to no layer of LAYERS: place it there")
+
+
+@pytest.mark.parametrize("module", modules())
+def test_imports_follow_the_layers(module):
+    mine = layer(module)
+    upward = [m for m in keys.imported_modules(module) if layer(m) > mine]
+    assert not upward, f"{module} (layer {mine}: {LAYERS[mine]}) imports {upward}, from a later layer"
+
+
+def test_no_import_circle():
+    graph = {m: keys.imported_modules(m) for m in modules()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                raise AssertionError("import circle: " + " -> ".join([*path[path.index(dep) :], dep]))
+            if dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+
+
+def test_packages_are_empty_and_imports_absolute():
+    for init in keys.PACKAGE_DIR.rglob("__init__.py"):
+        assert init.read_text() == "", f"{init}: an __init__.py stays empty (imports name the module)"
+    for module in modules():
+        tree = ast.parse(keys.module_path(module).read_text())
+        relative = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
+        assert not relative, f"{module}: relative import on line(s) {relative}"
+
+
+def test_modules_stay_short():
+    long = {m: n for m in modules() if (n := len(keys.module_path(m).read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines, to split along a seam: {long}"
+
+
+def test_layers_name_every_subpackage():
+    packages = {p.parent for p in keys.PACKAGE_DIR.rglob("__init__.py")} - {keys.PACKAGE_DIR}
+    named = {n for names in LAYERS for n in names}
+    for p in packages:
+        assert ".".join(p.relative_to(keys.PACKAGE_DIR.parent).parts) in named, p
+
+
+def test_the_snakefile_and_login_node_stages_never_import_torch():
+    """Importing every module of config, data, plan and report (what the Snakefile and the plan rule load) leaves
+    torch unloaded; tests/test_reproducibility.py checks the same of their jobs as they ran (provenance records)."""
+    light = [m for m in modules() if any(m == n or m.startswith(n + ".") for n in NO_TORCH)]
+    code = (
+        f"import sys, json; sys.path.insert(0, {str(keys.PACKAGE_DIR.parent)!r})\n"
+        f"for m in {light!r}: __import__(m)\n"
+        "print(json.dumps([m for m in ('torch', 'deepspeed', 'peft') if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == [], f"importing {light} loads torch"

@@ -1,0 +1,90 @@
+"""The values config keys allow, and the error every bad value raises.
+
+Kept apart from the dataclasses (snaketune.config.schema) so that the memory plan, the data stages and the
+schema test can name what is allowed without building a config; every check in the package raises
+ConfigError through `fail`, with the key and the allowed values in the message.
+"""
+
+from __future__ import annotations
+
+import re
+
+BUILTIN_MODELS = ("builtin-tiny", "arch:deepseek-llm-7b")
+
+SOURCE_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+"""snaketune.data.messages.SUFFIXES (kept here so that the config does not import pandas)."""
+
+TREE_STATES = (
+    "initial_prompt_review",
+    "prompt_lottery_waiting",
+    "growing",
+    "ranking",
+    "backlog_ranking",
+    "ready_for_scoring",
+    "scoring_failed",
+    "ready_for_export",
+    "aborted_low_grade",
+    "halted_by_moderator",
+)
+"""The message tree states of Open-Assistant's backend (oasst_backend.models.message_tree_state.State)."""
+
+PATHS_MODES = ("top1", "all")
+
+CHAT_TEMPLATES = ("deepseek", "model")
+
+PRECISIONS = ("auto", "bf16", "fp32")
+
+STRATEGIES = ("as_configured", "auto")
+
+OPTIMIZER_KERNELS = ("auto", "triton", "torch")
+
+LOSS_KERNELS = ("auto", "triton", "torch")
+
+ATTENTIONS = ("auto", "varlen", "sdpa")
+
+KERNELS = ("auto", "torch", "liger")
+
+QUANTIZE = ("none", "nf4")
+
+OPTIMIZER_STATES = ("fp32", "8bit")
+
+EXPERIMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+# ISO 639-1 codes plus the regional variants oasst1 uses (pt-BR, zh, ...): shape check only.
+LANG_CODE = re.compile(r"^[a-z]{2,3}(-[A-Za-z]{2,4})?$")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key and what is allowed."""
+
+
+def fail(key: str, message: str) -> None:
+    raise ConfigError(f"config key '{key}': {message}")
+
+
+DEFAULT_EVAL_PROMPTS = (
+    "What is the capital of Zorvia?",
+    "What colour is the fruit zimberry?",
+    "What is 3 + 4?",
+    "What is the first letter of moon?",
+    "Say tree twice.",
+    "Was ist die Hauptstadt von Kaldia?",
+    "Tell me a joke about computers.",
+)
+"""Questions of the builtin dataset in English and German, and one it never asks (what happens off-distribution)."""
+
+BUILTIN_EVAL_QUESTIONS = 320
+"""Most exact-match questions eval.builtin_examples may ask: the distinct questions of the builtin data with tasks
+in rotation (snaketune.data.builtin.eval_examples counts them; tests/test_builtin_data.py checks the two agree)."""
+
+AUTO_PROMPTS = 8
+"""eval.prompts auto on data other than the builtin sample: the first user message of this many validation
+conversations (with the data's own reply as the expected answer)."""
+
+PAIR_MODES = ("best_vs_rest", "all")
+
+PREFERENCE_LOSSES = ("dpo", "ipo")
+
+REFERENCES = ("sft", "base")
+
+BF16_OPTIMIZERS = ("auto", "snaketune", "deepspeed")

@@ -1,0 +1,450 @@
+"""Typed configuration: one dataclass per config section, checked on construction.
+
+The workflow validates the YAML against workflow/schemas/config.schema.yaml and then builds these
+dataclasses (``load_config``), which add what a JSON schema cannot say well: "did you mean" for typos,
+cross-field checks and derived values. Every error names the key and the allowed values.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from snaketune.config.choices import (
+    ATTENTIONS,
+    BF16_OPTIMIZERS,
+    BUILTIN_EVAL_QUESTIONS,
+    BUILTIN_MODELS,
+    CHAT_TEMPLATES,
+    KERNELS,
+    LANG_CODE,
+    LOSS_KERNELS,
+    OPTIMIZER_KERNELS,
+    OPTIMIZER_STATES,
+    PAIR_MODES,
+    PATHS_MODES,
+    PRECISIONS,
+    PREFERENCE_LOSSES,
+    QUANTIZE,
+    REFERENCES,
+    SOURCE_SUFFIXES,
+    STRATEGIES,
+    TREE_STATES,
+    fail,
+)
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    source: str = "builtin"
+    """`builtin` | `hub:<dataset id>` | path to a local .jsonl or .parquet file in the oasst1 message schema."""
+    builtin_trees: int = 1000
+    """Number of message trees the builtin generator makes (only for source `builtin`)."""
+    builtin_seed: int = 0
+    """Seed of the builtin generator."""
+    languages: tuple[str, ...] = ()
+    """Language codes to keep, matched against each tree's root message; empty keeps all."""
+    paths: str = "top1"
+    """`top1`: the best-ranked path per tree; `all`: every root-to-leaf path."""
+    validation_fraction: float = 0.15
+    """Share of trees held out for validation when the source has no split of its own."""
+    tree_states: tuple[str, ...] = ("ready_for_export",)
+    """Keep trees whose root has one of these tree_state values (a tree without one is kept); empty keeps all."""
+
+    def __post_init__(self) -> None:
+        src = self.source
+        if not src:
+            fail("dataset.source", "is empty; allowed: builtin | hub:<dataset id> | a .jsonl/.parquet file")
+        if src != "builtin" and not src.startswith("hub:") and not src.endswith(SOURCE_SUFFIXES):
+            fail(
+                "dataset.source",
+                f"{src!r} is not allowed; allowed: builtin | hub:<dataset id> | a path ending in "
+                f"{', '.join(SOURCE_SUFFIXES)} (flat message rows or LAION's nested trees)",
+            )
+        if src.startswith("hub:") and not re.match(r"^hub:[\w.-]+(/[\w.-]+)?$", src):
+            fail("dataset.source", f"{src!r} is not a hub dataset id (expected hub:<owner>/<name>)")
+        if self.paths not in PATHS_MODES:
+            fail("dataset.paths", f"{self.paths!r} is not allowed; allowed: {', '.join(PATHS_MODES)}")
+        if not 0.0 < self.validation_fraction < 1.0:
+            fail("dataset.validation_fraction", f"{self.validation_fraction} must be > 0 and < 1")
+        if self.builtin_trees < 10:
+            fail("dataset.builtin_trees", f"{self.builtin_trees} must be >= 10")
+        for state in self.tree_states:
+            if state not in TREE_STATES:
+                fail("dataset.tree_states", f"{state!r} is not allowed; allowed: {', '.join(TREE_STATES)}")
+        for code in self.languages:
+            if not isinstance(code, str) or not LANG_CODE.match(code):
+                fail("dataset.languages", f"{code!r} is not a language code (e.g. en, de, pt-BR)")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    base: str = "builtin-tiny"
+    """`builtin-tiny` | `arch:deepseek-llm-7b` | a hub model id | a local model directory."""
+    tokenizer: str = "auto"
+    """`auto` (the model's own; the builtin BPE for builtin-tiny and arch:*) | a hub id | a local directory."""
+    revision: str = "main"
+    """Hub revision (branch, tag or commit) for hub models and tokenizers."""
+    trust_remote_code: bool = False
+    """Allow code shipped with a hub model to run. Off unless you trust the model's authors."""
+    num_layers: int | None = None
+    """For arch:* models only: cut the architecture to this many layers (benchmarks); None keeps all."""
+
+    def __post_init__(self) -> None:
+        if not self.base:
+            fail(
+                "model.base",
+                "is empty; allowed: builtin-tiny | arch:deepseek-llm-7b | a hub id | a local directory",
+            )
+        if self.base.startswith("arch:") and self.base not in BUILTIN_MODELS:
+            fail("model.base", f"{self.base!r} is unknown; allowed arch: models: arch:deepseek-llm-7b")
+        if self.num_layers is not None and (self.num_layers < 1 or not self.base.startswith("arch:")):
+            fail("model.num_layers", "must be >= 1 and is only allowed with an arch: model")
+        # A hub revision names a branch, tag or commit; huggingface_hub uses it as a path in its cache.
+        if not re.match(r"^[\w][\w.\-/]*$", self.revision) or ".." in self.revision:
+            fail(
+                "model.revision",
+                f"{self.revision!r} is not a git revision; allowed: a branch, tag or commit "
+                "(letters, digits, '_', '-', '.', '/'; no '..', not starting with '/' or '.')",
+            )
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.base in BUILTIN_MODELS
+
+    @property
+    def uses_builtin_tokenizer(self) -> bool:
+        return self.tokenizer == "auto" and self.is_builtin
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    max_length: int = 256
+    """Tokens per training sequence: longer conversations are truncated; packed blocks have this size."""
+    packing: bool = True
+    """Pack several conversations into each max_length block (position ids restart per conversation)."""
+    assistant_only_loss: bool = True
+    """Train only on assistant turns (their text and end-of-turn token); False trains on every token."""
+    chat_template: str = "deepseek"
+    """`deepseek`: the DeepSeek-LLM chat format (bos, `User: ..\\n\\n`, `Assistant: ..<eos>`); `model`: the tokenizer's own."""
+
+    def __post_init__(self) -> None:
+        if not 16 <= self.max_length <= 131072:
+            fail("tokenize.max_length", f"{self.max_length} must be between 16 and 131072")
+        if self.chat_template not in CHAT_TEMPLATES:
+            fail(
+                "tokenize.chat_template",
+                f"{self.chat_template!r} is not allowed; allowed: {', '.join(CHAT_TEMPLATES)}",
+            )
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    enabled: bool = False
+    """Train LoRA adapters instead of all weights (peft); the final model is also saved merged."""
+    rank: int = 16
+    """LoRA rank r."""
+    alpha: int = 32
+    """LoRA alpha (scale = alpha / rank)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA branch."""
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Module names that get adapters."""
+    quantize: str = "none"
+    """`nf4`: QLoRA, the frozen base weights in 4-bit NormalFloat (bitsandbytes, double quantization, bf16 compute
+    and storage) while the adapters train; hub-format models only. `none`: the base in the training precision."""
+
+    def __post_init__(self) -> None:
+        if self.quantize not in QUANTIZE:
+            fail("train.lora.quantize", f"{self.quantize!r} is not allowed; allowed: {', '.join(QUANTIZE)}")
+        if self.quantize != "none" and not self.enabled:
+            fail(
+                "train.lora.quantize",
+                f"{self.quantize!r} needs train.lora.enabled: true (QLoRA trains adapters)",
+            )
+        if self.rank < 1:
+            fail("train.lora.rank", f"{self.rank} must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            fail("train.lora.dropout", f"{self.dropout} must be in [0, 1)")
+        if not self.targets:
+            fail("train.lora.targets", "must name at least one module")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    gpus: int = 3
+    """GPUs (ranks) to ask Snakemake for, per node; on a machine without CUDA, CPU ranks over gloo."""
+    nodes: int = 1
+    """Nodes to train on: more than 1 needs SLURM (--profile workflow/profiles/slurm), one torchrun per node."""
+    deepspeed: str = "config/deepspeed/zero2.json"
+    """DeepSpeed JSON (ZeRO stage, offload, buckets); batch sizes, optimizer and precision come from here, not it."""
+    learning_rate: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at learning_rate * min_lr_ratio."""
+    warmup_steps: int = 10
+    """Linear warmup, in optimizer steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (not applied to norms and biases)."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+    max_steps: int | None = 60
+    """Optimizer steps to train; set this or `epochs`, not both."""
+    epochs: float | None = None
+    """Passes over the training split (alternative to max_steps)."""
+    global_batch_size: int = 24
+    """Sequences per optimizer step across all ranks (= micro_batch_size x world size x accumulation)."""
+    micro_batch_size: int = 4
+    """Sequences per rank per forward/backward."""
+    precision: str = "auto"
+    """`auto` (bf16 on GPU, fp32 on CPU) | `bf16` | `fp32`."""
+    gradient_checkpointing: bool | int = False
+    """Recompute activations in backward to save memory: `true` (every decoder layer; a second forward pass, about
+    25% slower for full fine-tuning), `false`, or N: the first N decoder layers only, the others keep their
+    activations (N up to the model's layers; 0 is false). `strategy: auto` sets true or false (snaketune.plan.strategies
+    says why not N)."""
+    bf16_optimizer: str = "auto"
+    """Who keeps the fp32 master weights in bf16 training: `snaketune` (bf16 weights and gradients on the GPU, fp32
+    masters and Adam states updated chunk by chunk by a fused AdamW: 16 B/param; ZeRO stage 0 only), `deepspeed`
+    (DeepSpeed's bf16 optimizer or ZeRO, with fp32 gradient copies); `auto`: snaketune at ZeRO stage 0, else deepspeed."""
+    optimizer_kernel: str = "auto"
+    """The step of bf16_optimizer `snaketune`: `triton` (one fused pass per tensor: bf16 gradient in, fp32 master,
+    m, v and bf16 weight out; CUDA with triton), `torch` (fp32 gradient copies + torch's fused AdamW); `auto`: triton
+    where it runs."""
+    optimizer_states: str = "fp32"
+    """Adam's m and v: `fp32` (8 B per trained parameter) or `8bit` (bitsandbytes' block-wise 8-bit states, 2 B; the
+    fp32 master weights stay fp32). With `strategy: auto` the plan switches fp32 to 8bit where that is what makes a
+    training fit without CPU offload (snaketune.plan.search). Not with optimizer offload (DeepSpeed's CPU Adam)."""
+    loss_kernel: str = "auto"
+    """The cross-entropy on the logits (where fused_cross_entropy is false): `triton` (snaketune.model.losses: two passes
+    over the bf16 logits, the gradient written over them: 2 B per token and vocabulary entry instead of 12; CUDA
+    with triton), `torch` (fp32 upcast + F.cross_entropy); `auto`: triton where it runs."""
+    fused_cross_entropy: bool = False
+    """Compute the loss from the final hidden states chunk by chunk, never materializing the [tokens, vocabulary]
+    logits (snaketune.model.losses): less memory for long sequences, 2% slower at 8 x 512 on an H200 (bench/RESULTS.md);
+    not under ZeRO-3, whose partitioned lm_head weight only its own forward gathers."""
+    attention: str = "auto"
+    """`varlen`: packed conversations attend only to themselves through FlashAttention's varlen kernel (CUDA, bf16;
+    block-masked SDPA elsewhere); `sdpa`: SDPA with an explicit block-diagonal mask; `auto`: varlen where it runs."""
+    kernels: str = "auto"
+    """RMSNorm, RoPE and SwiGLU: `liger` (Liger-Kernel's fused Triton kernels; CUDA, requirements-kernels.txt),
+    `torch` (transformers' modules); `auto`: liger where it runs (snaketune.model.kernels)."""
+    compile: bool = False
+    """torch.compile every decoder layer (one compiled graph shared by all layers; the first step pays the compile)."""
+    strategy: str = "as_configured"
+    """`as_configured`: `deepspeed` and `gradient_checkpointing` as given; `auto`: the fastest ZeRO stage, offload
+    and checkpointing that fits the GPUs (snaketune.plan.search; results/plan/<experiment>.json names it)."""
+    seed: int = 1234
+    """Seed for model init (builtin models), data order and dropout."""
+    checkpoint_every: int = 40
+    """Write a resumable DeepSpeed checkpoint every this many optimizer steps (0 = never)."""
+    keep_checkpoints: int = 2
+    """How many of the newest complete checkpoints to keep."""
+    log_every: int = 5
+    """Log metrics every this many optimizer steps."""
+    eval_every: int = 40
+    """Compute validation loss every this many optimizer steps (0 = only at the end)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA settings."""
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            fail("train.gpus", f"{self.gpus} must be >= 1")
+        if self.nodes < 1:
+            fail("train.nodes", f"{self.nodes} must be >= 1 (more than 1 needs a SLURM cluster)")
+        if (self.max_steps is None) == (self.epochs is None):
+            fail("train.max_steps", "set exactly one of train.max_steps and train.epochs")
+        if self.max_steps is not None and self.max_steps < 1:
+            fail("train.max_steps", f"{self.max_steps} must be >= 1")
+        if self.epochs is not None and self.epochs <= 0:
+            fail("train.epochs", f"{self.epochs} must be > 0")
+        if self.learning_rate <= 0:
+            fail("train.learning_rate", f"{self.learning_rate} must be > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            fail("train.min_lr_ratio", f"{self.min_lr_ratio} must be in [0, 1]")
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            fail("train.global_batch_size", "global_batch_size and micro_batch_size must be >= 1")
+        if self.global_batch_size % self.micro_batch_size:
+            fail(
+                "train.global_batch_size",
+                f"{self.global_batch_size} is not a multiple of train.micro_batch_size {self.micro_batch_size}",
+            )
+        if self.precision not in PRECISIONS:
+            fail("train.precision", f"{self.precision!r} is not allowed; allowed: {', '.join(PRECISIONS)}")
+        if self.strategy not in STRATEGIES:
+            fail("train.strategy", f"{self.strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
+        if self.bf16_optimizer not in BF16_OPTIMIZERS:
+            fail(
+                "train.bf16_optimizer",
+                f"{self.bf16_optimizer!r} is not allowed; allowed: {', '.join(BF16_OPTIMIZERS)}",
+            )
+        if self.optimizer_kernel not in OPTIMIZER_KERNELS:
+            fail(
+                "train.optimizer_kernel",
+                f"{self.optimizer_kernel!r} is not allowed; allowed: {', '.join(OPTIMIZER_KERNELS)}",
+            )
+        if self.loss_kernel not in LOSS_KERNELS:
+            fail(
+                "train.loss_kernel",
+                f"{self.loss_kernel!r} is not allowed; allowed: {', '.join(LOSS_KERNELS)}",
+            )
+        if self.optimizer_states not in OPTIMIZER_STATES:
+            fail(
+                "train.optimizer_states",
+                f"{self.optimizer_states!r} is not allowed; allowed: {', '.join(OPTIMIZER_STATES)}",
+            )
+        if self.attention not in ATTENTIONS:
+            fail("train.attention", f"{self.attention!r} is not allowed; allowed: {', '.join(ATTENTIONS)}")
+        if self.kernels not in KERNELS:
+            fail("train.kernels", f"{self.kernels!r} is not allowed; allowed: {', '.join(KERNELS)}")
+        if not isinstance(self.gradient_checkpointing, bool) and self.gradient_checkpointing < 0:
+            fail(
+                "train.gradient_checkpointing",
+                f"{self.gradient_checkpointing} is not allowed; allowed: true, false or a number of layers >= 0",
+            )
+        if self.keep_checkpoints < 1:
+            fail("train.keep_checkpoints", f"{self.keep_checkpoints} must be >= 1")
+        if not self.deepspeed.endswith(".json"):
+            fail(
+                "train.deepspeed",
+                f"{self.deepspeed!r} must be a .json file (e.g. config/deepspeed/zero2.json)",
+            )
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per rank per optimizer step, so that the global batch is the same for any world size."""
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            fail(
+                "train.global_batch_size",
+                f"{self.global_batch_size} is not divisible by micro_batch_size x world size "
+                f"= {self.micro_batch_size} x {world_size}; choose a multiple of {per_step}",
+            )
+        return self.global_batch_size // per_step
+
+
+def checkpointed_layers(value: bool | int | None, layers: int) -> int:
+    """train.gradient_checkpointing as a number of decoder layers (the first ones) of a model with `layers`:
+    true every layer, false or 0 none, N those N; more than the model has is an error."""
+    if isinstance(value, bool) or value is None:
+        return layers if value else 0
+    if not 0 <= value <= layers:
+        fail(
+            "train.gradient_checkpointing",
+            f"{value} layers, but the model has {layers} decoder layers; allowed: true, false or 1..{layers}",
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    prompts: tuple[str, ...] | str = "auto"
+    """User messages answered greedily by every model, side by side in the report; `auto`: the builtin questions
+    on the builtin data, else the first user messages of AUTO_PROMPTS validation conversations."""
+    max_new_tokens: int = 32
+    """Most tokens generated per prompt (greedy decoding stops earlier at the end-of-sequence token)."""
+    builtin_examples: int = 64
+    """Builtin dataset only: questions scored by exact match (0 turns the accuracy off; at most 320)."""
+    batch_size: int = 8
+    """Sequences per forward pass for the validation loss and per generate() call."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompts, str):
+            if self.prompts != "auto":
+                fail("eval.prompts", f"{self.prompts!r} is not allowed; allowed: auto or a list of prompts")
+        elif not self.prompts:
+            fail("eval.prompts", "must be a list of at least one prompt, or auto")
+        for prompt in () if isinstance(self.prompts, str) else self.prompts:
+            if not isinstance(prompt, str) or not prompt.strip():
+                fail("eval.prompts", f"{prompt!r} is not a non-empty string")
+        if not 1 <= self.max_new_tokens <= 4096:
+            fail("eval.max_new_tokens", f"{self.max_new_tokens} must be between 1 and 4096")
+        if not 0 <= self.builtin_examples <= BUILTIN_EVAL_QUESTIONS:
+            fail(
+                "eval.builtin_examples",
+                f"{self.builtin_examples} is not allowed; allowed: 0 (off) to {BUILTIN_EVAL_QUESTIONS} (the builtin "
+                "data's distinct questions with tasks in rotation)",
+            )
+        if self.batch_size < 1:
+            fail("eval.batch_size", f"{self.batch_size} must be >= 1")
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    enabled: bool = True
+    """Tune the SFT model on oasst's ranked replies after SFT (stages preferences, tokenize_pairs, reference, dpo)."""
+    pairs: str = "best_vs_rest"
+    """`best_vs_rest`: each best-ranked reply against each worse sibling; `all`: every pair of different ranks."""
+    max_length: int = 128
+    """Tokens per side of a pair (conversation so far + reply); longer sides lose the oldest turns first."""
+    loss: str = "dpo"
+    """`dpo` (Rafailov et al. 2023) | `ipo` (Azar et al. 2023, on length-averaged log-probabilities)."""
+    beta: float = 0.1
+    """Strength of the KL penalty towards the reference (DPO's beta, IPO's tau)."""
+    reference: str = "sft"
+    """The model the log-ratios are taken against, its log-probabilities cached once: `sft` | `base`."""
+    sft_weight: float = 1.0
+    """Add this times the chosen reply's mean next-token loss to each pair's loss (RPO; TRL's rpo_alpha): keeps the
+    chosen replies likely while the rejected ones fall. 0: the plain DPO/IPO loss."""
+    train: dict = field(
+        default_factory=lambda: {
+            "learning_rate": 1.0e-3,
+            "max_steps": 200,
+            "global_batch_size": 24,
+            "micro_batch_size": 4,
+            "warmup_steps": 10,
+            "eval_every": 50,
+            "checkpoint_every": 50,
+        }
+    )
+    """Overrides of the train section for the preference stage (learning_rate, max_steps, lora, ...), merged over
+    `train`; a `preference.train` given replaces this default, which suits the embedded default's tiny model (a 7B
+    wants ~5e-7 for full fine-tuning, ~5e-6 to 2e-5 with LoRA)."""
+
+    def __post_init__(self) -> None:
+        if self.pairs not in PAIR_MODES:
+            fail("preference.pairs", f"{self.pairs!r} is not allowed; allowed: {', '.join(PAIR_MODES)}")
+        if self.loss not in PREFERENCE_LOSSES:
+            fail("preference.loss", f"{self.loss!r} is not allowed; allowed: {', '.join(PREFERENCE_LOSSES)}")
+        if self.reference not in REFERENCES:
+            fail(
+                "preference.reference", f"{self.reference!r} is not allowed; allowed: {', '.join(REFERENCES)}"
+            )
+        if not self.beta > 0:
+            fail("preference.beta", f"{self.beta} must be > 0")
+        if self.sft_weight < 0:
+            fail("preference.sft_weight", f"{self.sft_weight} must be >= 0 (0 is the plain loss)")
+        if not 16 <= self.max_length <= 131072:
+            fail("preference.max_length", f"{self.max_length} must be between 16 and 131072")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """Everything one experiment depends on: the shared dataset plus its own model/tokenize/train/preference."""
+
+    name: str
+    dataset: DatasetConfig
+    model: ModelConfig
+    tokenize: TokenizeConfig
+    train: TrainConfig
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    dpo_train: TrainConfig | None = None
+    """The preference stage's train settings: `train` with preference.train merged over it (None when off)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    dataset: DatasetConfig
+    experiments: dict[str, ExperimentConfig]
+    raw: dict[str, Any]
+    """The config as given (after experiment merging it is still the user's mapping)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation settings, shared by all experiments."""
+    gpu_memory_gib: float | None = None
+    """The memory of the cards to plan for, GiB (a card name in the YAML resolves to its memory: rtx4090 is
+    24,564 MiB): each process keeps what nvidia-smi shows for it under this less 0.5 GiB for the driver
+    (snaketune.device_memory), so a large GPU behaves like a smaller one; None: the GPUs' own memory."""
+    gpu_ids: tuple[str, ...] | None = None
+    """GPU ids (as CUDA_VISIBLE_DEVICES takes them) the workflow may use; None: every visible GPU."""

@@ -1,0 +1,118 @@
+"""Stage 4b, tokenize pairs: preference pairs -> cached Arrow rows, one row per pair: ``chosen`` then
+``rejected``, each the conversation so far plus one reply in the chat template of the SFT stage, position ids
+restarting at 0 for the second, labels only on the reply (its text and end-of-turn token).
+
+Each side holds at most ``preference.max_length`` tokens. A longer side keeps the reply's start: the oldest
+part of the conversation goes first (bos and the latest turns stay), down to half the budget; past that the
+reply's end is cut. The rows have the tokenized SFT cache's layout (snaketune.model.batching.TokenizedSplit reads
+them), so collation, varlen attention and the memory plan treat a pair as a packed row of two sequences.
+The cache key (snaketune.keys.pairs_key) covers everything that changes the tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from snaketune.data.chat import (
+    IGNORE_INDEX,
+    chat_template_text,
+    check_chat_template,
+    encode_conversations,
+    load_tokenizer,
+)
+from snaketune.data.tokenization import SPLITS, save_rows, tokenizer_hashes
+from snaketune.io import atomic_dir, sha256_file, sha256_text
+
+
+def fit(ids: np.ndarray, labels: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray, str | None]:
+    """One side cut to max_length, keeping the reply's start; returns what was cut (None, prompt, reply)."""
+    if len(ids) <= max_length:
+        return ids, labels, None
+    start = int(np.flatnonzero(labels != IGNORE_INDEX)[0])  # the reply's first trained token
+    reply = len(ids) - start
+    keep_prompt = min(start, max(max_length - reply, max_length // 2))
+    keep_reply = max_length - keep_prompt
+    # bos (position 0) and the last keep_prompt - 1 tokens of the conversation so far
+    idx = np.concatenate(
+        [[0], np.arange(start - keep_prompt + 1, start), np.arange(start, start + keep_reply)]
+    )
+    cut = "prompt" if keep_reply >= reply else "reply"
+    return ids[idx], labels[idx], cut
+
+
+def tokenize_pairs(
+    pairs_dir: str | Path,
+    tokenizer_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    max_length: int,
+    chat_template: str,
+    threads: int = 1,
+) -> dict[str, Any]:
+    """preferences/{train,validation}.parquet -> out_dir/{train,validation} (Arrow) + stats.json."""
+    import pyarrow.parquet as pq
+
+    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, threads)))
+    pairs_dir, out_dir = Path(pairs_dir), Path(out_dir)
+    tokenizer = load_tokenizer(tokenizer_dir, chat_template)
+    check_chat_template(tokenizer)
+    settings = {"max_length": max_length, "chat_template": chat_template}
+    stats: dict[str, Any] = {
+        "settings": settings,
+        "pair_files_sha256": {s: sha256_file(pairs_dir / f"{s}.parquet") for s in SPLITS},
+        "tokenizer_files_sha256": tokenizer_hashes(tokenizer_dir),
+        "chat_template_sha256": sha256_text(chat_template_text(tokenizer)),
+        "splits": {},
+    }
+    with atomic_dir(out_dir) as tmp:
+        for split in SPLITS:
+            table = pq.read_table(pairs_dir / f"{split}.parquet", columns=["prompt", "chosen", "rejected"])
+            prompts, chosen, rejected = (
+                table.column(c).to_pylist() for c in ("prompt", "chosen", "rejected")
+            )
+            sides = [[*p, {"role": "assistant", "content": r}] for p, r in zip(prompts, chosen, strict=True)]
+            sides += [
+                [*p, {"role": "assistant", "content": r}] for p, r in zip(prompts, rejected, strict=True)
+            ]
+            encoded = list(
+                encode_conversations(tokenizer, sides, assistant_only_loss=True, last_turn_only=True)
+            )
+            n = len(prompts)
+            rows, cuts = [], {"prompt": 0, "reply": 0}
+            lengths = []
+            for i in range(n):
+                row: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+                for ids, labels in (encoded[i], encoded[n + i]):
+                    lengths.append(len(ids))
+                    ids, labels, cut = fit(ids, labels, max_length)
+                    if cut:
+                        cuts[cut] += 1
+                    row["input_ids"] += ids.tolist()
+                    row["labels"] += labels.tolist()
+                    row["position_ids"] += list(range(len(ids)))
+                rows.append(row)
+            identity = {"split": split, **{k: stats[k] for k in stats if k != "splits"}}
+            save_rows(
+                rows,
+                tmp / split,
+                split=split,
+                fingerprint=sha256_text(json.dumps(identity, sort_keys=True))[:16],
+            )
+            stats["splits"][split] = {
+                "pairs": n,
+                "sides_cut_in_prompt": cuts["prompt"],
+                "sides_cut_in_reply": cuts["reply"],
+                "tokens": sum(len(r["input_ids"]) for r in rows),
+                "reply_tokens": sum(
+                    int(np.count_nonzero(np.asarray(r["labels"]) != IGNORE_INDEX)) for r in rows
+                ),
+                "mean_side_tokens": round(float(np.mean(lengths)) if lengths else 0.0, 3),
+                "max_side_tokens": int(max(lengths, default=0)),
+            }
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return stats

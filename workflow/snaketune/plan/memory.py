@@ -1,0 +1,408 @@
+"""The memory model of the plan: peak GPU and host memory of a training (and of an evaluation) from the
+architecture and the setup, without torch (the plan rule runs on the login node).
+
+Memory model, bytes per GPU. P parameters, T of them trained (P, or the LoRA adapters), N ranks, w bytes per
+weight (2 bf16, 4 fp32); bf16 training keeps an fp32 master copy (4 B) and Adam's m and v (8 B) per trained
+parameter (../shared/FACTS.md: 16 B/param for mixed-precision Adam):
+- weights: w*P, or w*P/N under ZeRO-3 (frozen weights too). QLoRA (train.lora.quantize: nf4): the decoder
+  layers' linear weights at NF4_BYTES each (4-bit codes, an 8-bit absmax per 64, an fp32 absmax per 256 of
+  those), the embeddings, lm_head and norms at w; each matmul dequantizes its weight to a w-byte temporary.
+- gradients: ZeRO-0 4*T (DeepSpeed's bf16 optimizer accumulates in fp32), or w*T with snaketune's fp32
+  masters (snaketune.train.optim.MasterWeightAdamW: the model's bf16 gradients, cast to fp32 one chunk at a time in
+  the step), 4*T with those masters and gradient accumulation (its fp32 accumulation buffer); ZeRO-1 w*T, ZeRO-2/3 w*T/N, none on the GPU with optimizer offload; while backward runs, the
+  largest trained tensor's gradient also exists whole before it is reduced (the 102,400 x 4,096 embedding for
+  DeepSeek-7B). With snaketune's masters and one micro-batch per step the gradients are freed after every
+  step and grow while backward frees the activations, so the peak holds all activations and no gradients.
+- optimizer: (4 + 8)*T, divided by N from ZeRO-1 on; on the host with offload. With 8-bit states
+  (train.optimizer_states: 8bit) m and v take snaketune.train.adam8bit.BYTES_PER_PARAM (2 B and a block's fp32
+  absmax per 256) instead of 8; with snaketune's masters the step then casts one tensor's gradient to fp32 at a
+  time (the largest: the embedding) instead of a chunk.
+- buffers, while backward runs (DeepSpeed frees them at its end): ZeRO-1/2 gradient buckets
+  (reduce_bucket_size x w, twice with overlap_comm); ZeRO-3 reduce and prefetch buckets, and with N > 1 the
+  gathered weights of two layers or an embedding.
+- optimizer step (ZeRO-1/2/3 without offload): the trained gradients flattened (w*T/N) and cast to fp32
+  (4*T/N) next to everything above. On one GPU ZeRO-2 thus peaks at 22 B/param in the step (FACTS.md).
+- activations per token and layer, what autograd saves in a DeepSeek/Llama decoder layer with SDPA
+  attention: two RMSNorms (fp32 upcast 4h + normalized and scaled w*h each), q, k, v and the attention
+  output (w*(2*q_dim + 2*kv_dim)), the SwiGLU MLP (gate, SiLU, up, product: 4*w*i), LoRA's rank-r
+  intermediates; times ACTIVATION_FACTOR for what backward adds (gradient temporaries, kernel
+  workspaces, allocator rounding). With gradient checkpointing: each layer's input (w*h) plus one
+  layer's activations while it is recomputed; on the first k layers only (train.gradient_checkpointing: k),
+  k inputs plus the other layers' activations. Liger's kernels (train.kernels) save less, counted per layer
+  and not scaled: 4h per RMSNorm (no fp32 upcast; (4 - w)h with LoRA, whose frozen norm weights need no
+  normalized output) and w*i in SwiGLU (SiLU(gate) recomputed in backward).
+- logits: 12 B per token and vocabulary entry: the logits (bf16), the contiguous copy the loss slices, the
+  fp32 upcast and log-softmax output of the loss (snaketune.model.batching.token_loss_sum); with the Triton loss
+  (train.loss_kernel, snaketune.model.losses.logits_cross_entropy) 2 B (bf16), the logits that become their own gradient,
+  and 8 B per token (its loss and logsumexp in fp32); with the fused loss
+  (snaketune.model.losses) 8 B per entry of one chunk of tokens, the hidden states' gradient and, with several
+  chunks, an fp32 sum of the lm_head weight's gradient; and, unless attention is varlen, the packed
+  block-diagonal attention mask, micro_batch x seq^2 x (w + 1).
+The peak is the larger of forward/backward and the optimizer step; it is what torch's
+max_memory_allocated reports (summary.json peak_memory_gib_per_rank). A GPU must hold that plus
+FRAGMENTATION of it and CUDA_OVERHEAD_GIB (CUDA context, NCCL and cuBLAS workspaces outside the allocator).
+Host memory: HOST_PER_RANK_GIB per rank (a CUDA PyTorch + DeepSpeed process), plus with optimizer offload
+18 B per trained parameter (fp32 master 4, Adam 8, fp32 gradients 4, bf16 staging 2); it must stay within
+HOST_USABLE of the machine's RAM.
+
+Calibration (tests/test_plan.py): ACTIVATION_FACTOR is fitted to FACTS.md's H200 points where activations
+matter (LoRA 30 layers 8 x 512: 45.4 GiB; torch AdamW 24 and 30 layers 4 x 512: 107.6 and 130.6 GiB); the
+model then gives 116.8 GiB for ZeRO-2 24 layers (measured 116.8, FACTS.md and bench/RESULTS.md) and 10.9 GiB
+GPU / 66.6 GiB host for ZeRO-3 offload 14 layers (measured 10.6 / 69). With snaketune's masters, varlen
+attention and the plain loss it gives 101.2 / 119.5 / 36.9 GiB for 24 layers, 30 layers and 30-layer LoRA
+(measured 96.2 / 116.2 / 37.6, bench/RESULTS.md issue #7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from snaketune.config.deepspeed import offloads, zero_stage
+from snaketune.plan.arch import Arch
+
+log = logging.getLogger("snaketune.plan.search")
+
+GIB = 2**30
+ACTIVATION_FACTOR = 1.25
+"""Measured / counted activation memory (fitted to FACTS.md's H200 points; see the module docstring)."""
+LORA_ACTIVATION_FACTOR = 0.88
+"""The same with LoRA. This project's trainer measured 37.6 GiB for LoRA r16 on all linear layers, 30 layers,
+8 x 512, ZeRO-2, on one H200 (bench/runs/2026-11-29_h200_plan), where ACTIVATION_FACTOR predicts 45.6: frozen
+weights need no saved inputs for weight gradients, and peft's adapters save only their rank-r products.
+FACTS.md's 45.4 GiB for that setup came from other training code."""
+LOGIT_BYTES = 12
+"""Per token and vocabulary entry: bf16 logits 2 + contiguous copy 2 + fp32 upcast 4 + log-softmax 4."""
+FUSED_LOGIT_BYTES = 8
+"""The same for one chunk of the fused loss (snaketune.model.losses): bf16 product 2 + fp32 copy 4 + bf16 gradient 2."""
+FUSED_CHUNK_BYTES = 2**30
+"""snaketune.model.losses.CHUNK_BYTES (kept here so that the plan does not import torch)."""
+MASTER_CHUNK_ELEMENTS = 2**28
+"""snaketune.train.optim.CHUNK_ELEMENTS (the same reason)."""
+CUDA_OVERHEAD_GIB = 1.0
+"""CUDA context (~0.5 GiB on Hopper), NCCL buffers and workspaces that the caching allocator does not count."""
+FRAGMENTATION = 0.05
+"""Allocator blocks reserved but not allocated at the peak, as a share of the peak."""
+HOST_PER_RANK_GIB = 5.0
+"""Host memory of one rank: CUDA PyTorch + DeepSpeed + transformers, pinned buffers, the tokenized data."""
+HOST_OFFLOAD_BYTES = 18
+"""Host bytes per trained parameter with optimizer offload: fp32 master 4, Adam 8, fp32 grads 4, bf16 2."""
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""Bytes per 4-bit NormalFloat weight with double quantization (snaketune.model.build.nf4_config), counted."""
+STATE_8BIT_BYTES = 2 + 8 / 256
+"""snaketune.train.adam8bit.BYTES_PER_PARAM (kept here so that the plan does not import torch)."""
+HOST_USABLE = 0.9
+"""Share of the machine's RAM a training may plan to use (the OS, Snakemake and page cache keep the rest)."""
+ENV_HOST_MEMORY = "SNAKETUNE_HOST_MEMORY_GIB"
+"""Host RAM to plan against instead of /proc/meminfo's MemTotal (machines whose MemTotal grows with use)."""
+
+
+# ---- a setup and its estimate -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything the memory of one training depends on besides the architecture."""
+
+    world: int
+    """Ranks (GPUs)."""
+    zero_stage: int
+    offload_optimizer: bool = False
+    """fp32 master weights, Adam states and gradients in host memory (DeepSpeed offload_optimizer)."""
+    offload_params: bool = False
+    """Weights in host memory too (DeepSpeed offload_param, ZeRO-3)."""
+    gradient_checkpointing: bool = False
+    checkpoint_layers: int | None = None
+    """With gradient_checkpointing: the first this many decoder layers recompute (None: every layer)."""
+    micro_batch: int = 1
+    accumulation: int = 1
+    """Micro-batches per optimizer step and rank."""
+    seq_len: int = 512
+    precision: str = "bf16"
+    """bf16 | fp32 | autocast (fp32 weights, bf16 autocast: plain torch, FACTS.md's reference runs)."""
+    lora_rank: int = 0
+    """0: full fine-tuning."""
+    lora_targets: tuple[str, ...] = ()
+    quantized: bool = False
+    """QLoRA: the frozen linear weights in NF4 (train.lora.quantize: nf4)."""
+    states_8bit: bool = False
+    """Adam's m and v in 8 bits (train.optimizer_states: 8bit)."""
+    engine: str = "deepspeed"
+    """deepspeed | torch (torch AdamW, no DeepSpeed: FACTS.md's reference runs only)."""
+    master_weights: bool = False
+    """bf16 weights and gradients, fp32 masters in snaketune.train.optim.MasterWeightAdamW (ZeRO-0 only)."""
+    fused_cross_entropy: bool = False
+    """snaketune.model.losses.fused_linear_cross_entropy: one chunk of logits at a time."""
+    triton_loss: bool = False
+    """snaketune.model.losses.logits_cross_entropy (train.loss_kernel), where the loss is not the fused one."""
+    varlen: bool = False
+    """snaketune.model.attention's varlen kernel: no (micro_batch, 1, seq, seq) mask tensor."""
+    objective: str = "sft"
+    """sft: the next-token loss (the fields above say which); preference: DPO's per-token log-probabilities
+    (snaketune.preference.logprobs), chunked like the fused loss, or the whole fp32 logits under ZeRO-3."""
+    liger: bool = False
+    """Liger's RMSNorm, RoPE and SwiGLU (snaketune.model.kernels): less saved for backward (`saved_less` in estimate)."""
+    reduce_bucket: float = 5e8
+    prefetch_bucket: float = 5e7
+    sub_group: float = 1e9
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+
+    def replace(self, **changes) -> Setup:
+        return dataclasses.replace(self, **changes)
+
+
+def setup_from_deepspeed(ds: dict, **fields) -> Setup:
+    """A Setup with the ZeRO stage, offload and buckets of a DeepSpeed JSON (DeepSpeed's defaults where absent)."""
+    zero = ds.get("zero_optimization") or {}
+    stage = zero_stage(ds)
+    return Setup(
+        zero_stage=stage,
+        offload_optimizer=stage > 0 and offloads(ds),
+        offload_params=stage == 3 and offloads(ds, "offload_param"),
+        reduce_bucket=float(zero.get("reduce_bucket_size", 5e8)),
+        prefetch_bucket=float(zero.get("stage3_prefetch_bucket_size", 5e7)),
+        sub_group=float(zero.get("sub_group_size", 1e9)),
+        overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
+        contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+        **fields,
+    )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    params: int
+    trainable: int
+    weights_gib: float
+    gradients_gib: float
+    optimizer_gib: float
+    buffers_gib: float
+    activations_gib: float
+    logits_gib: float
+    step_extra_gib: float
+    peak_allocated_gib: float
+    """What torch.cuda.max_memory_allocated should report (summary.json peak_memory_gib_per_rank)."""
+    peak_phase: str
+    gpu_gib: float
+    """What a GPU must have: the peak, FRAGMENTATION of it, and CUDA_OVERHEAD_GIB."""
+    host_gib: float
+    """Host memory of the whole node (all ranks)."""
+    offload: bool = False
+    """Optimizer or weights in host memory: only then is the host memory checked (it is the point)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
+
+
+def estimate(arch: Arch, s: Setup) -> Estimate:
+    """Peak memory per GPU and on the host (see the module docstring for the model)."""
+    h, i, n = arch.hidden, arch.intermediate, s.world
+    shapes = arch.linear_shapes()
+    total = arch.params()
+    targets = [t for t in s.lora_targets if t in shapes]
+    trained = arch.lora_params(s.lora_rank, targets) if s.lora_rank else total
+    torch_engine = s.engine == "torch"
+    stage = 0 if torch_engine else s.zero_stage
+    w = 2 if s.precision == "bf16" else 4  # bytes per stored weight
+    a = 4 if s.precision == "fp32" else 2  # bytes per activation
+    master = 4 if s.precision == "bf16" else 0
+
+    weights = 0.0 if s.offload_params else w * total / (n if stage == 3 else 1)
+    dequantized = 0.0
+    if s.quantized:
+        sizes = [fan_in * fan_out for fan_in, fan_out in shapes.values()]
+        linear = arch.layers * sum(sizes)
+        weights = w * (total - linear) + NF4_BYTES * linear
+        dequantized = w * max(sizes)  # one weight at a time, in w bytes
+    state_bytes = STATE_8BIT_BYTES if s.states_8bit else 8.0
+    if s.precision == "autocast":
+        weights += 2 * total  # autocast's bf16 copies of the weights, saved for backward
+    if s.master_weights and stage == 0 and s.accumulation > 1:
+        grads = 4.0 * trained  # the fp32 accumulation buffer (each bf16 .grad is freed into it as it comes)
+    elif s.master_weights and stage == 0:
+        grads = float(w * trained)  # the model's own bf16 gradients; fp32 only one chunk at a time
+    elif torch_engine or stage == 0:
+        grads = 4.0 * trained
+    elif stage == 1:
+        grads = float(w * trained)
+    else:
+        grads = 0.0 if s.offload_optimizer else w * trained / n
+    if s.offload_optimizer:
+        optim = 0.0
+    elif torch_engine:
+        optim = 8.0 * trained  # the fp32 weights are the master copy
+    else:
+        optim = (master + state_bytes) * trained / (1 if stage == 0 else n)
+
+    buffers = 0.0
+    if stage in (1, 2) and s.contiguous_gradients:
+        buffers = s.reduce_bucket * w * (2 if s.overlap_comm else 1)
+    elif stage == 3:
+        buffers = (s.reduce_bucket + s.prefetch_bucket) * w
+        if n > 1:
+            buffers += w * max(2 * arch.layer_params(), arch.embedding_params())
+    if s.lora_rank:
+        largest = max((s.lora_rank * max(shapes[t]) for t in targets), default=0)
+    else:
+        largest = arch.embedding_params()
+    transient_grad = (0.0 if torch_engine else w * largest) + dequantized
+
+    step_extra = 0.0
+    if s.master_weights and stage == 0 and s.states_8bit:
+        # One tensor's fp32 gradient at a time (snaketune.train.optim.MasterWeightAdamW._step_8bit).
+        step_extra = 4.0 * largest
+    elif s.master_weights and stage == 0 and s.accumulation == 1:
+        step_extra = 4.0 * min(trained, MASTER_CHUNK_ELEMENTS)  # one chunk of fp32 gradients
+    elif not (torch_engine or s.offload_optimizer or stage == 0):
+        step_extra = (w + master) * (trained / n if stage < 3 else min(trained / n, s.sub_group))
+
+    tokens = s.micro_batch * s.seq_len
+    q, kv = shapes["q_proj"][1], shapes["k_proj"][1]
+    # Per RMSNorm: the fp32 upcast, the normalized and the scaled output. Under autocast the residual stream
+    # is fp32 already (input and output saved) and the next linear saves its own bf16 cast.
+    norm = 8 * h + 2 * h if s.precision == "autocast" else 4 * h + 2 * a * h
+    per_layer = 2 * norm + a * (2 * q + 2 * kv) + 4 * a * i + a * s.lora_rank * len(targets)
+    residual = 4 if s.precision == "autocast" else a
+    factor = LORA_ACTIVATION_FACTOR if s.lora_rank else ACTIVATION_FACTOR
+    # Liger's RMSNorm saves its bf16 input and the row's rstd instead of the fp32 upcast (and, where the norm's
+    # weight trains, the normalized output); its SwiGLU recomputes SiLU(gate) in backward instead of saving it.
+    # Counted, not fitted: 5.02 / 4.39 GiB less for b24 / lora30, measured 5.08 / 4.39 (bench/RESULTS.md, #16).
+    saved_less = (2 * (4 * h if not s.lora_rank else (4 - a) * h) + a * i) if s.liger else 0
+    if s.gradient_checkpointing:
+        # k layers keep only their input; the others all their activations until backward reaches them, and
+        # while a checkpointed layer is recomputed (the uncheckpointed ones are done by then) one layer's worth.
+        k = arch.layers if s.checkpoint_layers is None else min(s.checkpoint_layers, arch.layers)
+        acts = tokens * k * residual * h + tokens * max(arch.layers - k, 1) * (
+            per_layer * factor - saved_less
+        )
+    else:
+        acts = tokens * arch.layers * (per_layer * factor - saved_less)
+    acts += tokens * norm  # the final norm
+    if s.fused_cross_entropy:
+        # At the end of the forward pass, on top of every layer's saved activations: one chunk of logits (bf16
+        # product, fp32 copy turned into the gradient in place, its bf16 cast), the hidden states' gradient, and
+        # with several chunks the fp32 sum of the lm_head weight's gradient (its w-byte result becomes the .grad
+        # that `grads` counts).
+        chunk = min(tokens, max(256, FUSED_CHUNK_BYTES // (4 * arch.vocab) // 256 * 256))
+        logits = FUSED_LOGIT_BYTES * chunk * arch.vocab + a * tokens * h
+        if not s.lora_rank and chunk < tokens:
+            logits += 4 * arch.vocab * h
+    elif s.triton_loss:
+        logits = a * tokens * arch.vocab + 8 * tokens
+    else:
+        logits = LOGIT_BYTES * tokens * arch.vocab
+    if not s.varlen:
+        logits += s.micro_batch * s.seq_len**2 * (a + 1)  # the packed block-diagonal mask
+
+    states = weights + grads + optim
+    # The buckets live from the first gradient to the end of backward (DeepSpeed releases them there).
+    forward_backward = states + buffers + transient_grad + acts + logits
+    if s.master_weights and stage == 0 and s.accumulation == 1:
+        # The gradients are freed after every step (DeepSpeed's zero_grad) and, with one micro-batch per step,
+        # grow during backward while the activations are freed: the peak is at the start of backward, with
+        # all activations and (nearly) no gradients. Measured: 95.5 GiB for 24 layers at 8 x 512 (bench/RESULTS.md).
+        forward_backward = weights + optim + max(transient_grad + acts + logits, grads)
+    step = states + step_extra
+    peak = max(forward_backward, step)
+    host = HOST_PER_RANK_GIB * GIB * n
+    if s.offload_optimizer:
+        host += HOST_OFFLOAD_BYTES * trained
+    if s.offload_params:
+        host += w * total
+    return Estimate(
+        params=total,
+        trainable=trained,
+        weights_gib=weights / GIB,
+        gradients_gib=grads / GIB,
+        optimizer_gib=optim / GIB,
+        buffers_gib=(buffers + transient_grad) / GIB,
+        activations_gib=acts / GIB,
+        logits_gib=logits / GIB,
+        step_extra_gib=step_extra / GIB,
+        peak_allocated_gib=peak / GIB,
+        peak_phase="optimizer step" if step > forward_backward else "forward/backward",
+        gpu_gib=peak / GIB * (1 + FRAGMENTATION) + CUDA_OVERHEAD_GIB,
+        host_gib=host / GIB,
+        offload=s.offload_optimizer or s.offload_params,
+    )
+
+
+# ---- evaluation ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalSetup:
+    """What the memory of the evaluate stage depends on besides the architecture: one model at a time, in
+    bf16, no gradients (snaketune.evaluation.evaluate)."""
+
+    batch: int
+    """Rows per forward pass of the validation loss, prompts per generate() call (eval.batch_size)."""
+    seq_len: int
+    """Positions of a validation row (packed rows fill tokenize.max_length)."""
+    prompt_len: int
+    """Tokens of the longest prompt of a generate() call (at most tokenize.max_length)."""
+    new_tokens: int
+    """eval.max_new_tokens."""
+    precision: str = "bf16"
+    varlen: bool = True
+    """FlashAttention varlen for the validation rows (CUDA): no (batch, 1, L, L) mask."""
+    quantized: bool = False
+    """The models load in 4 bits (a QLoRA training's train.lora.quantize: nf4)."""
+
+
+@dataclass(frozen=True)
+class EvalEstimate:
+    weights_gib: float
+    validation_gib: float
+    """Peak allocated while the validation loss runs (weights included)."""
+    generation_gib: float
+    """Peak allocated while generate() runs (weights and KV cache included)."""
+    peak_allocated_gib: float
+    gpu_gib: float
+    """The peak with FRAGMENTATION and CUDA_OVERHEAD_GIB, as a GPU must have it."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: round(v, 3) for k, v in dataclasses.asdict(self).items()}
+
+
+def estimate_eval(arch: Arch, e: EvalSetup) -> EvalEstimate:
+    """Peak memory of the evaluate stage. Without gradients nothing is saved for backward: a forward pass holds
+    the residual stream, one layer's intermediates at a time and the loss; generation adds the KV cache.
+
+    - validation loss (snaketune.model.build.LossModel with the fused loss): per token, the residual stream and the
+      layer's input (2 x a*h), the RMSNorm's fp32 upcast (4h), q, k, v and the attention output (a*(2q+2kv)),
+      the SwiGLU MLP's gate, up and their product (3*a*i); the final hidden states (a*h); one chunk of the
+      fused loss's logits (bf16 product, fp32 copy, logsumexp's fp32 temporary: 10 B per entry); without
+      varlen the packed rows' additive mask (batch x L^2 x (a + 1)).
+    - generation (transformers' generate, logits of the last position only): the KV cache for the prompt and
+      the new tokens (2 x layers x kv_dim x a per token), the prefill's per-layer intermediates as above over
+      the prompt, its causal mask (batch x L^2 x a), and the last position's logits (fp32, 6 B per entry).
+    """
+    a = 4 if e.precision == "fp32" else 2
+    h, i = arch.hidden, arch.intermediate
+    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    weights = a * arch.params()
+    if e.quantized:  # the decoder layers' linear weights in NF4, one dequantized at a time (see `estimate`)
+        sizes = [fan_in * fan_out for fan_in, fan_out in arch.linear_shapes().values()]
+        linear = arch.layers * sum(sizes)
+        weights = a * (arch.params() - linear) + NF4_BYTES * linear + a * max(sizes)
+    per_token = 2 * a * h + 4 * h + a * (2 * q + 2 * kv) + 3 * a * i
+    tokens = e.batch * e.seq_len
+    chunk = min(tokens, max(256, FUSED_CHUNK_BYTES // (4 * arch.vocab) // 256 * 256))
+    validation = weights + tokens * (per_token + a * h) + 10 * chunk * arch.vocab
+    if not e.varlen:
+        validation += e.batch * e.seq_len**2 * (a + 1)
+    total_len = e.prompt_len + e.new_tokens
+    kv_cache = 2 * arch.layers * e.batch * total_len * kv * a
+    prefill = e.batch * e.prompt_len * per_token + e.batch * e.prompt_len**2 * a
+    generation = weights + kv_cache + prefill + 6 * e.batch * arch.vocab
+    peak = max(validation, generation)
+    return EvalEstimate(
+        weights_gib=weights / GIB,
+        validation_gib=validation / GIB,
+        generation_gib=generation / GIB,
+        peak_allocated_gib=peak / GIB,
+        gpu_gib=peak / GIB * (1 + FRAGMENTATION) + CUDA_OVERHEAD_GIB,
+    )

@@ -1,0 +1,502 @@
+"""Preflight memory plan: will a training fit on the GPUs it gets, and if not, what would.
+
+The `plan` rule writes results/plan/<experiment>.json before the train rule may start: the estimated peak
+memory per GPU and on the host for the configured strategy and for the alternatives, the budget they were
+checked against (the top-level config key `gpu_memory_gib`, else the smallest GPU this machine offers the
+workflow), and the strategy the train rule will use. A configuration that does not fit stops the workflow
+there, with what would fit; with `train.strategy: auto` the plan picks the fastest strategy that fits.
+The launcher checks the plan again against the GPUs a job is actually given (`check_devices`).
+
+The memory model is snaketune.plan.memory.
+
+The strategies `train.strategy: auto` chooses among, fastest first, are snaketune.plan.strategies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from snaketune.config.deepspeed import uses_master_weights, zero_stage
+from snaketune.config.schema import LoraConfig, checkpointed_layers
+from snaketune.model import kernels
+from snaketune.plan.arch import Arch, resolve_arch
+from snaketune.plan.budget import Budget, detect_budget
+from snaketune.plan.memory import (
+    ENV_HOST_MEMORY,
+    HOST_USABLE,
+    Estimate,
+    EvalEstimate,
+    EvalSetup,
+    Setup,
+    estimate,
+    estimate_eval,
+    setup_from_deepspeed,
+)
+from snaketune.plan.strategies import (  # noqa: F401 - the plan's public names include the strategies'
+    MICRO_SPEED,
+    MICRO_SPEED_LORA,
+    SPEED_8BIT,
+    STRATEGIES,
+    STRATEGY_FILES,
+    Strategy,
+    candidate_strategies,
+    checkpointing_setting,
+    strategy_name,
+)
+
+log = logging.getLogger("snaketune.plan.search")
+
+
+class PlanError(RuntimeError):
+    """The training does not fit; the message says what would."""
+
+
+STRATEGY_MODES = ("as_configured", "auto")
+LORA_TARGETS = LoraConfig().targets
+"""LoRA's default targets: every linear layer of a decoder layer."""
+
+
+def _setup_for(
+    train: dict, ds: dict, *, world: int, seq_len: int, precision: str, objective: str = "sft", **changes
+) -> Setup:
+    """The Setup a training with these train settings and this DeepSpeed file runs (snaketune.train.trainer decides
+    the same way: MasterWeightAdamW at ZeRO-0 in bf16 without offload unless train.bf16_optimizer says
+    deepspeed; the fused loss except under ZeRO-3; varlen attention in bf16 unless train.attention is sdpa; Liger's
+    kernels in bf16 and the Triton loss where snaketune.model.kernels.planned / triton_planned say the ranks run them).
+    The preference objective (snaketune.preference.dpo) ignores train.loss_kernel and train.fused_cross_entropy: its
+    per-token log-probabilities are chunked over the tokens like the fused loss, except under ZeRO-3, where they
+    come from the whole logits in fp32 (snaketune.preference.logprobs)."""
+    lora = train.get("lora") or {}
+    stage = zero_stage(ds)
+    master = uses_master_weights(ds, train.get("bf16_optimizer", "auto"), bf16=precision == "bf16")
+    world_micro = int(train["micro_batch_size"]) * world
+    checkpointing = train.get("gradient_checkpointing")
+    partial = None if isinstance(checkpointing, bool) or checkpointing is None else int(checkpointing)
+    fields = dict(
+        accumulation=max(1, int(train.get("global_batch_size", world_micro)) // world_micro),
+        master_weights=master,
+        fused_cross_entropy=stage != 3
+        and (objective == "preference" or bool(train.get("fused_cross_entropy", True))),
+        varlen=precision == "bf16" and train.get("attention", "auto") != "sdpa",
+        liger=precision == "bf16" and kernels.planned(train.get("kernels", "auto")),
+        triton_loss=objective == "sft" and kernels.triton_planned(train.get("loss_kernel", "auto")),
+        objective=objective,
+        world=world,
+        gradient_checkpointing=bool(checkpointing),
+        checkpoint_layers=partial,
+        micro_batch=int(train["micro_batch_size"]),
+        seq_len=seq_len,
+        precision=precision,
+        lora_rank=int(lora.get("rank", 16)) if lora.get("enabled") else 0,
+        lora_targets=tuple(lora.get("targets") or LORA_TARGETS),
+        quantized=bool(lora.get("enabled")) and lora.get("quantize", "none") != "none",
+        states_8bit=train.get("optimizer_states", "fp32") == "8bit",
+    )
+    if "gradient_checkpointing" in changes:
+        fields["checkpoint_layers"] = None  # a candidate strategy (snaketune.plan.strategies): every layer
+    fields.update(changes)
+    return setup_from_deepspeed(ds, **fields)
+
+
+def _entry(name: str, deepspeed: str, s: Setup, est: Estimate, budget: Budget, **extra) -> dict:
+    return {
+        "name": name,
+        "deepspeed_config": deepspeed,
+        "gradient_checkpointing": checkpointing_setting(s),
+        "setup": dataclasses.asdict(s),
+        "estimate": est.as_dict(),
+        "fits": budget.fits(est),
+        **extra,
+    }
+
+
+def _fmt(entry: dict) -> str:
+    est = entry["estimate"]
+    text = f"{entry['name']} needs {est['gpu_gib']:.1f} GiB per GPU"
+    if entry["setup"]["offload_optimizer"] or entry["setup"]["offload_params"]:
+        text += f" and {est['host_gib']:.0f} GiB host RAM"
+    return text
+
+
+def make_plan(
+    *,
+    experiment: str,
+    model: dict,
+    train: dict,
+    max_length: int,
+    deepspeed_config: str,
+    gpu_memory_gib: float | None,
+    budget: Budget,
+    candidate_files: dict[str, str] | None = None,
+    allow_download: bool = False,
+    evaluation: dict | None = None,
+    objective: str = "sft",
+) -> dict:
+    """The plan as a JSON-able dict; `fits` is False when the chosen strategy does not fit (then `message`
+    says what would), None when there is nothing to check against. `evaluation` ({"batch_size",
+    "max_new_tokens"}, the eval section) adds the evaluate stage's plan (`plan_evaluation`). The preference
+    stage has a plan of its own (rule plan_dpo, `objective` preference): its merged train settings, rows of both
+    sides of a pair, and its own log-probabilities instead of the SFT loss (`_setup_for`)."""
+    plan: dict[str, Any] = {
+        "experiment": experiment,
+        "gpu_memory_gib": gpu_memory_gib,
+        "budget": dataclasses.asdict(budget),
+        "model": {"base": model["base"]},
+    }
+    arch, source = resolve_arch(model, allow_download=allow_download)
+    plan["model"]["source"] = source
+    if arch is None:
+        plan.update(_unplanned(train, deepspeed_config, source), arch=None)
+        return plan
+    plan["arch"] = dataclasses.asdict(arch)
+    stage = plan_training(arch, train, max_length, deepspeed_config, budget, candidate_files, objective)
+    plan.update(stage)
+    plan["model"].update(
+        params=stage["configured"]["estimate"]["params"],
+        trainable=stage["configured"]["estimate"]["trainable"],
+    )
+    precision = stage["precision"]
+    if evaluation is not None:
+        plan["evaluate"] = plan_evaluation(
+            arch, evaluation, max_length=max_length, precision=precision, budget=budget
+        )
+        if plan["fits"] is not False and plan["evaluate"]["fits"] is False:
+            plan.update(fits=False, message=plan["evaluate"]["message"], status="evaluation does not fit")
+    return plan
+
+
+def _unplanned(train: dict, deepspeed_config: str, source: str) -> dict:
+    chosen = {
+        "name": "as configured",
+        "deepspeed_config": deepspeed_config,
+        "gradient_checkpointing": bool(train.get("gradient_checkpointing")),
+    }
+    return {
+        "strategy": train.get("strategy", "as_configured"),
+        "train_precision": train.get("precision", "auto"),
+        "fits": None,
+        "status": source,
+        "chosen": chosen,
+        "candidates": [],
+        "message": None,
+    }
+
+
+def plan_training(
+    arch: Arch,
+    train: dict,
+    max_length: int,
+    deepspeed_config: str,
+    budget: Budget,
+    candidate_files: dict[str, str] | None,
+    objective: str = "sft",
+) -> dict:
+    """One training stage's plan: the configured strategy, the candidates, the one chosen (train.strategy),
+    whether it fits and, if not, what would."""
+    strategy = train.get("strategy", "as_configured")
+    precision = train.get("precision", "auto")
+    if precision == "auto":
+        precision = "fp32" if budget.gpu_gib is None else "bf16"
+    world = int(train["gpus"]) * int(train.get("nodes", 1))  # train.gpus is per node
+    common = dict(world=world, seq_len=max_length, precision=precision, objective=objective)
+    # A ConfigError where train.gradient_checkpointing names more layers than the model has.
+    checkpointed_layers(train.get("gradient_checkpointing"), arch.layers)
+    ds = json.loads(Path(deepspeed_config).read_text())
+    setup = _setup_for(train, ds, **common)
+    configured = _entry(
+        strategy_name(setup), deepspeed_config, setup, estimate(arch, setup), budget, configured=True
+    )
+    lora = bool((train.get("lora") or {}).get("enabled"))
+    candidates = []
+    for strat in candidate_strategies(lora, setup.states_8bit) if candidate_files else []:
+        path = candidate_files.get(strat.deepspeed_file)
+        if path is None:
+            continue
+        s = _setup_for(
+            train,
+            json.loads(Path(path).read_text()),
+            gradient_checkpointing=strat.gradient_checkpointing,
+            **common,
+        )
+        speed = strat.relative_speed
+        if strategy == "auto":
+            s, speed = _largest_fitting_micro(arch, s, budget, speed)
+        name = strategy_name(s, micro=setup.micro_batch)
+        candidates.append(_entry(name, path, s, estimate(arch, s), budget, relative_speed=speed))
+    if strategy == "auto" and not lora and not setup.states_8bit:
+        candidates = _with_8bit_states(candidates, arch, budget)
+    candidates = _by_speed(candidates)
+    if strategy == "auto" and budget.gpu_gib is not None:
+        pick = next((c for c in candidates if c["fits"]), None)
+    else:
+        pick = configured
+    chosen = {"name": "as configured", "deepspeed_config": deepspeed_config,
+              "gradient_checkpointing": train.get("gradient_checkpointing", False)}  # fmt: skip
+    if pick is not None:
+        chosen = {k: pick[k] for k in ("name", "deepspeed_config", "gradient_checkpointing")}
+        chosen["micro_batch_size"] = pick["setup"]["micro_batch"]
+        chosen["optimizer_states"] = "8bit" if pick["setup"]["states_8bit"] else "fp32"
+        chosen["estimate"] = pick["estimate"]
+    stage = {
+        "strategy": strategy,
+        "train_precision": train.get("precision", "auto"),
+        "precision": precision,
+        "seq_len": max_length,
+        "configured": configured,
+        "candidates": candidates,
+        "chosen": chosen,
+        "message": None,
+    }
+    fits = None if budget.gpu_gib is None else bool(pick and pick["fits"])
+    if fits is False:
+        stage["message"] = not_fitting_message(stage, arch, train, ds, common, budget, candidate_files)
+        stage["status"] = "does not fit"
+    elif fits:
+        stage["status"] = f"fits: {chosen['name']} on {world} x {budget.gpu_gib:.1f} GiB"
+    else:
+        stage["status"] = budget.source
+    stage["fits"] = fits
+    return stage
+
+
+def _with_8bit_states(candidates: list[dict], arch: Arch, budget: Budget) -> list[dict]:
+    """`train.strategy: auto` of a full fine-tune with fp32 states: each strategy without offload again with
+    8-bit states (snaketune.train.adam8bit), ranked after every fp32 one without offload and before offload: exact
+    fp32 states wherever they fit, 8-bit ones (SPEED_8BIT, slightly different arithmetic) before CPU offload
+    (10x slower, FACTS.md)."""
+    exact = [c for c in candidates if not c["estimate"]["offload"]]
+    offloaded = [c for c in candidates if c["estimate"]["offload"]]
+    quantized = []
+    for c in exact:
+        s = Setup(**{**c["setup"], "lora_targets": tuple(c["setup"]["lora_targets"]), "states_8bit": True})
+        quantized.append(
+            _entry(
+                c["name"] + "+8bit",
+                c["deepspeed_config"],
+                s,
+                estimate(arch, s),
+                budget,
+                relative_speed=round(c["relative_speed"] * SPEED_8BIT, 3),
+            )
+        )
+    return exact + quantized + offloaded
+
+
+def _largest_fitting_micro(arch: Arch, s: Setup, budget: Budget, speed: float) -> tuple[Setup, float]:
+    """`train.strategy: auto`: a setup that does not fit at its micro-batch size, at the largest halving that fits
+    with the same global batch (micro_batch x ranks x accumulation), and its relative speed (MICRO_SPEED or
+    MICRO_SPEED_LORA per halving); unchanged where the configured size fits or none does."""
+    if budget.gpu_gib is None or budget.fits(estimate(arch, s)):
+        return s, speed
+    global_batch = s.micro_batch * s.world * s.accumulation
+    micro, halvings = s.micro_batch, 0
+    while micro > 1 and micro % 2 == 0:
+        micro, halvings = micro // 2, halvings + 1
+        per_step = micro * s.world
+        if global_batch % per_step:
+            break
+        smaller = s.replace(micro_batch=micro, accumulation=global_batch // per_step)
+        if budget.fits(estimate(arch, smaller)):
+            per_halving = MICRO_SPEED_LORA if s.lora_rank else MICRO_SPEED
+            return smaller, round(speed * per_halving**halvings, 3)
+    return s, speed
+
+
+def _by_speed(candidates: list[dict]) -> list[dict]:
+    """Fastest first within each group, the groups in _with_8bit_states' order (fp32 states, 8-bit states,
+    offload): the micro-batch halvings of `_largest_fitting_micro` run slower than their strategy's figure."""
+
+    def group(c: dict) -> int:
+        return 2 if c["estimate"]["offload"] else int(bool(c["setup"]["states_8bit"]))
+
+    return sorted(candidates, key=lambda c: (group(c), -c["relative_speed"]))
+
+
+def plan_evaluation(arch: Arch, evaluation: dict, *, max_length: int, precision: str, budget: Budget) -> dict:
+    """The evaluate stage's memory at eval.batch_size and, where that does not fit, the largest batch size that
+    does (halving): the stage then runs with it (`batch_size`), so a recipe that fits training never dies in
+    evaluation. Planned for the longest inputs there can be: validation rows and prompts of tokenize.max_length
+    (the stage records its own estimate for the lengths it meets beside the measured peak)."""
+    requested = int(evaluation["batch_size"])
+    new_tokens = int(evaluation["max_new_tokens"])
+
+    def at(batch: int) -> EvalEstimate:
+        setup = EvalSetup(
+            batch=batch,
+            seq_len=max_length,
+            prompt_len=max_length,
+            new_tokens=new_tokens,
+            precision="fp32" if precision == "fp32" else "bf16",
+            varlen=precision == "bf16",
+            quantized=evaluation.get("quantize", "none") != "none",
+        )
+        return estimate_eval(arch, setup)
+
+    batch, est = requested, at(requested)
+    if budget.gpu_gib is not None:
+        while est.gpu_gib > budget.gpu_gib and batch > 1:
+            batch //= 2
+            est = at(batch)
+    fits = None if budget.gpu_gib is None else est.gpu_gib <= budget.gpu_gib
+    out = {"requested_batch_size": requested, "batch_size": batch, "estimate": est.as_dict(), "fits": fits}
+    if fits is False:
+        out["message"] = (
+            f"evaluation does not fit {budget.gpu_gib:.1f} GiB ({budget.source}): one {arch.params():,}-parameter "
+            f"model in {precision} needs {est.gpu_gib:.1f} GiB per GPU at eval.batch_size 1 with "
+            f"{max_length} tokens (weights {est.weights_gib:.1f} GiB); use larger GPUs or a shorter "
+            "tokenize.max_length"
+        )
+    elif batch < requested:
+        log.info("evaluation: eval.batch_size %d needs more than %.1f GiB; the evaluate stage uses %d",
+                 requested, budget.gpu_gib, batch)  # fmt: skip
+    return out
+
+
+def _fastest_fitting(
+    arch: Arch, train: dict, files: dict[str, str], common: dict, budget: Budget
+) -> tuple[str, Setup, Estimate] | None:
+    """The fastest strategy (STRATEGIES order) that fits `budget` with these train settings."""
+    lora = bool((train.get("lora") or {}).get("enabled"))
+    for strat in candidate_strategies(lora, train.get("optimizer_states", "fp32") == "8bit"):
+        if strat.deepspeed_file not in files:
+            continue
+        ds = json.loads(Path(files[strat.deepspeed_file]).read_text())
+        s = _setup_for(train, ds, gradient_checkpointing=strat.gradient_checkpointing, **common)
+        e = estimate(arch, s)
+        if budget.fits(e):
+            return strat.name, s, e
+    return None
+
+
+def not_fitting_message(
+    plan: dict,
+    arch: Arch,
+    train: dict,
+    ds: dict,
+    common: dict,
+    budget: Budget,
+    candidate_files: dict[str, str] | None,
+) -> str:
+    """'... zero2 needs 113.8 GiB per GPU as configured. What would fit: zero3_offload needs 9.6 GiB per GPU
+    and 98 GiB host RAM (...); LoRA (train.lora.enabled: true) with zero2 needs 16.2 GiB per GPU.'
+
+    Tried in this order, each with the fastest strategy that fits, at most three kept: the configured
+    training with another strategy, with 8-bit Adam states, LoRA instead of full fine-tuning, micro_batch_size 1,
+    LoRA and micro_batch_size 1, more GPUs.
+    """
+    configured = plan["configured"]
+    world = common["world"]
+    head = f"train.gpus {world} x {budget.gpu_gib:.1f} GiB ({budget.source})"
+    if budget.host_gib is not None:
+        head += f", {budget.host_gib:.0f} GiB host RAM"
+    where = configured["deepspeed_config"] + (
+        ", gradient checkpointing on" if configured["gradient_checkpointing"] else ""
+    )
+    text = f"{head}: {_fmt(configured)} as configured ({where})"
+    if plan["strategy"] == "auto":
+        text = f"{head}: no strategy fits; {_fmt(configured)} as configured ({where})"
+    files = dict(candidate_files or {})
+    files.setdefault(Path(configured["deepspeed_config"]).name, configured["deepspeed_config"])
+    full = not (train.get("lora") or {}).get("enabled")
+    lora_train = {**train, "lora": {**(train.get("lora") or {}), "enabled": True}}
+    micro = int(train["micro_batch_size"])
+    variants = [("", train)]
+    if full and train.get("optimizer_states", "fp32") != "8bit":
+        variants.append(
+            ("8-bit Adam states (train.optimizer_states: 8bit) with ", {**train, "optimizer_states": "8bit"})
+        )
+    if full:
+        variants.append(("LoRA (train.lora.enabled: true) with ", lora_train))
+    if micro > 1:
+        variants.append(("micro_batch_size 1 with ", {**train, "micro_batch_size": 1}))
+        if full:
+            variants.append(("LoRA and micro_batch_size 1 with ", {**lora_train, "micro_batch_size": 1}))
+    would = []
+    for label, variant in variants:
+        found = _fastest_fitting(arch, variant, files, common, budget)
+        if found:
+            name, s, e = found
+            hint = ""
+            if not label:
+                hint = (
+                    f" (train.deepspeed: {files[STRATEGY_FILES[name]]}, gradient_checkpointing: "
+                    f"{str(s.gradient_checkpointing).lower()}; or train.strategy: auto)"
+                )
+            would.append(
+                label + _fmt({"name": name, "setup": dataclasses.asdict(s), "estimate": e.as_dict()}) + hint
+            )
+        if len(would) == 3:
+            break
+    if not would:
+        for more in (2, 4, 8, 16, 32, 64):
+            if more > world:
+                found = _fastest_fitting(arch, train, files, {**common, "world": more}, budget)
+                if found:
+                    name, s, e = found
+                    would.append(f"{name} on {more} GPUs needs {e.gpu_gib:.1f} GiB per GPU")
+                    break
+    # A strategy that fits the GPUs but not the host is worth naming: more RAM would do.
+    host_short = [
+        c
+        for c in plan["candidates"]
+        if not c["fits"] and c["estimate"]["offload"] and c["estimate"]["gpu_gib"] <= budget.gpu_gib
+    ]
+    if host_short and budget.host_gib is not None:
+        c = host_short[0]
+        text += (
+            f"; {c['name']} would fit the GPUs ({c['estimate']['gpu_gib']:.1f} GiB) but needs "
+            f"{c['estimate']['host_gib']:.0f} GiB host RAM ({HOST_USABLE:.0%} of {budget.host_gib:.0f} GiB "
+            f"is usable; {ENV_HOST_MEMORY} overrides the RAM)"
+        )
+    if would:
+        return f"{text}. What would fit: " + "; ".join(would) + "."
+    return f"{text}. Nothing tried fits: use more or larger GPUs, a shorter tokenize.max_length or LoRA."
+
+
+def format_table(plan: dict) -> str:
+    """The plan as a text table for the log."""
+    rows = ([plan["configured"]] if plan.get("configured") else []) + plan.get("candidates", [])
+    lines = [
+        f"model {plan['model']['base']} ({plan['model'].get('source')}): "
+        f"{plan['model'].get('params', 0):,} parameters, {plan['model'].get('trainable', 0):,} trained",
+        f"budget: {plan['budget']['source']}; host RAM {plan['budget'].get('host_gib') or 0:.0f} GiB",
+        f"{'strategy':<26}{'speed':>6}{'peak alloc':>12}{'per GPU':>10}{'host':>8}  phase / fits",
+    ]
+    for r in rows:
+        e = r["estimate"]
+        name = r["name"] + (" (configured)" if r.get("configured") else "")
+        speed = f"{r['relative_speed']:.2f}" if "relative_speed" in r else "-"
+        lines.append(
+            f"{name:<26}{speed:>6}{e['peak_allocated_gib']:>10.1f}Gi{e['gpu_gib']:>8.1f}Gi"
+            f"{e['host_gib']:>6.0f}Gi  {e['peak_phase']} / {r['fits']}"
+        )
+    if plan.get("evaluate"):
+        ev = plan["evaluate"]
+        e = ev["estimate"]
+        lines.append(
+            f"{'evaluate':<26}{'-':>6}{e['peak_allocated_gib']:>10.1f}Gi{e['gpu_gib']:>8.1f}Gi{0:>6.0f}Gi  "
+            f"batch {ev['batch_size']} (eval.batch_size {ev['requested_batch_size']}) / {ev['fits']}"
+        )
+    lines.append(f"chosen: {plan['chosen']['name']} ({plan['chosen']['deepspeed_config']}); {plan['status']}")
+    return "\n".join(lines)
+
+
+def write_plan(*, out: str | Path, **kwargs) -> dict:
+    """The plan rule: make the plan, log it, refuse a training that does not fit, write the JSON."""
+    from snaketune.io import write_json
+
+    gpu_memory_gib = kwargs["gpu_memory_gib"]
+    budget = kwargs.pop("budget", None) or detect_budget(gpu_memory_gib)
+    plan = make_plan(budget=budget, **kwargs)
+    if plan.get("configured"):
+        log.info("memory plan for %s:\n%s", plan["experiment"], format_table(plan))
+    else:
+        log.info("memory plan for %s: %s", plan["experiment"], plan["status"])
+    if plan["fits"] is False:
+        raise PlanError(plan["message"])
+    write_json(out, plan)
+    return plan

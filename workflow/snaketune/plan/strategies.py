@@ -1,0 +1,106 @@
+"""The training strategies the memory plan weighs (snaketune.plan.search): ZeRO stage, offload and gradient checkpointing,
+fastest first, and for full fine-tuning the same with 8-bit Adam states.
+
+Speed order for `train.strategy: auto` (fastest first; STRATEGIES): relative throughputs are assumptions,
+except offload, which FACTS.md measured: ZeRO-0 1.0 and ZeRO-2 0.97 (the same communication volume:
+reduce-scatter + all-gather = all-reduce, DeepSpeed's docs); ZeRO-3 0.8 (weights gathered in forward and
+backward: 1.5x the traffic; worse over PCIe); gradient checkpointing x0.75 (a second forward, +1/3 of the
+compute: RECOMPUTE); ZeRO-3 + CPU optimizer offload 0.09 (FACTS.md: 928 tok/s for 3.67B parameters against
+8,632 for 5.70B under ZeRO-2). Full fine-tuning or LoRA stays as configured; LoRA is
+never planned with ZeRO-3 (the trainer refuses that combination). A full fine-tune with fp32 Adam states also
+gets each strategy without offload with 8-bit states (train.optimizer_states), ranked after the fp32 ones and
+before offload (snaketune.plan.search._with_8bit_states). A strategy that does not fit at the configured micro-batch is
+tried at its halvings (the same global batch, more accumulation steps; MICRO_SPEED, MICRO_SPEED_LORA per halving)
+and the candidates of each group are then ordered by speed (snaketune.plan.search._by_speed).
+
+Checkpointing only the first N layers (train.gradient_checkpointing: N) is the user's to set, not the plan's: on
+one H200 the LoRA 7B at 8 x 512 under 24 GiB ran at 10,787 tokens/s with 24 of 30 layers checkpointed (peak 21.9
+GiB, planned 21.7) against 8,645, 9,779 and 10,888 with all 30 in three other runs, inside their spread; and the
+QLoRA example narrowed to 25 of 30 layers under 16 GiB (planned 13.7 GiB allocated, 15.4 with the margins) ran out
+of memory asking for 1,000 MiB with 13.6 GiB allocated and 1.4 GiB reserved but unallocated: a pick sized to the
+plan's margin has none left for what the model does not count (bench/RESULTS.md, issue #16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snaketune.plan.memory import Setup
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    deepspeed_file: str
+    """A file of config/deepspeed/."""
+    gradient_checkpointing: bool
+    relative_speed: float
+
+
+RECOMPUTE = 1 / 3
+"""Gradient checkpointing's extra compute against a step without it, full fine-tuning: a second forward pass of
+every checkpointed layer (forward is a third of forward + backward): 1 / (1 + 1/3) = 0.75 of the speed without it."""
+CHECKPOINTED = 1 / (1 + RECOMPUTE)
+
+STRATEGIES = (
+    Strategy("zero0", "zero0.json", False, 1.00),
+    Strategy("zero2", "zero2.json", False, 0.97),
+    Strategy("zero3", "zero3.json", False, 0.80),
+    Strategy("zero0+ckpt", "zero0.json", True, 1.00 * CHECKPOINTED),
+    Strategy("zero2+ckpt", "zero2.json", True, 0.97 * CHECKPOINTED),
+    Strategy("zero3+ckpt", "zero3.json", True, 0.80 * CHECKPOINTED),
+    Strategy("zero3_offload", "zero3_offload.json", False, 0.09),
+    Strategy("zero3_offload+ckpt", "zero3_offload.json", True, 0.09 * CHECKPOINTED),
+)
+"""Fastest first (the module docstring says why this order)."""
+STRATEGY_FILES = {s.name: s.deepspeed_file for s in STRATEGIES}
+
+
+MICRO_SPEED = 0.94
+"""Relative speed of each halving of the micro-batch (twice the accumulation steps, the same tokens per optimizer
+step): measured on one H200, the 24-layer full fine-tune at 4 x 2 against 8 x 1, 11,413 against 12,180 tokens/s
+(bench/runs/2026-12-01_h200_explore2). Only orders the candidates of `train.strategy: auto`."""
+MICRO_SPEED_LORA = 0.57
+"""The same for LoRA, where the host is the bottleneck at small micro-batches (peft's adapters add a dozen small
+kernels per linear layer): LoRA r16 of the 7B on one H200 capped at 24 GiB, micro-batch 2 x 4 ran at 0.759 s per
+step against 0.248 s at 8 x 1 uncapped, 0.327 for two halvings (TRL + Liger: 1.582 against 0.367 s), and slower than
+every layer checkpointed at 8 x 1 (0.379 s with 24 of 30 layers) (bench/RESULTS.md, issue #16). So LoRA halves its
+micro-batch only where checkpointing alone does not fit."""
+
+
+def strategy_name(s: Setup, micro: int | None = None) -> str:
+    """zero2, zero0+ckpt (every layer), zero0+ckpt12 (the first 12), and with `micro` (the configured
+    micro-batch size) "+micro2" where the setup's micro-batch is smaller."""
+    name = f"zero{s.zero_stage}" + ("_offload" if s.offload_optimizer or s.offload_params else "")
+    if s.gradient_checkpointing and s.checkpoint_layers is not None:
+        name += f"+ckpt{s.checkpoint_layers}"  # the first N layers (train.gradient_checkpointing: N)
+    elif s.gradient_checkpointing:
+        name += "+ckpt"
+    if micro is not None and s.micro_batch != micro:
+        name += f"+micro{s.micro_batch}"
+    return name
+
+
+def checkpointing_setting(s: Setup) -> bool | int:
+    """train.gradient_checkpointing for this setup: true, false or the number of (first) layers."""
+    if s.gradient_checkpointing and s.checkpoint_layers is not None:
+        return s.checkpoint_layers
+    return s.gradient_checkpointing
+
+
+def candidate_strategies(lora: bool, states_8bit: bool = False) -> list[Strategy]:
+    """The strategies the trainer accepts: it refuses LoRA under ZeRO-3 and 8-bit Adam states with optimizer
+    offload (DeepSpeed's CPU Adam keeps fp32 states; snaketune.train.engine)."""
+    return [
+        s
+        for s in STRATEGIES
+        if not (lora and s.deepspeed_file.startswith("zero3"))
+        and not (states_8bit and "offload" in s.deepspeed_file)
+    ]
+
+
+SPEED_8BIT = 0.63
+"""Relative speed of 8-bit Adam states against fp32 states, measured where the step weighs most: the full 7B at
+8 x 512 tokens per optimizer step on one H200, 7,914 against 12,480 tokens/s (bitsandbytes' block-wise update
+and the fp32 gradient copy it needs cost 0.19 s per step for 6.9B parameters; bench/RESULTS.md). With more
+tokens per step the ratio is closer to 1; it only orders the candidates."""

@@ -1,0 +1,187 @@
+"""Stage 5c, dpo: preference tuning of the SFT model on oasst's ranked pairs, on the train stage's machinery.
+
+`DPOTrainer` is snaketune.train.trainer's Trainer with another objective; everything else is shared: the launcher
+and DeepSpeed ranks, the model placement and optimizer (snaketune.train.engine: hub-format loading, the fp32-master
+fast path, LoRA), checkpoints and resume, the deterministic global order (1 rank = N ranks), metrics, and
+saving a hub-format model. Each row is one pair, chosen then rejected (snaketune.data.pairs); the reference
+model's log-probabilities come from the reference stage's cache, so only the policy is in memory.
+
+Per pair: the DPO (or IPO) loss of snaketune.preference.logprobs; a global batch's loss is the mean over its pairs,
+whatever the world size and micro-batch size. Metrics (`metrics.csv`, TensorBoard): `dpo/loss`,
+`dpo/reward_accuracy` (share of pairs whose chosen reply gets the larger implicit reward),
+`dpo/margin` (chosen minus rejected reward), `dpo/chosen_reward`, `dpo/rejected_reward`, the same on the
+validation pairs (`val/...`), and the train stage's tokens/s, MFU and memory.
+
+Before the first step of a run (not a resumed one) with `preference.reference: sft`, the policy's log-probabilities
+of its first micro-batch are compared with the reference stage's (`snaketune.preference.logprobs.start_check`):
+the reference stage builds the model exactly as this trainer does (snaketune.preference.reference), so they differ
+only by rounding; a larger difference (a reference from another model, in other precision or quantization, or with
+other kernels) stops the run before it trains, naming the pair and the figures.
+
+Run by the launcher as `python -m snaketune.preference.dpo <run spec JSON>`; the spec's `preference` holds beta, the
+loss, which model is the reference and the reference stage's parquet file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from snaketune.config.deepspeed import zero_stage
+from snaketune.model import batching
+from snaketune.preference.logprobs import PreferenceModel, read_reference, start_check
+from snaketune.train.trainer import Trainer, run
+
+log = logging.getLogger("snaketune.train")
+
+METRICS = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward")
+
+
+class ReferenceMismatch(RuntimeError):
+    """The policy at step 0 is not the model the reference log-probabilities were computed with."""
+
+
+class DPOTrainer(Trainer):
+    """The preference objective on the Trainer's loop (see the module docstring)."""
+
+    def load_data(self, data_dir: Path):
+        reference = read_reference(self.spec.preference["reference_logprobs"])
+        splits = []
+        for name in ("train", "validation"):
+            split = batching.load_split(data_dir / name)
+            if len(reference[name]["logprobs"]) != len(split):
+                raise RuntimeError(
+                    f"{self.spec.preference['reference_logprobs']} has {len(reference[name]['logprobs'])} "
+                    f"{name} pairs, {data_dir / name} {len(split)}: rerun the reference stage"
+                )
+            split.reference = reference[name]["logprobs"].float()
+            splits.append(split)
+        return tuple(splits)
+
+    def wrap(self, net, packed_attention: bool, fused_cross_entropy: bool, loss_kernel: str):
+        # The preference losses come from per-token log-probabilities (snaketune.preference.logprobs), not train.loss_kernel.
+        # The chunked log-probabilities are used wherever the lm_head weight is whole (not under ZeRO-3).
+        zero3 = self._zero_stage() == 3
+        pref = self.spec.preference
+        return PreferenceModel(
+            net,
+            packed_attention=packed_attention,
+            fused=not zero3,
+            beta=pref.get("beta"),  # the reference pass (no loss) has none
+            loss=pref.get("loss", "dpo"),
+            sft_weight=pref.get("sft_weight", 0.0),
+        )
+
+    def _zero_stage(self) -> int:
+        return zero_stage(json.loads(Path(self.spec.deepspeed_config).read_text()))
+
+    @torch.no_grad()
+    def logprobs(self, split, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed log-probabilities and token counts (rows, 2) of pairs, through the engine as training calls it
+        (ZeRO-3 gathers the weights there), in evaluation mode (no dropout)."""
+        training = self.engine.training
+        self.engine.eval()
+        try:
+            return self.engine(**self._batch(split, rows))
+        finally:
+            self.engine.train(training)
+
+    def before_training(self) -> None:
+        """At the start of a run from the SFT model: the policy must be the reference (module docstring)."""
+        pref = self.spec.preference
+        if self.start_step > 0 or pref.get("reference", "sft") != "sft":
+            if self.rank == 0 and self.start_step == 0:
+                log.info(
+                    "start check: skipped (preference.reference: %s, not the policy)", pref.get("reference")
+                )
+            return
+        rows = batching.micro_batches(
+            batching.rank_share(
+                self.order.global_batch(0, self.cfg.global_batch_size), self.rank, self.world
+            ),
+            self.cfg.micro_batch_size,
+        )[0]
+        policy, counts = self.logprobs(self.train_split, rows)
+        reference = self.train_split.reference[np.asarray(rows)]
+        found = start_check(policy.cpu(), reference, counts.cpu(), dtype=self.dtype, beta=pref["beta"])
+        every = [None] * self.world
+        dist.all_gather_object(every, found)
+        worst = max(
+            every, key=lambda f: f["max_abs_ratio"] / f["tolerance_per_token"] / max(1, f["worst_tokens"])
+        )
+        violations = sum(f["violations"] for f in every)
+        line = (
+            f"start check: policy vs reference log-probabilities of {sum(f['replies'] for f in every)} replies of "
+            f"step 1: largest |log pi - log ref| {worst['max_abs_ratio']:.3g} nats (a {worst['worst_tokens']}-token "
+            f"reply; allowed {worst['tolerance_per_token']:g} per token + 0.001); DPO loss of these pairs "
+            f"{np.mean([f['dpo_loss'] for f in every]):.6f} (ln 2 = {np.log(2):.6f})"
+        )
+        self.start = {
+            **worst,
+            "violations": violations,
+            "dpo_loss": float(np.mean([f["dpo_loss"] for f in every])),
+        }
+        if violations:
+            raise ReferenceMismatch(
+                f"{line}: {violations} replies differ by more. The policy at step 0 is not the model the reference "
+                f"stage scored ({self.spec.preference['reference_logprobs']}): rerun the reference stage "
+                "(snakemake --forcerun reference), and check that both load the SFT model with the same "
+                "train.lora.quantize, train.kernels, train.attention and precision"
+            )
+        if self.rank == 0:
+            log.info("%s", line)
+
+    def step_normalizer(self, batch_ids) -> int:
+        return len(batch_ids)  # pairs of the global batch
+
+    def forward(self, split, rows, *, evaluating: bool = False):
+        batch = self._batch(split, rows)
+        batch["reference"] = split.reference[np.asarray(rows)].to(self.device)
+        weights = self._eval_weights if evaluating else [1.0] * len(rows)
+        batch["weights"] = torch.tensor(weights, device=self.device)
+        loss_sum = self.engine(**batch)
+        return loss_sum, dict(self.engine.module.last)
+
+    def window_metrics(self, sums, count):
+        return {f"dpo/{k}": sums[k] / max(1.0, count) for k in METRICS if k in sums}
+
+    def eval_count(self, split, rows, weights) -> float:
+        return float(sum(weights))
+
+    def validation_metrics(self, sums, count):
+        return {f"val/{'dpo_loss' if k == 'loss' else k}": sums[k] / max(1.0, count) for k in METRICS}
+
+    @property
+    def seq_len(self) -> int:
+        return 2 * self.spec.preference["max_length"]  # a row holds both sides of a pair
+
+    def summary(self, last: dict, wall: float) -> dict:
+        out = super().summary(last, wall)
+        # What this stage computes instead of the SFT loss (train.loss_kernel and fused_cross_entropy do not apply).
+        del out["fused_cross_entropy"], out["loss_kernel"]
+        out.update(
+            logprobs="chunked over tokens from the hidden states (snaketune.preference.logprobs)"
+            if self._zero_stage() != 3
+            else "the whole logits in fp32 (ZeRO-3: the lm_head weight is partitioned)",
+            reference=self.spec.preference.get("reference", "sft"),
+            start_check=getattr(self, "start", None),
+            objective=self.spec.preference["loss"],
+            beta=self.spec.preference["beta"],
+            final_train_loss=last.get("dpo/loss"),
+            final_val_loss=last.get("val/dpo_loss"),
+            final_reward_accuracy=last.get("dpo/reward_accuracy"),
+            final_val_reward_accuracy=last.get("val/reward_accuracy"),
+            final_val_margin=last.get("val/margin"),
+            pairs={"train": len(self.train_split), "validation": len(self.val_split)},
+        )
+        return out
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:], DPOTrainer))

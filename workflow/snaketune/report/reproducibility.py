@@ -1,0 +1,159 @@
+"""The report's provenance: how to reproduce it (the resolved config, the input hashes, package versions, git
+commit, hardware, seeds, wall time) and the record of every job behind it (snaketune.provenance's manifest)."""
+
+from __future__ import annotations
+
+import json
+
+from snaketune.report.inputs import Experiment
+from snaketune.report.render import Block, Code, Heading, Para, Table, fmt, fmt_duration
+
+
+def provenance_section(
+    data: dict, experiments: list[Experiment], prov: dict, benchmarks: list[dict], config: dict
+) -> list[Block]:
+    hw = prov["hardware"]
+    mem = f", {fmt(hw['memory_gib'], 3)} GiB RAM" if hw.get("memory_gib") else ""
+    devices = sorted({f"{e.summary.get('world_size')} × {e.summary.get('device')}" for e in experiments})
+    blocks: list[Block] = [
+        Heading(2, "Provenance"),
+        Table(
+            ["", "value"],
+            [
+                ["git commit", f"`{prov['git_commit']}`"],
+                ["generated", prov["generated"]],
+                ["host CPU", f"{hw['cpu']} ({hw['cpu_count']} logical CPUs{mem})"],
+                ["training devices", ", ".join(devices)],
+                ["platform", f"{hw['platform']}, Python {hw['python']}"],
+                ["remote code (`model.trust_remote_code`)", remote_code_line(experiments)],
+            ]
+            + [[f"`{name}`", version] for name, version in prov["versions"].items()],
+            numeric=[False, False],
+        ),
+        Heading(3, "Seeds"),
+        Table(["seed", "value"], [[k, str(v)] for k, v in prov["seeds"].items()]),
+        Heading(3, "Input hashes"),
+    ]
+    hashes = [[f"`data/raw/{name}`", f"`{digest}`"] for name, digest in data["sha256sums"].items()]
+    done = set()
+    for exp in experiments:
+        if exp.data_key in done:
+            continue
+        done.add(exp.data_key)
+        tok = exp.tokenized
+        hashes += [
+            [f"`conversations/{s}.parquet`", f"`{d}`"]
+            for s, d in sorted(tok.get("conversation_files_sha256", {}).items())
+        ]
+        hashes += [
+            [f"tokenizer `{n}`", f"`{d}`"] for n, d in sorted(tok.get("tokenizer_files_sha256", {}).items())
+        ]
+        if tok.get("chat_template_sha256"):
+            hashes.append(["chat template", f"`{tok['chat_template_sha256']}`"])
+    blocks.append(Table(["file", "sha256"], hashes, numeric=[False, False]))
+    blocks.append(
+        Table(
+            ["experiment", "tokenized cache", "run key (checkpoint directory)"],
+            [[exp.name, f"`{exp.data_key}`", f"`{exp.summary.get('run_key')}`"] for exp in experiments],
+            numeric=[False, False, False],
+        )
+    )
+    blocks += jobs_blocks(prov)
+    blocks.append(Heading(3, "Wall time per job"))
+    if benchmarks:
+        total = sum(b["wall_s"] or 0 for b in benchmarks)
+        rows = [
+            [f"`{b['job']}`", fmt_duration(b["wall_s"]), fmt(b["max_rss_mib"]), fmt_duration(b["cpu_time_s"])]
+            for b in benchmarks
+        ]
+        rows.append(["**total**", f"**{fmt_duration(total)}**", "", ""])
+        blocks.append(Table(["job (benchmarks/…)", "wall time", "max RSS (MiB)", "CPU time"], rows))
+    else:
+        blocks.append(Para("No benchmark files were found.", muted=True))
+    blocks.append(Heading(3, "Configuration"))
+    blocks.append(
+        Code(
+            json.dumps(config, indent=2, sort_keys=False),
+            "json",
+            summary="The configuration as resolved (defaults filled in, experiment overrides merged)",
+        )
+    )
+    return blocks
+
+
+def remote_code_allowed(exp: Experiment) -> bool:
+    """model.trust_remote_code as the stages used it (from the resolved config, where it defaults to False)."""
+    return exp.config.get("model", {}).get("trust_remote_code") is True
+
+
+def remote_code_line(experiments: list[Experiment]) -> str:
+    """Whether any experiment let a hub model or tokenizer run code of its own."""
+    allowed = [e.name for e in experiments if remote_code_allowed(e)]
+    if not allowed:
+        return "not allowed (off for every experiment)"
+    return "**allowed** for " + ", ".join(f"`{name}`" for name in allowed) + " (the config turned it on)"
+
+
+def jobs_blocks(prov: dict) -> list[Block]:
+    """The jobs of the provenance manifest: when, where and with which code each ran."""
+    if not prov.get("manifest"):
+        return []
+    blocks: list[Block] = [
+        Heading(3, "Jobs"),
+        Para(
+            f"From `{prov['manifest']}`; each job's record (input and output hashes, params, package versions, "
+            "host, GPUs, times, commit) is the file named in the last column."
+        ),
+    ]
+    rows = [
+        [
+            f"`{j['job']}`",
+            j["start"].replace("T", " ").removesuffix("Z")[:19],
+            fmt_duration(j["wall_s"]),
+            j["host"],
+            ", ".join(j["gpus"]) or "none",
+            f"`{j['code']}`" if j["code"] else "–",
+            j["status"] if j["status"] == "ok" else f"**{j['status']}**",
+            f"`{j['record']}`",
+        ]
+        for j in prov["jobs"]
+    ]
+    blocks.append(
+        Table(
+            ["job", "started (UTC)", "wall time", "host", "GPUs", "code", "outputs", "record"],
+            rows,
+            numeric=[False, False, True, False, False, False, False, False],
+        )
+    )
+    notes = []
+    if len(prov.get("job_git", {})) > 1:
+        notes.append(
+            "The jobs ran at different commits: "
+            + "; ".join(f"`{c}` ({', '.join(jobs)})" for c, jobs in prov["job_git"].items())
+            + "."
+        )
+    for name, versions in prov.get("job_software", {}).items():
+        notes.append(
+            f"`{name}` differs between jobs: "
+            + "; ".join(f"{v} ({', '.join(jobs)})" for v, jobs in versions.items())
+            + "."
+        )
+    if any(j["status"] != "ok" for j in prov["jobs"]):
+        notes.append(
+            "**changed**: the job's outputs no longer have the files and sizes its record describes."
+        )
+    if prov.get("jobs_without_record"):
+        notes.append(
+            "No provenance record for "
+            + ", ".join(f"`{p}`" for p in prov["jobs_without_record"])
+            + " (made before records existed, or the record could not be written: see the job's log)."
+        )
+    blocks += [Para(n) for n in notes]
+    return blocks
+
+
+def short_commit(commit: str) -> str:
+    head = commit.split(" ", 1)
+    if len(head[0]) == 40 and all(c in "0123456789abcdef" for c in head[0]):
+        return f"commit `{head[0][:12]}`" + (" (uncommitted changes)" if len(head) > 1 else "")
+    return commit

@@ -1,0 +1,56 @@
+"""What every training rank does first (snaketune.train.trainer and snaketune.preference.dpo): die with its launcher, log with
+its rank, and load checkpoints without running code."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import torch
+
+
+def start() -> None:
+    """Call once, first thing in a rank."""
+    die_with_parent()
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s rank%(rank)s %(levelname)s %(message)s", stream=sys.stdout
+    )
+    rank = os.environ.get("RANK", "0")
+    old_factory = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = old_factory(*args, **kwargs)
+        record.rank = rank
+        return record
+
+    logging.setLogRecordFactory(factory)
+    safe_checkpoint_loading()
+
+
+def die_with_parent() -> None:
+    """torchrun starts ranks in sessions of their own (start_new_session=True), so a SIGKILL of Snakemake's
+    process group would leave them training and writing into results/. Ask Linux to SIGKILL this rank
+    when its parent (the torchrun agent) dies; if it already has, stop now."""
+    if sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+def safe_checkpoint_loading() -> None:
+    """DeepSpeed's resume calls torch.load(weights_only=False): a file planted in results/checkpoints/ could run
+    code. Force weights_only for every torch.load of this rank and allow the only non-tensor classes that
+    DeepSpeed's checkpoints hold (found by loading every file of ZeRO-0, -2, -3 and LoRA checkpoints with
+    weights_only=True; tests/test_security.py resumes from a planted pickle)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    torch.serialization.add_safe_globals([LossScaler, ZeroStageEnum, fragment_address])

@@ -1,0 +1,644 @@
+"""Stage 5, train: one DeepSpeed rank. `snaketune.train.launch` starts one process per granted GPU (or CPU rank)
+with torchrun; each runs `python -m snaketune.train.trainer <run spec JSON>` (or `-m snaketune.preference.dpo` for the
+preference stage, whose trainer is a subclass of this one).
+
+A plain loop over `deepspeed.initialize` (not the HF Trainer, which on CPU silently trains world_size=1
+on every rank: ../shared/FACTS.md): construct, setup, train, save; cleanup is guaranteed on error. The model,
+its placement, optimizer and engine come from snaketune.train.engine. What a subclass changes is the objective:
+the data it reads (`load_data`), the loss module (`wrap`), what one optimizer step's loss is normalized by
+(`step_normalizer`), the forward of a micro-batch (`forward`) and the metrics of a window (`window_metrics`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from snaketune import device_memory
+from snaketune.config.load import from_dict
+from snaketune.config.schema import ModelConfig, TrainConfig
+from snaketune.data.tokenization import load_tokenizer
+from snaketune.io import atomic_dir, sha256_tree, write_json
+from snaketune.model import attention, batching
+from snaketune.model.build import LossModel, merge_adapter
+from snaketune.train import checkpoint, engine, profiling, ranks
+from snaketune.train.metrics import (
+    MetricsWriter,
+    Throughput,
+    alloc_retries,
+    device_name,
+    measured_matmul_flops,
+    peak_flops,
+    peak_memory_gib,
+)
+
+log = logging.getLogger("snaketune.train")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a rank needs, written by the launcher as JSON."""
+
+    experiment: str
+    model: dict
+    train: dict
+    data_dir: str
+    tokenizer_dir: str
+    deepspeed_config: str
+    output_dir: str
+    checkpoint_dir: str
+    max_length: int
+    run_key: str
+    preference: dict | None = None
+    """The preference stage's settings (snaketune.preference.dpo); None for supervised fine-tuning."""
+
+    @classmethod
+    def read(cls, path: str | Path) -> RunSpec:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+class Trainer:
+    """Supervised fine-tuning: the summed next-token loss over the loss-bearing tokens of a global batch."""
+
+    resumable = True
+    """Whether setup resumes from the latest complete checkpoint of the run (a pass without training does not)."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec = spec
+        self.model_cfg: ModelConfig = from_dict(ModelConfig, spec.model, "model.")
+        self.cfg: TrainConfig = from_dict(TrainConfig, spec.train, "train.")
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device_budget: dict = {}
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+            # gpu_memory_gib is the card's memory: what lies outside the allocator is started and measured
+            # first, and the allocator gets the rest (snaketune.device_memory).
+            nvml = device_memory.device_memory(self.device)
+            device_memory.warm_up(self.device, distributed=self.world > 1)
+            capped, self.device_budget = device_memory.cap_allocator(
+                self.device, device_memory.card_from_env(), nvml
+            )
+            if capped and self.rank == 0:
+                log.info("%s", capped)
+        else:
+            self.device = torch.device("cpu")
+            nvml = None
+        self.device_peak = device_memory.PeakSampler(nvml)
+        precision = self.cfg.precision
+        if precision == "auto":
+            precision = "bf16" if self.device.type == "cuda" else "fp32"
+        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.out = Path(spec.output_dir)
+        self.ckpt_root = Path(spec.checkpoint_dir)
+        self.resumed_meta: dict = {}
+        """The marker of the checkpoint this run resumed from (snaketune.train.checkpoint.mark_complete)."""
+
+    # ---- the objective (what a subclass changes) ------------------------------------------------
+
+    def load_data(self, data_dir: Path) -> tuple[batching.TokenizedSplit, batching.TokenizedSplit]:
+        return batching.load_split(data_dir / "train"), batching.load_split(data_dir / "validation")
+
+    def wrap(
+        self, net: torch.nn.Module, packed_attention: bool, fused_cross_entropy: bool, loss_kernel: str
+    ) -> torch.nn.Module:
+        return LossModel(
+            net,
+            packed_attention=packed_attention,
+            fused_cross_entropy=fused_cross_entropy,
+            loss_kernel=loss_kernel,
+        )
+
+    def step_normalizer(self, batch_ids) -> int:
+        """What the summed loss of a global batch is divided by: its loss-bearing tokens."""
+        return max(1, int(self.train_split.loss_tokens[batch_ids].sum()))
+
+    def forward(
+        self, split, rows, *, evaluating: bool = False
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The summed loss of a micro-batch and the sums the window metrics are made of."""
+        batch = self._batch(split, rows)
+        if evaluating:
+            # Rows a rank repeats to keep the ranks' forward passes in step carry no loss (see evaluate).
+            for row, weight in enumerate(self._eval_weights):
+                if weight == 0.0:
+                    batch["labels"][row] = batching.IGNORE
+        loss_sum = self.engine(**batch)
+        return loss_sum, {"loss": loss_sum.detach().double()}
+
+    def window_metrics(self, sums: dict[str, float], count: float) -> dict[str, float]:
+        return {"train/loss": sums["loss"] / max(1.0, count)}
+
+    def eval_count(self, split, rows, weights) -> float:
+        """What an evaluation batch's sums are normalized by: its loss-bearing targets."""
+        return float(sum(int(split.loss_tokens[r]) for r, w in zip(rows, weights, strict=True) if w))
+
+    def validation_metrics(self, sums: dict[str, float], count: float) -> dict[str, float]:
+        return {"val/loss": sums["loss"] / max(1.0, count)}
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        spec, cfg = self.spec, self.cfg
+        stats = self._check_data_fingerprint()
+        # With the chat template the data was rendered with (tokenize.chat_template), so that the saved
+        # model prompts the way it was trained, whatever template the tokenizer directory carries.
+        self.tokenizer = load_tokenizer(spec.tokenizer_dir, stats["settings"]["chat_template"])
+        self.train_split, self.val_split = self.load_data(Path(spec.data_dir))
+        self.gas = cfg.accumulation_steps(self.world)
+        if cfg.max_steps is not None:
+            self.total_steps = cfg.max_steps
+        else:
+            self.total_steps = batching.steps_for_epochs(
+                len(self.train_split), cfg.epochs, cfg.global_batch_size
+            )
+        built = engine.build(
+            model_cfg=self.model_cfg,
+            cfg=cfg,
+            file_cfg=json.loads(Path(spec.deepspeed_config).read_text()),
+            source=spec.deepspeed_config,
+            world=self.world,
+            device=self.device,
+            dtype=self.dtype,
+            tokenizer=self.tokenizer,
+            total_steps=self.total_steps,
+            rank=self.rank,
+            wrap=self.wrap,
+        )
+        self.built = built
+        self.engine = built.engine
+        self.stage = built.stage
+        self.attention = built.attention
+        self.fused_ce = built.fused_cross_entropy
+        # DeepSpeed's fp32 stage-0 path clips without keeping the norm (engine.clip_fp32_gradients): there
+        # get_global_grad_norm() stays None and the trainer computes the norm itself.
+        self.ds_grad_norm = hasattr(self.engine.optimizer, "_global_grad_norm")
+        self.start_step = self._resume() if self.resumable else 0
+        self.order = batching.GlobalOrder(len(self.train_split), cfg.seed)
+        self.peak = peak_flops(device_name(self.device))
+        self.measured_peak = measured_matmul_flops(device_name(self.device))
+        self._print_plan()
+
+    @property
+    def seq_len(self) -> int:
+        """Positions of one row (the attention term of the FLOPs per token)."""
+        return self.spec.max_length
+
+    def _check_data_fingerprint(self) -> dict:
+        """Refuse tokenized data made with other tokenizer files than the ones we load (Axolotl #1265);
+        return the data's stats.json."""
+        stats = json.loads((Path(self.spec.data_dir) / "stats.json").read_text())
+        recorded = stats.get("tokenizer_files_sha256", {})
+        actual = {k: v for k, v in sha256_tree(self.spec.tokenizer_dir).items() if k in recorded}
+        if recorded and actual != recorded:
+            raise RuntimeError(
+                f"{self.spec.data_dir} was tokenized with different tokenizer files than {self.spec.tokenizer_dir} "
+                f"(recorded {recorded}, found {actual}); delete the tokenized directory and rerun"
+            )
+        return stats
+
+    def _resume(self) -> int:
+        removed = checkpoint.remove_incomplete(self.ckpt_root) if self.rank == 0 else []
+        for d in removed:
+            log.warning("discarding incomplete checkpoint %s (the process died while writing it)", d)
+        dist.barrier()
+        found = checkpoint.latest(self.ckpt_root)
+        if found is None:
+            return 0
+        step, path = found
+        meta = checkpoint.read_marker(path)
+        self.resumed_meta = meta
+        if meta.get("world_size") != self.world:
+            raise RuntimeError(
+                f"checkpoint {path} was written by {meta.get('world_size')} ranks but {self.world} were granted; "
+                f"rerun with --resources gpu={meta.get('world_size')} to resume, or delete {self.ckpt_root} to restart"
+            )
+        try:
+            load_path, _ = self.engine.load_checkpoint(str(self.ckpt_root), tag=path.name)
+            checkpoint.load_rng(path, self.rank)
+        except Exception as e:  # a truncated file, a foreign pickle refused by weights_only, a shape mismatch
+            raise RuntimeError(
+                f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                f"delete {path} to resume from an older checkpoint, or {self.ckpt_root} to restart"
+            ) from e
+        if load_path is None:
+            raise RuntimeError(
+                f"checkpoint {path} could not be loaded; delete it to fall back to an older one"
+            )
+        if self.rank == 0:
+            log.info("resuming from checkpoint %s at step %d of %d", path, step, self.total_steps)
+        return step
+
+    def _print_plan(self) -> None:
+        if self.rank != 0:
+            return
+        cfg, b = self.cfg, self.built
+        log.info(
+            "device: %s x %d (%s), precision %s, ZeRO stage %d",
+            device_name(self.device),
+            self.world,
+            self.device.type,
+            self.dtype,
+            self.stage,
+        )
+        log.info(
+            "parameters: %s total, %s trainable%s; Adam states: %s",
+            f"{b.n_params:,}",
+            f"{b.n_trainable:,}",
+            "; base weights in 4-bit NF4 (QLoRA)" if cfg.lora.quantize == "nf4" else "",
+            "8-bit (bitsandbytes, block-wise)" if cfg.optimizer_states == "8bit" else "fp32",
+        )
+        log.info(
+            "fp32 master weights: %s; loss: %s; attention: %s; RMSNorm/RoPE/SwiGLU: %s; torch.compile: %s",
+            b.precision_summary,
+            "fused linear cross-entropy"
+            if self.fused_ce
+            else f"logits + cross-entropy ({'Triton, gradient in place' if b.loss_kernel == 'triton' else 'torch'})",
+            self.attention_summary,
+            "Liger kernels" if b.kernels == "liger" else "torch",
+            "every decoder layer" if cfg.compile else "off",
+        )
+        if cfg.fused_cross_entropy and not self.fused_ce:
+            log.info("train.fused_cross_entropy is not used under ZeRO-3 (its lm_head weight is partitioned)")
+        log.info(
+            "weight decay %g on %d tensors (%s elements); optimizer tensors checked on %s",
+            cfg.weight_decay,
+            b.decayed["tensors"],
+            f"{b.decayed['elements']:,}",
+            "the host" if engine.offloads(b.ds_config) else self.device,
+        )
+        log.info(
+            "global batch %d = micro-batch %d x %d ranks x %d accumulation",
+            cfg.global_batch_size,
+            cfg.micro_batch_size,
+            self.world,
+            self.gas,
+        )
+        log.info(
+            "positions per optimizer step (at most): %s; steps: %d; train rows: %d; validation rows: %d",
+            f"{cfg.global_batch_size * self.seq_len:,}",
+            self.total_steps,
+            len(self.train_split),
+            len(self.val_split),
+        )
+
+    # ---- train ---------------------------------------------------------------------------------
+
+    def execute(self, t0: float) -> None:
+        """What the rank does once set up: train, save the model, write summary.json."""
+        last = self.train()
+        self.save_model()
+        summary = self.summary(last, time.perf_counter() - t0)
+        if self.rank == 0:
+            write_json(Path(self.spec.output_dir) / "summary.json", summary)
+            shown = {k: summary.get(k) for k in ("final_train_loss", "final_val_loss", "mfu")}
+            log.info("done: %s", json.dumps(shown))
+
+    def before_training(self) -> None:
+        """Called once set up, before the first step this process runs (a subclass checks its start)."""
+
+    def train(self) -> dict:
+        cfg, eng = self.cfg, self.engine
+        self.before_training()
+        eng.train()
+        # Live metrics go to the run directory, which survives a crash (Snakemake deletes a failed job's
+        # outputs); they are copied into the outputs when training ends.
+        writer = None
+        if self.rank == 0:
+            writer = MetricsWriter(
+                self.ckpt_root / "metrics.csv", self.ckpt_root / "tb", resume_step=self.start_step
+            )
+        meter = Throughput(self.built.flops_per_token, self.peak, measured=self.measured_peak)
+        # The whole run after warm-up, for the summary.
+        run_meter = Throughput(self.built.flops_per_token, self.peak, measured=self.measured_peak)
+        window: dict[str, torch.Tensor] = {}
+        window_count = 0
+        t_start = time.perf_counter()
+        # Resumed from the final checkpoint (a save or merge failed after it): nothing to train, the metrics
+        # of the last logged step come from its marker.
+        last = dict(self.resumed_meta.get("metrics") or {})
+        profiler = profiling.from_env(self.rank, self.device)  # SNAKETUNE_PROFILE=DIR: a trace of a few steps
+        for step in range(self.start_step, self.total_steps):
+            batch_ids = self.order.global_batch(step, cfg.global_batch_size)
+            normalizer = self.step_normalizer(batch_ids)
+            mine = batching.rank_share(batch_ids, self.rank, self.world)
+            lr = eng.get_lr()[0]  # the rate this step uses; after engine.step() it is the next step's
+            tokens = padded = 0
+            t_step = time.perf_counter()
+            micros = batching.micro_batches(mine, cfg.micro_batch_size)
+            for i, micro in enumerate(micros):
+                loss_sum, sums = self.forward(self.train_split, micro)
+                # DeepSpeed divides by the accumulation steps in backward and averages gradients over ranks;
+                # this scale makes the net gradient that of (summed loss) / (normalizer of the global batch),
+                # whatever the world size and micro-batch size.
+                eng.backward(loss_sum * (self.gas * self.world / normalizer))
+                if i == len(micros) - 1 and not self.ds_grad_norm:
+                    grad_norm = _grad_norm(eng.module)  # averaged over ranks by backward at the boundary
+                eng.step()
+                for key, value in sums.items():
+                    window[key] = window[key] + value if key in window else value
+                # Real tokens, pads excluded (a packed row holds several position-0 tokens: count lengths).
+                tokens += int(self.train_split.lengths_of(micro).sum())
+                padded += self._last_positions
+            if step == self.start_step:
+                engine.check_optimizer(self.built, self.device)  # the states exist from the first step on
+            window_count += normalizer
+            if profiler:
+                profiler.step()
+            local_loss_tokens = self.local_loss_units(mine)
+            step_seconds = time.perf_counter() - t_step
+            # PaLM's attention term over each conversation's own length (snaketune.model.build.flop_counts).
+            attention_flops = self.built.attention_coefficient * self.train_split.attention_units(mine)
+            for m in (meter, run_meter):
+                m.update(
+                    tokens, local_loss_tokens, step_seconds, padded=padded, attention_flops=attention_flops
+                )
+            done = step + 1
+            evaluate_now = bool(cfg.eval_every and done % cfg.eval_every == 0) or done == self.total_steps
+            if evaluate_now or done % cfg.log_every == 0:
+                sums = self._all_reduce(window)
+                last = {
+                    **self.window_metrics(sums, window_count),
+                    "train/lr": lr,
+                    "train/grad_norm": _float(eng.get_global_grad_norm() if self.ds_grad_norm else grad_norm),
+                    "train/tokens_seen": done * cfg.global_batch_size * self.seq_len,
+                    **meter.read(),
+                    "memory/max_allocated_gib": self._max_over_ranks(peak_memory_gib(self.device)),
+                    # What nvidia-smi shows for the process (NVML, sampled), the figure gpu_memory_gib bounds.
+                    "memory/device_peak_gib": self._max_over_ranks(self.device_peak.peak_gib or 0.0) or None,
+                }
+                window, window_count = {}, 0
+                if evaluate_now:
+                    last.update(self.evaluate())
+                if writer:
+                    writer.log(done, last)
+                    self._progress(done, t_start, last)
+            # The last step too: the final weights (adapters) are durable before the model is saved or merged, and
+            # a rerun after a failure there resumes at the end instead of retraining since the last checkpoint.
+            if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == self.total_steps):
+                self.save_checkpoint(done, {"metrics": last, "perf": run_meter.read(reset=False)})
+        if profiler:
+            profiler.close()
+        if writer:
+            writer.close()
+            self.out.mkdir(parents=True, exist_ok=True)  # Snakemake makes it; a direct launch may not
+            shutil.copyfile(self.ckpt_root / "metrics.csv", self.out / "metrics.csv")
+            shutil.copytree(self.ckpt_root / "tb", self.out / "tb", dirs_exist_ok=True)
+        self.run_perf = run_meter.read(reset=False)
+        if self.start_step == self.total_steps:
+            self.run_perf = dict(self.resumed_meta.get("perf") or self.run_perf)
+        return last
+
+    def local_loss_units(self, rows) -> int:
+        """Loss-bearing tokens of this rank's rows (perf/loss_tokens_per_s_per_gpu)."""
+        return int(self.train_split.loss_tokens[rows].sum())
+
+    def _all_reduce(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Sum the window's per-rank sums over the ranks: one device-to-host sync per logged step."""
+        keys = sorted(sums)
+        if not keys:
+            return {}
+        flat = torch.stack([sums[k].to(self.device, torch.float64) for k in keys])
+        dist.all_reduce(flat)
+        return dict(zip(keys, flat.tolist(), strict=True))
+
+    def _batch(self, split, rows) -> dict[str, torch.Tensor]:
+        batch = batching.device_batch(
+            split, rows, self.pad_id, self.device, varlen=self.attention == "varlen"
+        )
+        self._last_positions = batch["input_ids"].numel()
+        return batch
+
+    @property
+    def attention_summary(self) -> str:
+        if self.attention == "sdpa":
+            return "SDPA with a block-diagonal mask"
+        if attention.kernel_available(self.device, self.dtype):
+            return "FlashAttention varlen (torch.nn.attention.varlen)"
+        return "varlen boundaries, block-masked SDPA (no varlen kernel on this device)"
+
+    @property
+    def pad_id(self) -> int:
+        return batching.pad_id(self.tokenizer)
+
+    def _max_over_ranks(self, value: float) -> float:
+        t = torch.tensor([value], device=self.device, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def _progress(self, done: int, t_start: float, m: dict) -> None:
+        elapsed = time.perf_counter() - t_start
+        eta = elapsed / max(1, done - self.start_step) * (self.total_steps - done)
+        parts = [f"step {done}/{self.total_steps}"]
+        parts += [f"{k.split('/')[-1]} {v:.4f}" for k, v in m.items() if k.endswith("loss")]
+        parts.append(f"lr {m['train/lr']:.2e}")
+        if m.get("perf/tokens_per_s_per_gpu"):
+            parts.append(f"{m['perf/tokens_per_s_per_gpu']:,.0f} tok/s/rank")
+        if m.get("perf/mfu"):
+            parts.append(f"MFU {m['perf/mfu']:.3f}")
+        parts.append(f"ETA {eta:,.0f}s")
+        log.info(" | ".join(parts))
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Metrics on the validation split. Every rank runs the same number of forward passes (ZeRO-3 gathers
+        parameters collectively): ranks with fewer rows repeat row 0 at weight 0."""
+        self.engine.eval()
+        n = len(self.val_split)
+        per_rank = math.ceil(n / self.world)
+        ids = list(range(self.rank * per_rank, min(n, (self.rank + 1) * per_rank)))
+        weights = [1.0] * len(ids) + [0.0] * (per_rank - len(ids))
+        ids += [0] * (per_rank - len(ids))
+        sums: dict[str, torch.Tensor] = {}
+        count = 0.0
+        mb = self.cfg.micro_batch_size
+        for i in range(0, per_rank, mb):
+            rows, self._eval_weights = ids[i : i + mb], weights[i : i + mb]
+            _, part = self.forward(self.val_split, rows, evaluating=True)
+            for key, value in part.items():
+                sums[key] = sums[key] + value if key in sums else value
+            count += self.eval_count(self.val_split, rows, self._eval_weights)
+        total = self._all_reduce({**sums, "_count": torch.tensor(count, dtype=torch.float64)})
+        self.engine.train()
+        return self.validation_metrics(total, total.pop("_count"))
+
+    def save_checkpoint(self, step: int, state: dict | None = None) -> None:
+        """DeepSpeed's checkpoint of this step, every rank's RNG state, then (rank 0) the marker with `state`: the
+        metrics of the last logged step and the run's throughput so far, what a run resumed at its end reports."""
+        tag = checkpoint.tag_for(step)
+        self.engine.save_checkpoint(
+            str(self.ckpt_root), tag=tag, client_state={"step": step}, save_latest=False
+        )
+        checkpoint.save_rng(self.ckpt_root / tag, self.rank)
+        dist.barrier()
+        if self.rank == 0:
+            checkpoint.mark_complete(
+                self.ckpt_root / tag,
+                {
+                    "step": step,
+                    "world_size": self.world,
+                    "zero_stage": self.stage,
+                    "run_key": self.spec.run_key,
+                    "experiment": self.spec.experiment,
+                    "time": time.time(),
+                    **(state or {}),
+                },
+            )
+            checkpoint.prune(self.ckpt_root, self.cfg.keep_checkpoints)
+            log.info("checkpoint %s complete", self.ckpt_root / tag)
+        dist.barrier()
+
+    # ---- save ----------------------------------------------------------------------------------
+
+    def save_model(self) -> None:
+        """HF layout in output_dir/model: safetensors, config, tokenizer with chat template; for LoRA the
+        merged model there and the adapter in model/adapter/ (QLoRA: merged into the unquantized base)."""
+        self.engine.module.restore_attention()
+        module = self.engine.module.net
+        # Collective under ZeRO-3: every rank takes part in gathering the partitioned weights.
+        state = self.engine._zero3_consolidated_16bit_state_dict() if self.stage == 3 else None
+        if state is not None:  # keys of the loss module: "net.<the model's own key>"
+            state = {k.removeprefix("net."): v for k, v in state.items()}
+        if self.rank == 0:
+            adapter = None
+            if self.cfg.lora.enabled:
+                # Durable before the merge (which loads the base on the host again for QLoRA and can run out of
+                # memory): a failed merge loses neither the adapters nor the steps since the last checkpoint.
+                adapter = self.ckpt_root / "adapter"
+                with atomic_dir(adapter) as tmp:
+                    module.save_pretrained(tmp, safe_serialization=True)
+            with atomic_dir(self.out / "model") as tmp:
+                if adapter is not None:
+                    shutil.copytree(adapter, tmp / "adapter")
+                    try:
+                        merged = self._merge(module)
+                    except Exception as e:
+                        e.add_note(
+                            f"merging the trained LoRA adapters failed; they are saved in {adapter} and the final "
+                            f"checkpoint in {self.ckpt_root}: rerun the job to merge again (it resumes at its last "
+                            "step and only saves), or merge them yourself with peft "
+                            "(PeftModel.from_pretrained(base, adapter).merge_and_unload())"
+                        )
+                        raise
+                    merged.save_pretrained(tmp, safe_serialization=True)
+                else:
+                    module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+                self.tokenizer.save_pretrained(tmp)
+        dist.barrier()
+
+    def _merge(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The adapters merged into the base weights; QLoRA's into the base's own weights, not into their 4-bit
+        rounding (snaketune.model.build.merge_adapter)."""
+        if self.cfg.lora.quantize != "none":
+            return merge_adapter(self.model_cfg, module, self.cfg.lora, dtype=self.dtype)
+        return module.merge_and_unload()
+
+    def summary(self, last: dict, wall: float) -> dict:
+        mem = [None] * self.world
+        dist.all_gather_object(mem, peak_memory_gib(self.device))
+        retries = [None] * self.world
+        dist.all_gather_object(retries, alloc_retries(self.device))
+        devices = [None] * self.world
+        dist.all_gather_object(
+            devices, device_memory.record(self.device_peak, self.device, self.device_budget)
+        )
+        b = self.built
+        return {
+            "experiment": self.spec.experiment,
+            "steps": self.total_steps,
+            "resumed_from_step": self.start_step,
+            "world_size": self.world,
+            "device": device_name(self.device),
+            "precision": str(self.dtype).removeprefix("torch."),
+            "zero_stage": self.stage,
+            "deepspeed_config": self.spec.deepspeed_config,
+            "global_batch_size": self.cfg.global_batch_size,
+            "micro_batch_size": self.cfg.micro_batch_size,
+            "gradient_accumulation_steps": self.gas,
+            "parameters": b.n_params,
+            "trainable_parameters": b.n_trainable,
+            "weight_decay_parameters": b.decayed,
+            "lora": self.cfg.lora.enabled,
+            "lora_quantize": self.cfg.lora.quantize,
+            "optimizer_states": self.cfg.optimizer_states,
+            "fp32_master_weights": b.precision_summary,
+            "fp32_gradient_accumulation": b.accumulate_fp32,
+            "fused_cross_entropy": self.fused_ce,
+            "loss_kernel": None if self.fused_ce else b.loss_kernel,
+            "attention": self.attention_summary,
+            "kernels": b.kernels,
+            "compile": self.cfg.compile,
+            "final_train_loss": last.get("train/loss"),
+            "final_val_loss": last.get("val/loss"),
+            # Over every step after the first two of this process (warm-up), not just the last window.
+            "tokens_per_s_per_gpu": self.run_perf.get("perf/tokens_per_s_per_gpu"),
+            "loss_tokens_per_s_per_gpu": self.run_perf.get("perf/loss_tokens_per_s_per_gpu"),
+            "padded_tokens_per_s_per_gpu": self.run_perf.get("perf/padded_tokens_per_s_per_gpu"),
+            "step_time_s": self.run_perf.get("perf/step_time_s"),
+            # PaLM's MFU: 6N (4N with LoRA) per real token + attention over each conversation's length, against
+            # the datasheet's dense bf16 peak; the share of the matmul rate measured on this device beside it.
+            "mfu": self.run_perf.get("perf/mfu"),
+            "mfu_definition": "PaLM: (6 x non-embedding parameters"
+            + (" [4 x with LoRA: no weight gradients]" if self.cfg.lora.enabled else "")
+            + " x real tokens + 12 x layers x heads x head_dim x sum of squared conversation lengths) / time / "
+            + "datasheet dense bf16 peak (snaketune.train.metrics.PEAK_BF16_FLOPS)",
+            "model_tflops_per_gpu": self.run_perf.get("perf/model_tflops_per_gpu"),
+            "flops_share_of_measured_matmul": self.run_perf.get("perf/flops_share_of_measured_matmul"),
+            "peak_flops": self.peak,
+            "peak_memory_gib_per_rank": mem,
+            # NVML's device peak per rank beside the allocator's, the budget and what lay outside the allocator.
+            "device_memory_per_rank": devices,
+            # cudaMalloc retries after freeing the allocator's cache: each one stalls a step (a full card).
+            "cuda_alloc_retries_per_rank": retries,
+            "wall_time_s": wall,
+            "seed": self.cfg.seed,
+            "run_key": self.spec.run_key,
+        }
+
+
+def _grad_norm(net: torch.nn.Module) -> torch.Tensor:
+    """Global L2 norm of the gradients, before clipping (as DeepSpeed's ZeRO optimizers report it)."""
+    norms = [torch.linalg.vector_norm(p.grad.float()) for p in net.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def _float(x) -> float | None:
+    if x is None:
+        return None
+    return float(x.item() if torch.is_tensor(x) else x)
+
+
+def run(argv: list[str], trainer_cls: type[Trainer]) -> int:
+    """One rank: set up and execute (train, save the model and summary.json); the process group is always torn
+    down."""
+    spec = RunSpec.read(argv[0])
+    ranks.start()
+    import deepspeed
+
+    t0 = time.perf_counter()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        trainer = trainer_cls(spec)
+        trainer.setup()
+        trainer.execute(t0)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(run(sys.argv[1:], Trainer))
