@@ -15,6 +15,10 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-kernels.txt pyproje
 	# torch first and alone: this exact version is the CPU build on a CPU-only machine here; on a GPU
 	# machine pip picks the CUDA build of the same version.
 	$(BIN)/pip install --quiet torch==2.13.0
+	# Without a GPU, DeepSpeed with its CPU shared-memory communication op compiled once, here (60 s on 2 cores),
+	# instead of a just-in-time build at the first CPU rank and a ninja check at every later one (1-2 s each).
+	command -v nvidia-smi >/dev/null || DS_BUILD_SHM_COMM=1 $(BIN)/pip install --quiet --no-cache-dir \
+		--no-build-isolation $$(grep -E '^(deepspeed|ninja)==' requirements.txt)
 	$(BIN)/pip install --quiet -r requirements.txt -r requirements-dev.txt
 	# GPU-only kernels, without their Triton requirement (torch's CUDA build brings Triton; the CPU build does
 	# not and needs none): requirements-kernels.txt.

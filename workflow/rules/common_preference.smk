@@ -61,7 +61,8 @@ def tokenize_pairs_params(wildcards):
 
 def reference_input(wildcards):
     """What the reference pass starts from, as DPO does: the pairs, the model (the SFT model; the base is named by
-    the params), the tokenizer, the DPO stage's DeepSpeed file and memory plan (the same ranks and strategy)."""
+    the params), the tokenizer, the DPO stage's DeepSpeed file and memory plan (the same ranks and strategy).
+    """
     exp = experiment(wildcards)
     files = {
         "data": pairs_dir(exp),
@@ -100,13 +101,21 @@ REFERENCE_UNUSED_TRAIN = (
 def reference_params(wildcards):
     """What the reference log-probabilities depend on: which model (the SFT model is an input; the base is named
     here), the DPO stage's model construction (LoRA and its quantization, kernels, attention, precision, ZeRO,
-    micro-batch, seed) and the pairs (an input). Not beta, nor the optimizer's or the schedule's settings."""
+    micro-batch, seed) and the pairs (an input). Not beta, nor the optimizer's or the schedule's settings.
+    """
     exp = experiment(wildcards)
-    train = {k: v for k, v in to_dict(exp.dpo_train).items() if k not in REFERENCE_UNUSED_TRAIN}
+    train = {
+        k: v
+        for k, v in to_dict(exp.dpo_train).items()
+        if k not in REFERENCE_UNUSED_TRAIN
+    }
     spec = {
         "model": to_dict(exp.model),
         "train": train,
-        "preference": {"reference": exp.preference.reference, "max_length": exp.preference.max_length},
+        "preference": {
+            "reference": exp.preference.reference,
+            "max_length": exp.preference.max_length,
+        },
         "max_length": exp.preference.max_length,
         "deepspeed_sha256": sha256_file(exp.dpo_train.deepspeed),
         "code": keys.code_hash("reference"),
