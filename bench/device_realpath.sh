@@ -48,6 +48,7 @@ YAML
   timeout -k 10 "$left" python3 -m snakemake ${TARGET[$run]:-} --cores 16 --resources gpu=1 --show-failed-logs \
     --configfile "config/examples/${EXAMPLE[$run]}.yaml" bench/configs/device_realpath.yaml /tmp/steps.yaml
   stamp "run $run exit code $?"
+  grep -h "start check\|device memory budget\|ReferenceMismatch" -r logs/dpo logs/train logs/reference 2>/dev/null | cut -c1-400
   python3 - "$run" <<'PY'
 import json, pathlib, sys
 run = sys.argv[1]
@@ -56,9 +57,10 @@ for p in sorted(pathlib.Path("results").rglob("*.json")):
         if "tokenizer" in str(p) or "model" in p.parts or ("provenance" in p.parts and "plan" in p.parts):
             continue
         d = json.loads(p.read_text())
-        keep = {k: d.get(k) for k in ("peak_memory_gib_per_rank", "tokens_per_s_per_gpu", "step_time_s", "mfu",
-                "final_train_loss", "final_val_loss", "memory", "peak_memory_gib", "predicted_peak_gib",
-                "fp32_master_weights", "final_val_reward_accuracy", "time_s", "wall_time_s") if k in d}
+        keep = {k: d.get(k) for k in ("peak_memory_gib_per_rank", "device_memory_per_rank", "tokens_per_s_per_gpu",
+                "step_time_s", "mfu", "final_train_loss", "final_val_loss", "memory", "peak_memory_gib",
+                "predicted_peak_gib", "fp32_master_weights", "final_val_reward_accuracy", "start_check", "logprobs",
+                "kernels", "attention", "time_s", "wall_time_s") if k in d}
         if "plan" in p.parts and "provenance" not in p.parts:
             keep = {"chosen": d.get("chosen", {}).get("estimate", {}).get("peak_allocated_gib"),
                     "evaluate": d.get("evaluate"), "dpo": (d.get("dpo") or {}).get("chosen", {}).get("estimate", {}).get("peak_allocated_gib"),

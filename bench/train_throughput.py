@@ -173,6 +173,8 @@ def train_result(work: Path, case: Case, rc) -> dict:
         loss_per_s=s["loss_tokens_per_s_per_gpu"],
         mfu_project=s["mfu"],
         peak_gib=s["peak_memory_gib_per_rank"][0],
+        # What nvidia-smi shows for the process (NVML, sampled): the figure gpu_memory_gib bounds.
+        device_peak_gib=((s.get("device_memory_per_rank") or [{}])[0] or {}).get("device_peak_gib"),
         alloc_retries=(s.get("cuda_alloc_retries_per_rank") or [None])[0],
         final_train_loss=s["final_train_loss"],
         settings={
@@ -208,6 +210,7 @@ def seed_result(case: Case, report_path: Path, rc) -> dict:
         return res
     r = json.loads(report_path.read_text())
     res.update(status=r["status"], peak_gib=r.get("peak_memory_gib"), parameters=r.get("parameters"))
+    res["device_peak_gib"] = (r.get("device_memory") or {}).get("device_peak_gib")
     res["losses"] = r.get("losses")
     times = r["step_times"][WARMUP:]
     if r["status"] == "ok" and times:
@@ -266,10 +269,10 @@ def table(results: list[dict]) -> str:
     seeds = {r["layers"]: r for r in results if r["kind"] == "seed" and r.get("step_s")}
     head = (
         "| case | what | layers | step s | positions/s | real tok/s | loss tok/s | MFU (6N, 790) | "
-        "perf/mfu (989) | peak GiB (plan) | alloc retries | vs (a): positions, real, loss | vs TRL: real | "
+        "perf/mfu (989) | peak GiB (plan) | device GiB | alloc retries | vs (a): positions, real, loss | vs TRL: real | "
         "status |"
     )
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 15]
     by_name = {r["case"]: r for r in results}
     for r in results:
         ratio = "-"
@@ -291,6 +294,7 @@ def table(results: list[dict]) -> str:
             f"| {r['case']} | {r['what']} | {r['layers']} | {fmt(r.get('step_s'), '.3f')} | "
             f"{fmt(r.get('positions_per_s'))} | {fmt(r.get('real_per_s'))} | {fmt(r.get('loss_per_s'))} | "
             f"{fmt(r.get('mfu_790'), '.3f')} | {fmt(r.get('mfu_project'), '.3f')} | {peak} | "
+            f"{fmt(r.get('device_peak_gib'), '.2f')} | "
             f"{fmt(r.get('alloc_retries'), 'd')} | {ratio} | {versus} | {r['status']}"
             + (f", plan: {r['plan_chosen']}" if r.get("plan_chosen") else "")
             + " |"
@@ -392,6 +396,7 @@ def main(argv: list[str]) -> int:
                 "mfu_790",
                 "peak_gib",
                 "plan_peak_gib",
+                "device_peak_gib",
                 "case_wall_s",
             )
         }

@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from seed_recipe import SEQ, PaddedSamples, build_model, step_timer  # noqa: E402
 
+from snaketune import device_memory  # noqa: E402
 from snaketune.model.batching import IGNORE, load_split  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -70,9 +71,16 @@ def main(argv: list[str]) -> int:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if cuda and args.cap:
-        total = torch.cuda.get_device_properties(0).total_memory / 2**30
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap / total), 0)
+    # The same device budget as the train rule's (snaketune.device_memory): --cap is the card's memory, the
+    # process stays 0.5 GiB under it on the device, the allocator gets what lies outside it less.
+    nvml = device_memory.device_memory(device)
+    budget: dict = {}
+    if cuda:
+        device_memory.warm_up(device)
+        line, budget = device_memory.cap_allocator(device, args.cap, nvml)
+        if line:
+            print(line, flush=True)
+    sampler = device_memory.PeakSampler(nvml)
     report: dict = {"recipe": f"trl {trl.__version__}", "layers": args.layers, "steps": args.steps,
                     "step_times": [], "losses": []}  # fmt: skip
     real, loss_tokens = PaddedSamples(args.data, 0).token_counts()
@@ -140,6 +148,7 @@ def main(argv: list[str]) -> int:
     if cuda:
         report["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         report["device"] = torch.cuda.get_device_name(0)
+        report["device_memory"] = device_memory.record(sampler, device, budget)
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k not in ("step_times", "losses")}))
     return 0

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +50,63 @@ def assert_close_to_scale(actual, expected, *, terms: int, eps: float | None = N
     assert err <= bound, (
         f"{msg}: max |difference| {err:.3g} > {terms} x {eps:.3g} x max|expected| = {bound:.3g}"
     )
+
+
+TINY_CONFIG = REPO / ".test" / "config.yaml"
+HUB_TOKENS = {
+    "HF_TOKEN": "hf_SnaketuneFakeToken0123456789abcdefXYZ",
+    "HUGGING_FACE_HUB_TOKEN": "snaketune-fake-hub-token-7f3a9c1e",
+}
+"""Hub tokens in the environment of the shared run: recognizable, fake (nothing here uses the hub), and written
+nowhere (tests/test_security.py greps every file of the run for them)."""
+
+
+def shared_dir(tmp_path_factory) -> Path:
+    """A directory every pytest-xdist worker of this test session shares (its own base directory without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def run_snakemake(workdir: Path, *args: str, env: dict | None = None, timeout: float = 900) -> str:
+    """`snakemake args` in `workdir`; its output, or a test failure that shows it and the jobs' logs."""
+    cmd = [str(Path(sys.executable).parent / "snakemake"), *args]
+    proc = subprocess.run(
+        cmd, cwd=workdir, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        logs = "".join(
+            f"\n--- {p} ---\n{p.read_text()[-2000:]}" for p in sorted(workdir.glob("logs/**/*.log"))
+        )
+        pytest.fail(f"{' '.join(cmd)} in {workdir}: exit {proc.returncode}\n{proc.stderr[-4000:]}{logs}")
+    return proc.stdout + proc.stderr
+
+
+def clone_run(src: Path, dest: Path) -> Path:
+    """A copy of a workflow directory and its run (results, logs, Snakemake's metadata), timestamps kept: Snakemake
+    sees the same completed run there."""
+    shutil.copytree(src, dest, symlinks=True)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """One complete run of .test/config.yaml (the tiny config) in a copy of the workflow, made once per test session (the
+    xdist workers share it under a lock), with HUB_TOKENS in the environment. Read-only: a test that changes
+    anything works on `clone_run(tiny_run, ...)`."""
+    from filelock import FileLock
+
+    root = shared_dir(tmp_path_factory)
+    workdir = root / "tiny_run"
+    with FileLock(str(root / "tiny_run.lock")):
+        if not (workdir / ".complete").exists():
+            shutil.rmtree(workdir, ignore_errors=True)
+            copy_workflow(workdir)
+            shutil.copy2(TINY_CONFIG, workdir / "tiny.yaml")
+            run_snakemake(
+                workdir, "--cores", "2", "--resources", "gpu=2", "--configfile", "tiny.yaml", env=HUB_TOKENS
+            )
+            (workdir / ".complete").touch()
+    return workdir
 
 
 MAX_LENGTH = 128

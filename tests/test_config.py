@@ -17,7 +17,11 @@ from snaketune.config.schema import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
-SHIPPED = sorted((ROOT / "config").glob("*.yaml")) + sorted((ROOT / "tests/configs").glob("*.yaml"))
+SHIPPED = (
+    sorted((ROOT / "config").glob("*.yaml"))
+    + sorted((ROOT / "tests/configs").glob("*.yaml"))
+    + [ROOT / ".test" / "config.yaml"]
+)
 
 
 def default_config() -> dict:

@@ -50,12 +50,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_workflow
+from conftest import TINY_CONFIG, copy_workflow
 from snaketune import io
 from test_workflow import (
     EXPERIMENT,
     FAST_CONFIG,
-    RESUME_FROM_STEP,
     RUN_TIMEOUT_S,
     Result,
     file_bytes,
@@ -64,17 +63,11 @@ from test_workflow import (
     losses,
     snakemake,
     start,
-    workflow_args,
 )
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS_DIR = REPO / "tests"
 WORKFLOW_DIR = REPO / "workflow"
-FAKE_TOKENS = {
-    "HF_TOKEN": "hf_SnaketuneFakeToken0123456789abcdefXYZ",
-    "HUGGING_FACE_HUB_TOKEN": "snaketune-fake-hub-token-7f3a9c1e",
-}
-"""Hub tokens in the environment of the reference run: recognizable, and fake (nothing here uses the hub)."""
 TEMPORARY = re.compile(r"^\..+\.[^.]+\.(?:tmp|old)$")
 """The names snaketune.io gives temporaries: .<name>.<random>.tmp (.old: a directory being replaced)."""
 HOOK_LINE = re.compile(rf"test hook {io.PAUSE_ENV}: paused before renaming \S+ onto (\S+)")
@@ -111,20 +104,15 @@ def environment(**values: str) -> Iterator[None]:
         yield
 
 
-def reference_run(tmp_path_factory) -> Path:
-    """The whole fast workflow, uninterrupted, with FAKE_TOKENS in its environment; its working directory."""
-    if "reference" not in _SESSION:
-        workdir = new_workdir(tmp_path_factory, "faults_reference")
-        with environment(**FAKE_TOKENS):
-            run = start(workdir, *workflow_args(3))
-        finish(run, RUN_TIMEOUT_S)
-        _SESSION["reference"] = workdir
-    return _SESSION["reference"]
+def tiny_args(*extra: str) -> tuple[str, ...]:
+    """A run of the tiny config, as conftest.tiny_run runs it; `extra` holds flags (--configfile comes last)."""
+    return (*extra, "--cores", "2", "--resources", "gpu=2", "--configfile", str(TINY_CONFIG))
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    return reference_run(tmp_path_factory)
+def reference(tiny_run) -> Path:
+    """The whole tiny workflow, uninterrupted (conftest.tiny_run, shared with other tests)."""
+    return tiny_run
 
 
 def temporaries(root: Path) -> list[str]:
@@ -185,9 +173,9 @@ KILLS = (
     ),
     Kill(("tokenize",), ("results/provenance/tokenize/*.json",), ("results/tokenized/*",)),
     Kill(("tokenize_pairs",), ("results/provenance/tokenize_pairs/*.json",), ("results/tokenized_pairs/*",)),
-    Kill(
+    Kill(  # after its last step and final checkpoint, before its outputs are in place: it resumes at the end
         ("train",),
-        (),
+        (f"results/train/{EXPERIMENT}/summary.json",),
         tuple(f"results/train/{EXPERIMENT}/{n}" for n in ("model", "metrics.csv", "tb", "summary.json")),
     ),
     Kill(
@@ -276,22 +264,15 @@ def interrupted(tmp_path_factory, reference) -> Interrupted:
     state = Interrupted(workdir)
     rerun_flags: tuple[str, ...] = ()
     for kill in KILLS:
-        hook = {io.PAUSE_ENV: os.pathsep.join(kill.pause)} if kill.pause else {}
-        with environment(**FAKE_TOKENS, **hook):
-            run = start(workdir, *workflow_args(3, *rerun_flags))
-        if kill.pause:
+        hook = {io.PAUSE_ENV: os.pathsep.join(kill.pause)}
+        with environment(**hook):
+            run = start(workdir, *tiny_args(*rerun_flags))
 
-            def all_paused(kill=kill):
-                held = paused_targets(workdir)
-                return all(any(fnmatch.fnmatchcase(t, p) for t in held) for p in kill.pause)
+        def all_paused(kill=kill):
+            held = paused_targets(workdir)
+            return all(any(fnmatch.fnmatchcase(t, p) for t in held) for p in kill.pause)
 
-            _wait(run, f"the pause hook at {kill.pause}", all_paused)
-        else:
-            _wait(
-                run,
-                f"a complete step-{RESUME_FROM_STEP} checkpoint",
-                lambda: any(s >= RESUME_FROM_STEP for s in complete_checkpoints(workdir)),
-            )
+        _wait(run, f"the pause hook at {kill.pause}", all_paused)
         survivors = kill_everything(run.proc)
         if state.killed:
             state.killed[-1].rerun = Result(tuple(run.proc.args[1:]), run.proc.returncode, *_texts(run))
@@ -306,13 +287,12 @@ def interrupted(tmp_path_factory, reference) -> Interrupted:
                 temporaries=temporaries(results),
                 checkpoints=complete_checkpoints(workdir),
                 survivors=survivors,
-                dry_run=snakemake(workdir, *workflow_args(3, "-n"), check=False),
+                dry_run=snakemake(workdir, *tiny_args("-n"), check=False),
             )
         )
-        snakemake(workdir, "--unlock", "--configfile", str(FAST_CONFIG))
+        snakemake(workdir, "--unlock", "--configfile", str(TINY_CONFIG))
         rerun_flags = ("--rerun-incomplete",)
-    with environment(**FAKE_TOKENS):
-        run = start(workdir, *workflow_args(3, *rerun_flags))
+    run = start(workdir, *tiny_args(*rerun_flags))
     state.final = finish(run, RUN_TIMEOUT_S)
     state.killed[-1].rerun = state.final
     return state
@@ -346,13 +326,14 @@ def test_every_stage_is_killed_inside_its_job(interrupted):
     assert rules == [*expected, "manifest", "report"]
     for k in interrupted.killed:
         assert k.survivors == [], [p.cmdline for p in k.survivors]
-        if k.kill.pause:
-            # Killed mid-write: the hook held every target back, a temporary holds what was not renamed yet.
-            assert all(any(fnmatch.fnmatchcase(t, p) for t in k.paused_at) for p in k.kill.pause), k
-            assert k.temporaries, k.kill.rules
-        else:
-            assert k.checkpoints and max(k.checkpoints) >= RESUME_FROM_STEP
-            assert k.existing == [], "training was killed after its outputs were in place"
+        # Killed mid-write: the hook held every target back, a temporary holds what was not renamed yet.
+        assert all(any(fnmatch.fnmatchcase(t, p) for t in k.paused_at) for p in k.kill.pause), k
+        assert k.temporaries, k.kill.rules
+    train = _killed(interrupted, "train")
+    assert train.existing == [], "training was killed after its outputs were in place"
+    assert train.checkpoints == [2, 4], (
+        "the final step's checkpoint is durable before the outputs are written"
+    )
 
 
 @pytest.mark.slow  # a whole workflow run
@@ -404,6 +385,8 @@ def test_data_outputs_equal_an_uninterrupted_run(interrupted, reference):
 
 @pytest.mark.slow  # a whole workflow run
 def test_training_resumes_from_its_last_complete_checkpoint(interrupted, reference):
+    """Killed after its last step, before its outputs were in place: the rerun resumes at the final checkpoint,
+    trains nothing more, and writes what the uninterrupted run wrote (mid-run resume: tests/test_workflow.py)."""
     k = _killed(interrupted, "train")
     log = (interrupted.workdir / f"logs/train/{EXPERIMENT}.log").read_text()
     match = re.search(r"resuming from checkpoint \S+ at step (\d+)", log)
@@ -414,8 +397,7 @@ def test_training_resumes_from_its_last_complete_checkpoint(interrupted, referen
     assert summary["resumed_from_step"] == step
     for column in ("train/loss", "val/loss"):
         got, want = losses(interrupted.workdir, column), losses(reference, column)
-        assert got.keys() == want.keys(), column
-        assert any(s > step for s in got), column
+        assert got.keys() == want.keys() and max(got) == step, column
         for s in got:
             assert got[s] == pytest.approx(want[s], abs=1e-5), f"{column} at step {s} (resumed at {step})"
 

@@ -181,12 +181,22 @@ def test_nccl_p2p_decision():
     assert env == {} and "keeping NCCL_P2P_DISABLE=0" in why
 
 
-def test_memory_fraction_emulates_a_smaller_gpu():
+def test_gpu_memory_gib_is_a_card_and_the_allocator_gets_what_lies_outside_it_less():
+    """A card's memory, by number or name; a process keeps 0.5 GiB of it for the driver; the allocator's cap leaves
+    room for what was measured outside it and for the kernel modules loaded later."""
+    from snaketune import device_memory as dm
+
+    assert dm.card_gib("rtx4090") == dm.card_gib("RTX4090") == 24564 / 1024
+    assert dm.card_gib(24) == 24.0 and dm.usable_gib(24) == 23.5
+    for bad in ("rtx9090", 0, -1, True, 0.5):
+        with pytest.raises(ValueError, match="allowed: a number of GiB > 0.5"):
+            dm.card_gib(bad)
     h200 = 143771 * 2**20
-    assert gpus.memory_fraction(24, h200) == pytest.approx(24 * 1024 / 143771)
-    assert gpus.memory_fraction(200, h200) == 1.0
-    assert gpus.memory_cap_from_env({gpus.ENV_MEMORY_CAP: "24"}) == 24.0
-    assert gpus.memory_cap_from_env({}) is None
+    # 23.5 GiB usable, 1.2 GiB measured outside the allocator, LAZY_MODULES_GIB for modules loaded later.
+    cap = dm.allocator_fraction(23.5, 1.2, h200) * h200 / 2**30
+    assert cap == pytest.approx(23.5 - 1.2 - dm.LAZY_MODULES_GIB)
+    assert dm.allocator_fraction(500, 1.2, h200) == 1.0 and dm.allocator_fraction(1.0, 1.2, h200) == 0.0
+    assert dm.card_from_env({dm.ENV_MEMORY_CAP: "24"}) == 24.0 and dm.card_from_env({}) is None
 
 
 # ---- the workflow ----------------------------------------------------------------------------------------------

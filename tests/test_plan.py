@@ -18,25 +18,24 @@ from snaketune.config.choices import ConfigError
 from snaketune.config.load import load_config, to_dict
 from snaketune.config.schema import TrainConfig, checkpointed_layers
 from snaketune.model.architectures import DEEPSEEK_LLM_7B
-from snaketune.plan import apply
-from snaketune.plan import search as plan
-from snaketune.plan.arch import arch_from_hf_config
+from snaketune.plan import apply, memory, search, setups, strategies
+from snaketune.plan.arch import Arch, arch_from_hf_config, resolve_arch
 from snaketune.plan.budget import Budget
 from snaketune.plan.memory import GIB
 
 REPO = Path(__file__).resolve().parent.parent
-DEEPSPEED = {name: str(REPO / "config/deepspeed" / name) for name in plan.STRATEGY_FILES.values()}
-ALL_LINEAR = plan.LORA_TARGETS
+DEEPSPEED = {name: str(REPO / "config/deepspeed" / name) for name in strategies.STRATEGY_FILES.values()}
+ALL_LINEAR = setups.LORA_TARGETS
 H200_RUN = REPO / "bench/runs/2026-11-29_h200/zero2_summary.json"
 TOLERANCE = 0.10
 
 
-def deepseek(layers: int) -> plan.Arch:
+def deepseek(layers: int) -> Arch:
     return arch_from_hf_config({**DEEPSEEK_LLM_7B, "num_hidden_layers": layers})
 
 
-def ds_setup(name: str, **fields) -> plan.Setup:
-    return plan.setup_from_deepspeed(json.loads(Path(DEEPSPEED[name]).read_text()), **fields)
+def ds_setup(name: str, **fields) -> memory.Setup:
+    return memory.setup_from_deepspeed(json.loads(Path(DEEPSPEED[name]).read_text()), **fields)
 
 
 # The measured points of ../shared/FACTS.md (one H200, random-init 7B architecture, seq 512): (what, layers,
@@ -57,7 +56,7 @@ FACTS = [
         (
             "bf16 autocast, torch fused AdamW, no DeepSpeed, 4 x 2",
             layers,
-            plan.Setup(
+            memory.Setup(
                 world=1, zero_stage=0, engine="torch", precision="autocast", micro_batch=4, seq_len=512
             ),
             measured,
@@ -82,7 +81,7 @@ FACTS = [
     ("what", "layers", "setup", "measured", "which"), FACTS, ids=[f"{f[1]}L-{f[4]}-{f[3]}" for f in FACTS]
 )
 def test_plan_matches_the_measured_h200_peaks(what, layers, setup, measured, which):
-    est = plan.estimate(deepseek(layers), setup)
+    est = memory.estimate(deepseek(layers), setup)
     predicted = est.peak_allocated_gib if which == "gpu" else est.host_gib
     assert predicted == pytest.approx(measured, rel=TOLERANCE), f"{what}, {layers} layers: {est}"
 
@@ -91,7 +90,7 @@ def test_plan_matches_this_projects_own_h200_run():
     """bench/RESULTS.md: the train rule, 24 layers, ZeRO-2 bf16, micro-batch 4 x 2, seq 512 on one H200."""
     summary = json.loads(H200_RUN.read_text())
     setup = ds_setup("zero2.json", world=1, micro_batch=summary["micro_batch_size"], seq_len=512)
-    est = plan.estimate(deepseek(24), setup)
+    est = memory.estimate(deepseek(24), setup)
     assert est.params == summary["parameters"] == 5_696_065_536
     assert est.peak_allocated_gib == pytest.approx(summary["peak_memory_gib_per_rank"][0], rel=TOLERANCE)
     # One GPU under ZeRO-2 peaks in the optimizer step at 22 B/param (FACTS.md).
@@ -127,12 +126,12 @@ def test_plan_matches_the_fast_path_on_an_h200(case, layers, micro, lora, deepsp
     }
     if case == "b24_ds_zero2":
         train.update(bf16_optimizer="deepspeed", attention="sdpa")
-    setup = plan._setup_for(
+    setup = setups.setup_for(
         train, json.loads(Path(DEEPSPEED[deepspeed]).read_text()), world=1, seq_len=512, precision="bf16"
     )
     assert setup.master_weights == (case != "b24_ds_zero2") and setup.varlen == (case != "b24_ds_zero2")
     assert setup.accumulation == 8 // micro
-    est = plan.estimate(deepseek(layers), setup)
+    est = memory.estimate(deepseek(layers), setup)
     assert est.peak_allocated_gib == pytest.approx(result["peak_gib"], rel=TOLERANCE), est
 
 
@@ -147,11 +146,11 @@ def test_plan_counts_what_liger_saves(case, layers, lora):
     train = {"micro_batch_size": 8, "global_batch_size": 8, "lora": {"enabled": lora}, "kernels": "liger"}
     train.update(fused_cross_entropy=False, loss_kernel="torch")  # BEST before the Triton loss
     ds = json.loads(Path(DEEPSPEED["zero0.json"]).read_text())
-    setup = plan._setup_for(train, ds, world=1, seq_len=512, precision="bf16")
+    setup = setups.setup_for(train, ds, world=1, seq_len=512, precision="bf16")
     assert setup.liger
-    est = plan.estimate(deepseek(layers), setup)
+    est = memory.estimate(deepseek(layers), setup)
     assert est.peak_allocated_gib == pytest.approx(result["peak_gib"], rel=TOLERANCE), est
-    torch_modules = plan.estimate(deepseek(layers), setup.replace(liger=False))
+    torch_modules = memory.estimate(deepseek(layers), setup.replace(liger=False))
     baseline = next(
         r for r in json.loads(LIGER_RUN.read_text())["results"] if r["case"] == case[: -len("_liger")]
     )
@@ -175,8 +174,8 @@ def test_plan_matches_the_example_configs_on_an_h200(example, overrides, measure
     train = {**cfg["train"], **overrides, "kernels": "torch"}
     ds = json.loads((REPO / train["deepspeed"]).read_text())
     max_length = int(cfg["tokenize"]["max_length"])
-    setup = plan._setup_for(train, ds, world=1, seq_len=max_length, precision="bf16")
-    est = plan.estimate(deepseek(30), setup)
+    setup = setups.setup_for(train, ds, world=1, seq_len=max_length, precision="bf16")
+    est = memory.estimate(deepseek(30), setup)
     assert est.peak_allocated_gib == pytest.approx(measured, rel=TOLERANCE), est
 
 
@@ -189,7 +188,7 @@ def test_parameter_counts_match_the_built_models():
     from snaketune.config.schema import LoraConfig, ModelConfig
     from snaketune.model.build import apply_lora, count_params, load_model
 
-    arch, _ = plan.resolve_arch({"base": "builtin-tiny"})
+    arch, _ = resolve_arch({"base": "builtin-tiny"})
     net = load_model(
         ModelConfig(), vocab_size=1024, bos_token_id=0, eos_token_id=1, dtype=torch.float32, seed=0
     )
@@ -201,10 +200,10 @@ def test_parameter_counts_match_the_built_models():
 def test_config_json_of_a_local_model(tmp_path):
     cfg = {**DEEPSEEK_LLM_7B, "num_hidden_layers": 2, "num_key_value_heads": 8, "model_type": "llama"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    arch, source = plan.resolve_arch({"base": str(tmp_path)})
+    arch, source = resolve_arch({"base": str(tmp_path)})
     assert (arch.kv_heads, arch.layers, source) == (8, 2, str(tmp_path / "config.json"))
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_routed_experts": 64}))
-    arch, source = plan.resolve_arch({"base": str(tmp_path)})
+    arch, source = resolve_arch({"base": str(tmp_path)})
     assert arch is None and "mixture-of-experts" in source
 
 
@@ -222,7 +221,7 @@ def train_dict(**overrides) -> dict:
 
 def make(model: dict, train: dict, *, gib: float | None, max_length: int = 512, host: float = 125.0) -> dict:
     budget = Budget(gib, "test budget" if gib else "no GPU", host)
-    return plan.make_plan(
+    return search.make_plan(
         experiment="x",
         model=model,
         train=train,
@@ -241,7 +240,7 @@ TINY = {"base": "builtin-tiny", "num_layers": None, "revision": "main"}
 def test_plan_file_for_the_cpu_default(tmp_path):
     """builtin-tiny on a machine without GPU: nothing to check against, never a reason to stop."""
     out = tmp_path / "plan" / "default.json"
-    written = plan.write_plan(
+    written = search.write_plan(
         out=out,
         experiment="default",
         model=TINY,
@@ -256,8 +255,8 @@ def test_plan_file_for_the_cpu_default(tmp_path):
     assert on_disk == json.loads(json.dumps(written))
     assert on_disk["fits"] is None and on_disk["chosen"]["deepspeed_config"] == DEEPSPEED["zero2.json"]
     assert on_disk["configured"]["setup"]["precision"] == "fp32"  # CPU ranks train in fp32
-    assert on_disk["model"]["params"] == plan.resolve_arch(TINY)[0].params()
-    assert [c["name"] for c in on_disk["candidates"]] == [s.name for s in plan.STRATEGIES]
+    assert on_disk["model"]["params"] == resolve_arch(TINY)[0].params()
+    assert [c["name"] for c in on_disk["candidates"]] == [s.name for s in strategies.STRATEGIES]
     # With a GPU budget the tiny model fits anything.
     assert make(TINY, train_dict(gpus=3), gib=24)["fits"] is True
 
@@ -265,7 +264,7 @@ def test_plan_file_for_the_cpu_default(tmp_path):
 def test_a_hub_model_without_network_is_skipped_not_failed(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = {"base": "nobody-here/no-such-model-xyz", "revision": "main"}
-    arch, why = plan.resolve_arch(model, allow_download=False)
+    arch, why = resolve_arch(model, allow_download=False)
     assert arch is None and why.startswith("unknown: skipped")
     result = make(model, train_dict(gpus=3), gib=24)
     assert result["fits"] is None and result["status"].startswith("unknown: skipped")
@@ -287,8 +286,8 @@ def test_not_fitting_says_what_would_fit(tmp_path):
     )
     assert "LoRA (train.lora.enabled: true) with zero0" in message
     out = tmp_path / "plan.json"
-    with pytest.raises(plan.PlanError, match="What would fit"):
-        plan.write_plan(
+    with pytest.raises(search.PlanError, match="What would fit"):
+        search.write_plan(
             out=out,
             budget=Budget(24, "test budget", 256),
             experiment="x",
@@ -359,11 +358,11 @@ CAPPED_LORA_RUNS = [
 def test_plan_counts_partial_checkpointing_and_accumulation(case, overrides, measured):
     train = {"micro_batch_size": 8, "global_batch_size": 8, "lora": {"enabled": True}, "kernels": "liger"}
     train.update(overrides, fused_cross_entropy=False, loss_kernel="torch")  # BEST before the Triton loss
-    setup = plan._setup_for(
+    setup = setups.setup_for(
         train, json.loads(Path(DEEPSPEED["zero0.json"]).read_text()), world=1, seq_len=512, precision="bf16"
     )
     assert setup.checkpoint_layers == overrides.get("gradient_checkpointing")
-    est = plan.estimate(deepseek(30), setup)
+    est = memory.estimate(deepseek(30), setup)
     assert est.peak_allocated_gib == pytest.approx(measured, rel=TOLERANCE), (case, est)
 
 
@@ -397,9 +396,9 @@ def test_plan_counts_the_triton_loss(case, layers, overrides):
     train.update({"loss_kernel": "triton", **overrides})
     assert result["settings"]["loss_kernel"] == train["loss_kernel"]
     ds = json.loads(Path(DEEPSPEED["zero0.json"]).read_text())
-    setup = plan._setup_for(train, ds, world=1, seq_len=512, precision="bf16")
+    setup = setups.setup_for(train, ds, world=1, seq_len=512, precision="bf16")
     assert setup.triton_loss == (train["loss_kernel"] == "triton")
-    est = plan.estimate(deepseek(layers), setup)
+    est = memory.estimate(deepseek(layers), setup)
     assert est.peak_allocated_gib == pytest.approx(result["peak_gib"], rel=TOLERANCE), est
     if setup.triton_loss:
         assert est.logits_gib == pytest.approx((2 * 4096 * 102400 + 8 * 4096) / 2**30)
@@ -513,7 +512,7 @@ def test_a_config_that_does_not_fit_stops_before_training(tmp_path):
     workdir = copy_workflow(tmp_path / "wf")
     extra = tmp_path / "big.yaml"
     extra.write_text(TOO_BIG)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", plan.ENV_HOST_MEMORY: "256"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", memory.ENV_HOST_MEMORY: "256"}
     cmd = [
         str(Path(sys.executable).parent / "snakemake"),
         "results/train/default/summary.json",
@@ -527,7 +526,10 @@ def test_a_config_that_does_not_fit_stops_before_training(tmp_path):
     ]
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "ERROR in rule plan: PlanError: train.gpus 3 x 24.0 GiB (gpu_memory_gib: 24)" in proc.stderr
+    assert (
+        "ERROR in rule plan: PlanError: train.gpus 3 x 23.5 GiB (gpu_memory_gib: 24 (less 0.5 GiB for the driver))"
+        in proc.stderr
+    )
     assert "What would fit: zero3_offload needs" in proc.stderr, proc.stderr[-3000:]
     # The plan runs first (priority) and its failure stops the workflow: no other job ran.
     assert "Finished jobid" not in proc.stderr
@@ -552,8 +554,8 @@ def test_plan_matches_the_qlora_example_on_an_h200(overrides, measured):
     cfg = yaml.safe_load((REPO / "config/examples/deepseek-7b-qlora-16gb.yaml").read_text())
     train = {**cfg["train"], **overrides, "kernels": "liger", "gradient_checkpointing": True}
     ds = json.loads((REPO / train["deepspeed"]).read_text())
-    setup = plan._setup_for(train, ds, world=1, seq_len=int(cfg["tokenize"]["max_length"]), precision="bf16")
-    est = plan.estimate(deepseek(30), setup)
+    setup = setups.setup_for(train, ds, world=1, seq_len=int(cfg["tokenize"]["max_length"]), precision="bf16")
+    est = memory.estimate(deepseek(30), setup)
     assert est.peak_allocated_gib == pytest.approx(measured, rel=TOLERANCE), est
 
 
@@ -562,8 +564,8 @@ def test_nf4_weights_are_counted():
     and norms in bf16: 4.48 GiB for the 7B against 12.87 in bf16 (plus one dequantized weight at a time)."""
     arch = deepseek(30)
     lora = dict(world=1, zero_stage=0, lora_rank=16, lora_targets=ALL_LINEAR, master_weights=True)
-    bf16 = plan.estimate(arch, plan.Setup(**lora))
-    nf4 = plan.estimate(arch, plan.Setup(**lora, quantized=True))
+    bf16 = memory.estimate(arch, memory.Setup(**lora))
+    nf4 = memory.estimate(arch, memory.Setup(**lora, quantized=True))
     linear = 30 * sum(a * b for a, b in arch.linear_shapes().values())
     assert bf16.weights_gib * GIB == 2 * arch.params()
     assert nf4.weights_gib * GIB == pytest.approx(2 * (arch.params() - linear) + 0.515869 * linear, rel=1e-6)
@@ -591,7 +593,7 @@ def test_plan_counts_8bit_states(case, changes, measured):
         liger=True,
         **changes,
     )
-    est = plan.estimate(deepseek(30), setup)
+    est = memory.estimate(deepseek(30), setup)
     assert est.peak_allocated_gib == pytest.approx(measured, rel=TOLERANCE), (case, est)
 
 
@@ -634,7 +636,7 @@ def test_qlora_example_plans_training_and_evaluation_in_16_gib():
     train["lora"] = {**to_dict(TrainConfig()).get("lora"), **cfg["train"]["lora"]}
     train["deepspeed"] = str(REPO / train["deepspeed"])
     budget = Budget(16.0, "gpu_memory_gib: 16", 125.0)
-    result = plan.make_plan(
+    result = search.make_plan(
         experiment="default",
         model={"base": "arch:deepseek-llm-7b"},
         train=train,
@@ -648,7 +650,7 @@ def test_qlora_example_plans_training_and_evaluation_in_16_gib():
     assert result["fits"] and result["chosen"]["name"] == "zero0+ckpt"
     assert result["evaluate"]["fits"] and result["evaluate"]["estimate"]["weights_gib"] < 5
     # The same evaluation in bf16 would not fit 16 GiB even at batch size 1.
-    bf16_eval = plan.plan_evaluation(
+    bf16_eval = search.plan_evaluation(
         deepseek(30),
         {"batch_size": 8, "max_new_tokens": 128},
         max_length=4096,

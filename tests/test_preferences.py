@@ -358,6 +358,7 @@ def test_dpo_checks_that_it_starts_at_the_reference(dpo_run, preference_data, ti
     the DPO loss there is ln 2, logged; a reference of another model stops the run before its first step."""
     start = dpo_run.summary["start_check"]
     assert start["violations"] == 0 and start["max_abs_ratio"] < 1e-3
+    assert abs(start["mean_log_ratio_per_token"]) < 1e-6  # fp32, other micro-batches than the reference's
     assert start["dpo_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert "start check: policy vs reference log-probabilities" in dpo_run.log_file.read_text()
     root, sft = preference_data

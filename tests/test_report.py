@@ -6,16 +6,15 @@ from __future__ import annotations
 import base64
 import csv
 import json
-import os
 import shutil
 import subprocess
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import clone_run, run_snakemake
 from snaketune.report import build as report
 from snaketune.report.inputs import ExperimentFiles, ReportInputs
 from snaketune.report.render import fmt, fmt_duration, fmt_pct
@@ -417,63 +416,22 @@ def test_html_renders_in_headless_chromium(built, tmp_path):
 
 
 @pytest.mark.slow
-def test_workflow_ends_with_the_report_and_eval_settings_never_retrain(tmp_path):
-    """The fast config through the real workflow in a copy of the repository: the report is the default
-    target, the tuned model beats the base, and a changed eval prompt reruns evaluate and report only."""
-    for item in ("Snakefile", "workflow", "config", "envs"):
-        src = REPO / item
-        (shutil.copytree if src.is_dir() else shutil.copy)(
-            src,
-            tmp_path / item,
-            **({"ignore": shutil.ignore_patterns("__pycache__")} if src.is_dir() else {}),
-        )
-    configfile = REPO / "tests/configs/fast.yaml"
-    snakemake = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "--cores",
-        "2",
-        "--resources",
-        "gpu=3",
-        "--configfile",
-        str(configfile),
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    run = subprocess.run(snakemake, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
-    assert run.returncode == 0, run.stderr[-5000:]
-    out = tmp_path / "results/report"
+def test_workflow_ends_with_the_report_and_eval_settings_never_retrain(tiny_run, tmp_path):
+    """The tiny config through the real workflow (conftest.tiny_run): the report is the default target, the tuned
+    model beats the base, a changed eval prompt reruns evaluate and report only, and Snakemake's own report of the
+    run builds."""
+    out = tiny_run / "results/report"
     for name in report.OUTPUTS.values():
         assert (out / name).is_file(), name
     exp = json.loads((out / "summary.json").read_text())["experiments"]["default"]
     assert exp["tuned_val_loss"] < exp["base_val_loss"]
-    train = yaml.safe_load(configfile.read_text())["train"]
-    assert exp["steps"] == train["max_steps"] and exp["world_size"] == min(3, train["gpus"])
-
-    dry = subprocess.run(
-        [*snakemake, "-n", "--config", "eval={prompts: ['What is 2 + 2?']}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert dry.returncode == 0, dry.stderr[-3000:]
-    jobs = {
-        line.split()[0]
-        for line in dry.stdout.splitlines()
-        if line[:1].isalpha() and line.split()[-1].isdigit()
-    }
+    train = yaml.safe_load((tiny_run / "tiny.yaml").read_text())["train"]
+    assert exp["steps"] == train["max_steps"] and exp["world_size"] == train["gpus"]
+    workdir = clone_run(tiny_run, tmp_path / "wf")
+    args = ("--cores", "2", "--resources", "gpu=2", "--configfile", "tiny.yaml")
+    dry = run_snakemake(workdir, *args, "-n", "--config", "eval={prompts: ['What is 2 + 2?']}")
+    jobs = {line.split()[0] for line in dry.splitlines() if line[:1].isalpha() and line.split()[-1].isdigit()}
     assert jobs & {"evaluate", "report"} == {"evaluate", "report"}
-    assert not jobs & {"download", "conversations", "train_tokenizer", "tokenize", "train"}, dry.stdout
-
-    zipped = subprocess.run(
-        [*snakemake, "--report", "results/report.zip"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert zipped.returncode == 0 and (tmp_path / "results/report.zip").stat().st_size > 0, zipped.stderr[
-        -3000:
-    ]
+    assert not jobs & {"download", "conversations", "train_tokenizer", "tokenize", "train"}, dry
+    run_snakemake(workdir, *args, "--report", "results/report.zip")
+    assert (workdir / "results/report.zip").stat().st_size > 0

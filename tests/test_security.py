@@ -3,8 +3,7 @@ as safetensors, no unpickling of untrusted files, hub tokens only from the envir
 anywhere, and no config value that makes a rule write outside results/, logs/ or benchmarks/.
 
 The source checks read the package and the Snakemake scripts with Python's own parser. The token check greps
-every file of test_faults' uninterrupted reference run of the fast workflow, which had fake tokens in its
-environment (shared: the run is made once per session). The path checks dry-run the workflow on
+every file of the shared run of the tiny workflow (conftest.tiny_run), which had fake tokens in its environment. The path checks dry-run the workflow on
 adversarial configs and read every output, log and benchmark path of the resulting jobs.
 """
 
@@ -18,22 +17,23 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
+from conftest import HUB_TOKENS, TINY_CONFIG
 from snaketune.config.choices import ConfigError
 from snaketune.config.load import load_config
 from snaketune.report.reproducibility import remote_code_line
-from test_faults import FAKE_TOKENS, new_workdir, reference_run
+from test_faults import new_workdir
 from test_workflow import FAST_CONFIG, snakemake
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCES = sorted((REPO / "workflow/snaketune").glob("*.py")) + sorted(
+SOURCES = sorted((REPO / "workflow/snaketune").rglob("*.py")) + sorted(
     (REPO / "workflow/scripts").glob("*.py")
 )
 WRITABLE_ROOTS = ("results", "logs", "benchmarks")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    return reference_run(tmp_path_factory)
+def reference(tiny_run) -> Path:
+    return tiny_run
 
 
 # ---- reading the source ------------------------------------------------------------------------------
@@ -121,7 +121,12 @@ def test_remote_code_is_never_allowed_literally_and_comes_from_the_config():
 def test_remote_code_is_off_in_every_shipped_config():
     import yaml
 
-    for path in [REPO / "config/config.yaml", FAST_CONFIG, *sorted((REPO / "bench/configs").glob("*.yaml"))]:
+    for path in [
+        REPO / "config/config.yaml",
+        FAST_CONFIG,
+        TINY_CONFIG,
+        *sorted((REPO / "bench/configs").glob("*.yaml")),
+    ]:
         cfg = load_config(yaml.safe_load(path.read_text()))
         for name, exp in cfg.experiments.items():
             assert exp.model.trust_remote_code is False, f"{path.name}: experiment {name}"
@@ -316,10 +321,12 @@ def test_hub_tokens_never_reach_an_output_log_or_record(reference):
     leaks = [
         f"{p.relative_to(reference)}: {name}"
         for p in files
-        for name, token in FAKE_TOKENS.items()
+        for name, token in HUB_TOKENS.items()
         if token.encode() in p.read_bytes()
     ]
     assert leaks == []
+    for record in (reference / "results/provenance").rglob("*.json"):
+        assert not set(json.loads(record.read_text()).get("env", {})) & set(HUB_TOKENS), record
 
 
 # ---- paths from the config ----------------------------------------------------------------------------

@@ -91,8 +91,13 @@ class DeviceMemory:
 
         pynvml.nvmlInit()
         self._nvml = pynvml
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        props = torch.cuda.get_device_properties(device)
+        uuid = str(props.uuid)
+        try:  # NVML numbers GPUs in its own order: find this one by its UUID
+            self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        except pynvml.NVMLError:
+            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+            self.handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
         self.pid = os.getpid()
 
     def device_bytes(self) -> int:

@@ -35,9 +35,9 @@ STAGE_MODULES = {
     "train": ("snaketune.train.launch", "snaketune.train.trainer"),
     "preferences": ("snaketune.data.preferences", "snaketune.data.readers"),
     "pairs": ("snaketune.data.pairs",),
-    "reference": ("snaketune.preference.reference",),
+    "reference": ("snaketune.train.launch", "snaketune.preference.reference"),
     "dpo": ("snaketune.train.launch", "snaketune.preference.dpo"),
-    "evaluate": ("snaketune.evaluation.evaluate",),
+    "evaluate": ("snaketune.evaluation.evaluate", "snaketune.gpus"),
     "report": ("snaketune.report.build",),
     "manifest": ("snaketune.provenance",),
 }

@@ -290,6 +290,9 @@ def make_record(smk, start: float, end: float, *, workflow_dir: Path | None = No
         "gpus": gpu_models(),
         "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
         "software": package_versions(),
+        # Whether the job's process imported torch: the config, data, plan and report stages never do (they run in
+        # the Snakefile's process and on login nodes; tests/test_reproducibility.py checks every record).
+        "imported_torch": "torch" in sys.modules,
         "git": git_state(workflow_dir or Path(__file__).resolve().parent.parent),
     }
     return redact(record, secret_values())

@@ -20,22 +20,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from snaketune.config.deepspeed import uses_master_weights, zero_stage
-from snaketune.config.schema import LoraConfig, checkpointed_layers
-from snaketune.model import kernels
+from snaketune.config.schema import checkpointed_layers
+from snaketune.plan.advice import not_fitting_message
 from snaketune.plan.arch import Arch, resolve_arch
 from snaketune.plan.budget import Budget, detect_budget
 from snaketune.plan.memory import (
-    ENV_HOST_MEMORY,
-    HOST_USABLE,
-    Estimate,
     EvalEstimate,
     EvalSetup,
     Setup,
     estimate,
     estimate_eval,
-    setup_from_deepspeed,
 )
+from snaketune.plan.setups import plan_entry, setup_for
 from snaketune.plan.strategies import (  # noqa: F401 - the plan's public names include the strategies'
     MICRO_SPEED,
     MICRO_SPEED_LORA,
@@ -56,70 +52,6 @@ class PlanError(RuntimeError):
 
 
 STRATEGY_MODES = ("as_configured", "auto")
-LORA_TARGETS = LoraConfig().targets
-"""LoRA's default targets: every linear layer of a decoder layer."""
-
-
-def _setup_for(
-    train: dict, ds: dict, *, world: int, seq_len: int, precision: str, objective: str = "sft", **changes
-) -> Setup:
-    """The Setup a training with these train settings and this DeepSpeed file runs (snaketune.train.trainer decides
-    the same way: MasterWeightAdamW at ZeRO-0 in bf16 without offload unless train.bf16_optimizer says
-    deepspeed; the fused loss except under ZeRO-3; varlen attention in bf16 unless train.attention is sdpa; Liger's
-    kernels in bf16 and the Triton loss where snaketune.model.kernels.planned / triton_planned say the ranks run them).
-    The preference objective (snaketune.preference.dpo) ignores train.loss_kernel and train.fused_cross_entropy: its
-    per-token log-probabilities are chunked over the tokens like the fused loss, except under ZeRO-3, where they
-    come from the whole logits in fp32 (snaketune.preference.logprobs)."""
-    lora = train.get("lora") or {}
-    stage = zero_stage(ds)
-    master = uses_master_weights(ds, train.get("bf16_optimizer", "auto"), bf16=precision == "bf16")
-    world_micro = int(train["micro_batch_size"]) * world
-    checkpointing = train.get("gradient_checkpointing")
-    partial = None if isinstance(checkpointing, bool) or checkpointing is None else int(checkpointing)
-    fields = dict(
-        accumulation=max(1, int(train.get("global_batch_size", world_micro)) // world_micro),
-        master_weights=master,
-        fused_cross_entropy=stage != 3
-        and (objective == "preference" or bool(train.get("fused_cross_entropy", True))),
-        varlen=precision == "bf16" and train.get("attention", "auto") != "sdpa",
-        liger=precision == "bf16" and kernels.planned(train.get("kernels", "auto")),
-        triton_loss=objective == "sft" and kernels.triton_planned(train.get("loss_kernel", "auto")),
-        objective=objective,
-        world=world,
-        gradient_checkpointing=bool(checkpointing),
-        checkpoint_layers=partial,
-        micro_batch=int(train["micro_batch_size"]),
-        seq_len=seq_len,
-        precision=precision,
-        lora_rank=int(lora.get("rank", 16)) if lora.get("enabled") else 0,
-        lora_targets=tuple(lora.get("targets") or LORA_TARGETS),
-        quantized=bool(lora.get("enabled")) and lora.get("quantize", "none") != "none",
-        states_8bit=train.get("optimizer_states", "fp32") == "8bit",
-    )
-    if "gradient_checkpointing" in changes:
-        fields["checkpoint_layers"] = None  # a candidate strategy (snaketune.plan.strategies): every layer
-    fields.update(changes)
-    return setup_from_deepspeed(ds, **fields)
-
-
-def _entry(name: str, deepspeed: str, s: Setup, est: Estimate, budget: Budget, **extra) -> dict:
-    return {
-        "name": name,
-        "deepspeed_config": deepspeed,
-        "gradient_checkpointing": checkpointing_setting(s),
-        "setup": dataclasses.asdict(s),
-        "estimate": est.as_dict(),
-        "fits": budget.fits(est),
-        **extra,
-    }
-
-
-def _fmt(entry: dict) -> str:
-    est = entry["estimate"]
-    text = f"{entry['name']} needs {est['gpu_gib']:.1f} GiB per GPU"
-    if entry["setup"]["offload_optimizer"] or entry["setup"]["offload_params"]:
-        text += f" and {est['host_gib']:.0f} GiB host RAM"
-    return text
 
 
 def make_plan(
@@ -140,7 +72,7 @@ def make_plan(
     says what would), None when there is nothing to check against. `evaluation` ({"batch_size",
     "max_new_tokens"}, the eval section) adds the evaluate stage's plan (`plan_evaluation`). The preference
     stage has a plan of its own (rule plan_dpo, `objective` preference): its merged train settings, rows of both
-    sides of a pair, and its own log-probabilities instead of the SFT loss (`_setup_for`)."""
+    sides of a pair, and its own log-probabilities instead of the SFT loss (`setup_for`)."""
     plan: dict[str, Any] = {
         "experiment": experiment,
         "gpu_memory_gib": gpu_memory_gib,
@@ -206,8 +138,8 @@ def plan_training(
     # A ConfigError where train.gradient_checkpointing names more layers than the model has.
     checkpointed_layers(train.get("gradient_checkpointing"), arch.layers)
     ds = json.loads(Path(deepspeed_config).read_text())
-    setup = _setup_for(train, ds, **common)
-    configured = _entry(
+    setup = setup_for(train, ds, **common)
+    configured = plan_entry(
         strategy_name(setup), deepspeed_config, setup, estimate(arch, setup), budget, configured=True
     )
     lora = bool((train.get("lora") or {}).get("enabled"))
@@ -216,7 +148,7 @@ def plan_training(
         path = candidate_files.get(strat.deepspeed_file)
         if path is None:
             continue
-        s = _setup_for(
+        s = setup_for(
             train,
             json.loads(Path(path).read_text()),
             gradient_checkpointing=strat.gradient_checkpointing,
@@ -226,7 +158,7 @@ def plan_training(
         if strategy == "auto":
             s, speed = _largest_fitting_micro(arch, s, budget, speed)
         name = strategy_name(s, micro=setup.micro_batch)
-        candidates.append(_entry(name, path, s, estimate(arch, s), budget, relative_speed=speed))
+        candidates.append(plan_entry(name, path, s, estimate(arch, s), budget, relative_speed=speed))
     if strategy == "auto" and not lora and not setup.states_8bit:
         candidates = _with_8bit_states(candidates, arch, budget)
     candidates = _by_speed(candidates)
@@ -274,7 +206,7 @@ def _with_8bit_states(candidates: list[dict], arch: Arch, budget: Budget) -> lis
     for c in exact:
         s = Setup(**{**c["setup"], "lora_targets": tuple(c["setup"]["lora_targets"]), "states_8bit": True})
         quantized.append(
-            _entry(
+            plan_entry(
                 c["name"] + "+8bit",
                 c["deepspeed_config"],
                 s,
@@ -354,107 +286,6 @@ def plan_evaluation(arch: Arch, evaluation: dict, *, max_length: int, precision:
         log.info("evaluation: eval.batch_size %d needs more than %.1f GiB; the evaluate stage uses %d",
                  requested, budget.gpu_gib, batch)  # fmt: skip
     return out
-
-
-def _fastest_fitting(
-    arch: Arch, train: dict, files: dict[str, str], common: dict, budget: Budget
-) -> tuple[str, Setup, Estimate] | None:
-    """The fastest strategy (STRATEGIES order) that fits `budget` with these train settings."""
-    lora = bool((train.get("lora") or {}).get("enabled"))
-    for strat in candidate_strategies(lora, train.get("optimizer_states", "fp32") == "8bit"):
-        if strat.deepspeed_file not in files:
-            continue
-        ds = json.loads(Path(files[strat.deepspeed_file]).read_text())
-        s = _setup_for(train, ds, gradient_checkpointing=strat.gradient_checkpointing, **common)
-        e = estimate(arch, s)
-        if budget.fits(e):
-            return strat.name, s, e
-    return None
-
-
-def not_fitting_message(
-    plan: dict,
-    arch: Arch,
-    train: dict,
-    ds: dict,
-    common: dict,
-    budget: Budget,
-    candidate_files: dict[str, str] | None,
-) -> str:
-    """'... zero2 needs 113.8 GiB per GPU as configured. What would fit: zero3_offload needs 9.6 GiB per GPU
-    and 98 GiB host RAM (...); LoRA (train.lora.enabled: true) with zero2 needs 16.2 GiB per GPU.'
-
-    Tried in this order, each with the fastest strategy that fits, at most three kept: the configured
-    training with another strategy, with 8-bit Adam states, LoRA instead of full fine-tuning, micro_batch_size 1,
-    LoRA and micro_batch_size 1, more GPUs.
-    """
-    configured = plan["configured"]
-    world = common["world"]
-    head = f"train.gpus {world} x {budget.gpu_gib:.1f} GiB ({budget.source})"
-    if budget.host_gib is not None:
-        head += f", {budget.host_gib:.0f} GiB host RAM"
-    where = configured["deepspeed_config"] + (
-        ", gradient checkpointing on" if configured["gradient_checkpointing"] else ""
-    )
-    text = f"{head}: {_fmt(configured)} as configured ({where})"
-    if plan["strategy"] == "auto":
-        text = f"{head}: no strategy fits; {_fmt(configured)} as configured ({where})"
-    files = dict(candidate_files or {})
-    files.setdefault(Path(configured["deepspeed_config"]).name, configured["deepspeed_config"])
-    full = not (train.get("lora") or {}).get("enabled")
-    lora_train = {**train, "lora": {**(train.get("lora") or {}), "enabled": True}}
-    micro = int(train["micro_batch_size"])
-    variants = [("", train)]
-    if full and train.get("optimizer_states", "fp32") != "8bit":
-        variants.append(
-            ("8-bit Adam states (train.optimizer_states: 8bit) with ", {**train, "optimizer_states": "8bit"})
-        )
-    if full:
-        variants.append(("LoRA (train.lora.enabled: true) with ", lora_train))
-    if micro > 1:
-        variants.append(("micro_batch_size 1 with ", {**train, "micro_batch_size": 1}))
-        if full:
-            variants.append(("LoRA and micro_batch_size 1 with ", {**lora_train, "micro_batch_size": 1}))
-    would = []
-    for label, variant in variants:
-        found = _fastest_fitting(arch, variant, files, common, budget)
-        if found:
-            name, s, e = found
-            hint = ""
-            if not label:
-                hint = (
-                    f" (train.deepspeed: {files[STRATEGY_FILES[name]]}, gradient_checkpointing: "
-                    f"{str(s.gradient_checkpointing).lower()}; or train.strategy: auto)"
-                )
-            would.append(
-                label + _fmt({"name": name, "setup": dataclasses.asdict(s), "estimate": e.as_dict()}) + hint
-            )
-        if len(would) == 3:
-            break
-    if not would:
-        for more in (2, 4, 8, 16, 32, 64):
-            if more > world:
-                found = _fastest_fitting(arch, train, files, {**common, "world": more}, budget)
-                if found:
-                    name, s, e = found
-                    would.append(f"{name} on {more} GPUs needs {e.gpu_gib:.1f} GiB per GPU")
-                    break
-    # A strategy that fits the GPUs but not the host is worth naming: more RAM would do.
-    host_short = [
-        c
-        for c in plan["candidates"]
-        if not c["fits"] and c["estimate"]["offload"] and c["estimate"]["gpu_gib"] <= budget.gpu_gib
-    ]
-    if host_short and budget.host_gib is not None:
-        c = host_short[0]
-        text += (
-            f"; {c['name']} would fit the GPUs ({c['estimate']['gpu_gib']:.1f} GiB) but needs "
-            f"{c['estimate']['host_gib']:.0f} GiB host RAM ({HOST_USABLE:.0%} of {budget.host_gib:.0f} GiB "
-            f"is usable; {ENV_HOST_MEMORY} overrides the RAM)"
-        )
-    if would:
-        return f"{text}. What would fit: " + "; ".join(would) + "."
-    return f"{text}. Nothing tried fits: use more or larger GPUs, a shorter tokenize.max_length or LoRA."
 
 
 def format_table(plan: dict) -> str:

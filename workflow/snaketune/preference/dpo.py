@@ -35,8 +35,9 @@ import torch.distributed as dist
 
 from snaketune.config.deepspeed import zero_stage
 from snaketune.model import batching
-from snaketune.preference.logprobs import PreferenceModel, read_reference, start_check
-from snaketune.train.trainer import Trainer, run
+from snaketune.preference.logprobs import START_TOLERANCE, PreferenceModel, read_reference, start_check
+from snaketune.train.ranks import run
+from snaketune.train.trainer import Trainer
 
 log = logging.getLogger("snaketune.train")
 
@@ -81,6 +82,12 @@ class DPOTrainer(Trainer):
     def _zero_stage(self) -> int:
         return zero_stage(json.loads(Path(self.spec.deepspeed_config).read_text()))
 
+    @property
+    def loss_summary(self) -> str:
+        if self.stage == 3:
+            return "log-probabilities: the whole logits in fp32 (ZeRO-3: the lm_head weight is partitioned)"
+        return "log-probabilities: chunked over the tokens from the hidden states (snaketune.preference.logprobs)"
+
     @torch.no_grad()
     def logprobs(self, split, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed log-probabilities and token counts (rows, 2) of pairs, through the engine as training calls it
@@ -112,27 +119,33 @@ class DPOTrainer(Trainer):
         found = start_check(policy.cpu(), reference, counts.cpu(), dtype=self.dtype, beta=pref["beta"])
         every = [None] * self.world
         dist.all_gather_object(every, found)
-        worst = max(
-            every, key=lambda f: f["max_abs_ratio"] / f["tolerance_per_token"] / max(1, f["worst_tokens"])
-        )
-        violations = sum(f["violations"] for f in every)
-        line = (
-            f"start check: policy vs reference log-probabilities of {sum(f['replies'] for f in every)} replies of "
-            f"step 1: largest |log pi - log ref| {worst['max_abs_ratio']:.3g} nats (a {worst['worst_tokens']}-token "
-            f"reply; allowed {worst['tolerance_per_token']:g} per token + 0.001); DPO loss of these pairs "
-            f"{np.mean([f['dpo_loss'] for f in every]):.6f} (ln 2 = {np.log(2):.6f})"
-        )
+        total = {k: sum(f[k] for f in every) for k in ("ratio_sum", "tokens", "replies", "violations",
+                                                       "dpo_loss_sum", "pairs")}  # fmt: skip
+        worst = max(every, key=lambda f: f["max_abs_ratio"] / max(1, f["worst_tokens"]))
+        tol = START_TOLERANCE.get(self.dtype, START_TOLERANCE[torch.bfloat16])
+        mean = total["ratio_sum"] / max(1, total["tokens"])
         self.start = {
-            **worst,
-            "violations": violations,
-            "dpo_loss": float(np.mean([f["dpo_loss"] for f in every])),
+            "mean_log_ratio_per_token": mean,
+            "max_abs_ratio": worst["max_abs_ratio"],
+            "worst_reply_tokens": worst["worst_tokens"],
+            "replies": total["replies"],
+            "violations": total["violations"],
+            "dpo_loss": total["dpo_loss_sum"] / max(1, total["pairs"]),
+            "tolerance": tol,
         }
-        if violations:
+        line = (
+            f"start check: policy vs reference log-probabilities of {total['replies']} replies "
+            f"({total['tokens']:,} tokens) of step 1: mean log-ratio {mean:+.2e} per token (allowed "
+            f"{tol['per_token_mean']:g}), largest |log pi - log ref| {worst['max_abs_ratio']:.3g} nats (a "
+            f"{worst['worst_tokens']}-token reply; allowed {tol['per_reply'][0]:g} per token + {tol['per_reply'][1]:g}); "
+            f"DPO loss of these pairs {self.start['dpo_loss']:.6f} (ln 2 = {np.log(2):.6f})"
+        )
+        if total["violations"] or abs(mean) > tol["per_token_mean"]:
             raise ReferenceMismatch(
-                f"{line}: {violations} replies differ by more. The policy at step 0 is not the model the reference "
-                f"stage scored ({self.spec.preference['reference_logprobs']}): rerun the reference stage "
-                "(snakemake --forcerun reference), and check that both load the SFT model with the same "
-                "train.lora.quantize, train.kernels, train.attention and precision"
+                f"{line}: the policy at step 0 is not the model the reference stage scored "
+                f"({self.spec.preference['reference_logprobs']}); {total['violations']} replies differ by more than "
+                "allowed. Rerun the reference stage (snakemake --forcerun reference), and check that both load "
+                "the SFT model with the same train.lora.quantize, train.kernels, train.attention and precision"
             )
         if self.rank == 0:
             log.info("%s", line)
@@ -166,9 +179,7 @@ class DPOTrainer(Trainer):
         # What this stage computes instead of the SFT loss (train.loss_kernel and fused_cross_entropy do not apply).
         del out["fused_cross_entropy"], out["loss_kernel"]
         out.update(
-            logprobs="chunked over tokens from the hidden states (snaketune.preference.logprobs)"
-            if self._zero_stage() != 3
-            else "the whole logits in fp32 (ZeRO-3: the lm_head weight is partitioned)",
+            logprobs=self.loss_summary.removeprefix("log-probabilities: "),
             reference=self.spec.preference.get("reference", "sft"),
             start_check=getattr(self, "start", None),
             objective=self.spec.preference["loss"],

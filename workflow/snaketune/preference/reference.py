@@ -37,7 +37,8 @@ from snaketune.model import batching
 from snaketune.preference.dpo import DPOTrainer
 from snaketune.preference.logprobs import REFERENCE_COLUMNS
 from snaketune.train.metrics import device_name, peak_memory_gib
-from snaketune.train.trainer import Trainer, run
+from snaketune.train.ranks import run
+from snaketune.train.trainer import Trainer
 
 log = logging.getLogger("snaketune.train")
 

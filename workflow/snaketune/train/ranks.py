@@ -1,15 +1,21 @@
-"""What every training rank does first (snaketune.train.trainer and snaketune.preference.dpo): die with its launcher, log with
-its rank, and load checkpoints without running code."""
+"""A training rank's process (snaketune.train.trainer, snaketune.preference.dpo and .reference run it): what it
+reads (`RunSpec`, written by the launcher), what it does first (die with its launcher, log with its rank, load
+checkpoints without running code) and `run`: set up, execute, tear the process group down."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 
 def start() -> None:
@@ -54,3 +60,44 @@ def safe_checkpoint_loading() -> None:
     os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     torch.serialization.add_safe_globals([LossScaler, ZeroStageEnum, fragment_address])
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a rank needs, written by the launcher as JSON."""
+
+    experiment: str
+    model: dict
+    train: dict
+    data_dir: str
+    tokenizer_dir: str
+    deepspeed_config: str
+    output_dir: str
+    checkpoint_dir: str
+    max_length: int
+    run_key: str
+    preference: dict | None = None
+    """The preference stage's settings (snaketune.preference.dpo); None for supervised fine-tuning."""
+
+    @classmethod
+    def read(cls, path: str | Path) -> RunSpec:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def run(argv: list[str], trainer_cls: type) -> int:
+    """One rank: set up and execute (train, save the model and summary.json); the process group is always torn
+    down."""
+    spec = RunSpec.read(argv[0])
+    start()
+    import deepspeed
+
+    t0 = time.perf_counter()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        trainer = trainer_cls(spec)
+        trainer.setup()
+        trainer.execute(t0)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

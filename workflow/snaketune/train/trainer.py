@@ -17,7 +17,6 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,36 +33,14 @@ from snaketune.train import checkpoint, engine, profiling, ranks
 from snaketune.train.metrics import (
     MetricsWriter,
     Throughput,
-    alloc_retries,
     device_name,
     measured_matmul_flops,
     peak_flops,
     peak_memory_gib,
 )
+from snaketune.train.summary import log_progress, log_start, run_summary
 
 log = logging.getLogger("snaketune.train")
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """Everything a rank needs, written by the launcher as JSON."""
-
-    experiment: str
-    model: dict
-    train: dict
-    data_dir: str
-    tokenizer_dir: str
-    deepspeed_config: str
-    output_dir: str
-    checkpoint_dir: str
-    max_length: int
-    run_key: str
-    preference: dict | None = None
-    """The preference stage's settings (snaketune.preference.dpo); None for supervised fine-tuning."""
-
-    @classmethod
-    def read(cls, path: str | Path) -> RunSpec:
-        return cls(**json.loads(Path(path).read_text()))
 
 
 class Trainer:
@@ -72,7 +49,7 @@ class Trainer:
     resumable = True
     """Whether setup resumes from the latest complete checkpoint of the run (a pass without training does not)."""
 
-    def __init__(self, spec: RunSpec):
+    def __init__(self, spec: ranks.RunSpec):
         self.spec = spec
         self.model_cfg: ModelConfig = from_dict(ModelConfig, spec.model, "model.")
         self.cfg: TrainConfig = from_dict(TrainConfig, spec.train, "train.")
@@ -188,7 +165,7 @@ class Trainer:
         self.order = batching.GlobalOrder(len(self.train_split), cfg.seed)
         self.peak = peak_flops(device_name(self.device))
         self.measured_peak = measured_matmul_flops(device_name(self.device))
-        self._print_plan()
+        log_start(self)
 
     @property
     def seq_len(self) -> int:
@@ -239,59 +216,6 @@ class Trainer:
         if self.rank == 0:
             log.info("resuming from checkpoint %s at step %d of %d", path, step, self.total_steps)
         return step
-
-    def _print_plan(self) -> None:
-        if self.rank != 0:
-            return
-        cfg, b = self.cfg, self.built
-        log.info(
-            "device: %s x %d (%s), precision %s, ZeRO stage %d",
-            device_name(self.device),
-            self.world,
-            self.device.type,
-            self.dtype,
-            self.stage,
-        )
-        log.info(
-            "parameters: %s total, %s trainable%s; Adam states: %s",
-            f"{b.n_params:,}",
-            f"{b.n_trainable:,}",
-            "; base weights in 4-bit NF4 (QLoRA)" if cfg.lora.quantize == "nf4" else "",
-            "8-bit (bitsandbytes, block-wise)" if cfg.optimizer_states == "8bit" else "fp32",
-        )
-        log.info(
-            "fp32 master weights: %s; loss: %s; attention: %s; RMSNorm/RoPE/SwiGLU: %s; torch.compile: %s",
-            b.precision_summary,
-            "fused linear cross-entropy"
-            if self.fused_ce
-            else f"logits + cross-entropy ({'Triton, gradient in place' if b.loss_kernel == 'triton' else 'torch'})",
-            self.attention_summary,
-            "Liger kernels" if b.kernels == "liger" else "torch",
-            "every decoder layer" if cfg.compile else "off",
-        )
-        if cfg.fused_cross_entropy and not self.fused_ce:
-            log.info("train.fused_cross_entropy is not used under ZeRO-3 (its lm_head weight is partitioned)")
-        log.info(
-            "weight decay %g on %d tensors (%s elements); optimizer tensors checked on %s",
-            cfg.weight_decay,
-            b.decayed["tensors"],
-            f"{b.decayed['elements']:,}",
-            "the host" if engine.offloads(b.ds_config) else self.device,
-        )
-        log.info(
-            "global batch %d = micro-batch %d x %d ranks x %d accumulation",
-            cfg.global_batch_size,
-            cfg.micro_batch_size,
-            self.world,
-            self.gas,
-        )
-        log.info(
-            "positions per optimizer step (at most): %s; steps: %d; train rows: %d; validation rows: %d",
-            f"{cfg.global_batch_size * self.seq_len:,}",
-            self.total_steps,
-            len(self.train_split),
-            len(self.val_split),
-        )
 
     # ---- train ---------------------------------------------------------------------------------
 
@@ -383,7 +307,7 @@ class Trainer:
                     last.update(self.evaluate())
                 if writer:
                     writer.log(done, last)
-                    self._progress(done, t_start, last)
+                    log_progress(self, done, t_start, last)
             # The last step too: the final weights (adapters) are durable before the model is saved or merged, and
             # a rerun after a failure there resumes at the end instead of retraining since the last checkpoint.
             if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == self.total_steps):
@@ -421,6 +345,14 @@ class Trainer:
         return batch
 
     @property
+    def loss_summary(self) -> str:
+        """What computes the objective, as the start of the log says it."""
+        if self.fused_ce:
+            return "loss: fused linear cross-entropy"
+        kernel = "Triton, gradient in place" if self.built.loss_kernel == "triton" else "torch"
+        return f"loss: logits + cross-entropy ({kernel})"
+
+    @property
     def attention_summary(self) -> str:
         if self.attention == "sdpa":
             return "SDPA with a block-diagonal mask"
@@ -436,19 +368,6 @@ class Trainer:
         t = torch.tensor([value], device=self.device, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
-
-    def _progress(self, done: int, t_start: float, m: dict) -> None:
-        elapsed = time.perf_counter() - t_start
-        eta = elapsed / max(1, done - self.start_step) * (self.total_steps - done)
-        parts = [f"step {done}/{self.total_steps}"]
-        parts += [f"{k.split('/')[-1]} {v:.4f}" for k, v in m.items() if k.endswith("loss")]
-        parts.append(f"lr {m['train/lr']:.2e}")
-        if m.get("perf/tokens_per_s_per_gpu"):
-            parts.append(f"{m['perf/tokens_per_s_per_gpu']:,.0f} tok/s/rank")
-        if m.get("perf/mfu"):
-            parts.append(f"MFU {m['perf/mfu']:.3f}")
-        parts.append(f"ETA {eta:,.0f}s")
-        log.info(" | ".join(parts))
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -545,66 +464,8 @@ class Trainer:
         return module.merge_and_unload()
 
     def summary(self, last: dict, wall: float) -> dict:
-        mem = [None] * self.world
-        dist.all_gather_object(mem, peak_memory_gib(self.device))
-        retries = [None] * self.world
-        dist.all_gather_object(retries, alloc_retries(self.device))
-        devices = [None] * self.world
-        dist.all_gather_object(
-            devices, device_memory.record(self.device_peak, self.device, self.device_budget)
-        )
-        b = self.built
-        return {
-            "experiment": self.spec.experiment,
-            "steps": self.total_steps,
-            "resumed_from_step": self.start_step,
-            "world_size": self.world,
-            "device": device_name(self.device),
-            "precision": str(self.dtype).removeprefix("torch."),
-            "zero_stage": self.stage,
-            "deepspeed_config": self.spec.deepspeed_config,
-            "global_batch_size": self.cfg.global_batch_size,
-            "micro_batch_size": self.cfg.micro_batch_size,
-            "gradient_accumulation_steps": self.gas,
-            "parameters": b.n_params,
-            "trainable_parameters": b.n_trainable,
-            "weight_decay_parameters": b.decayed,
-            "lora": self.cfg.lora.enabled,
-            "lora_quantize": self.cfg.lora.quantize,
-            "optimizer_states": self.cfg.optimizer_states,
-            "fp32_master_weights": b.precision_summary,
-            "fp32_gradient_accumulation": b.accumulate_fp32,
-            "fused_cross_entropy": self.fused_ce,
-            "loss_kernel": None if self.fused_ce else b.loss_kernel,
-            "attention": self.attention_summary,
-            "kernels": b.kernels,
-            "compile": self.cfg.compile,
-            "final_train_loss": last.get("train/loss"),
-            "final_val_loss": last.get("val/loss"),
-            # Over every step after the first two of this process (warm-up), not just the last window.
-            "tokens_per_s_per_gpu": self.run_perf.get("perf/tokens_per_s_per_gpu"),
-            "loss_tokens_per_s_per_gpu": self.run_perf.get("perf/loss_tokens_per_s_per_gpu"),
-            "padded_tokens_per_s_per_gpu": self.run_perf.get("perf/padded_tokens_per_s_per_gpu"),
-            "step_time_s": self.run_perf.get("perf/step_time_s"),
-            # PaLM's MFU: 6N (4N with LoRA) per real token + attention over each conversation's length, against
-            # the datasheet's dense bf16 peak; the share of the matmul rate measured on this device beside it.
-            "mfu": self.run_perf.get("perf/mfu"),
-            "mfu_definition": "PaLM: (6 x non-embedding parameters"
-            + (" [4 x with LoRA: no weight gradients]" if self.cfg.lora.enabled else "")
-            + " x real tokens + 12 x layers x heads x head_dim x sum of squared conversation lengths) / time / "
-            + "datasheet dense bf16 peak (snaketune.train.metrics.PEAK_BF16_FLOPS)",
-            "model_tflops_per_gpu": self.run_perf.get("perf/model_tflops_per_gpu"),
-            "flops_share_of_measured_matmul": self.run_perf.get("perf/flops_share_of_measured_matmul"),
-            "peak_flops": self.peak,
-            "peak_memory_gib_per_rank": mem,
-            # NVML's device peak per rank beside the allocator's, the budget and what lay outside the allocator.
-            "device_memory_per_rank": devices,
-            # cudaMalloc retries after freeing the allocator's cache: each one stalls a step (a full card).
-            "cuda_alloc_retries_per_rank": retries,
-            "wall_time_s": wall,
-            "seed": self.cfg.seed,
-            "run_key": self.spec.run_key,
-        }
+        """summary.json (snaketune.train.summary); a subclass adds what its objective ran."""
+        return run_summary(self, last, wall)
 
 
 def _grad_norm(net: torch.nn.Module) -> torch.Tensor:
@@ -619,26 +480,7 @@ def _float(x) -> float | None:
     return float(x.item() if torch.is_tensor(x) else x)
 
 
-def run(argv: list[str], trainer_cls: type[Trainer]) -> int:
-    """One rank: set up and execute (train, save the model and summary.json); the process group is always torn
-    down."""
-    spec = RunSpec.read(argv[0])
-    ranks.start()
-    import deepspeed
-
-    t0 = time.perf_counter()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    try:
-        trainer = trainer_cls(spec)
-        trainer.setup()
-        trainer.execute(t0)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
     import sys
 
-    sys.exit(run(sys.argv[1:], Trainer))
+    sys.exit(ranks.run(sys.argv[1:], Trainer))

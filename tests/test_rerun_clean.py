@@ -1,0 +1,288 @@
+"""A rerun after a change produces exactly what a clean run of the changed config produces, for every kind of
+change tests/test_reproducibility.py lists (which checks the stages each one reruns).
+
+The runs are the tiny config's (.test/config.yaml: one CPU rank, four SFT and four DPO steps), real and
+deterministic on CPU, so "the same" is exact: data files byte for byte, every logged loss and every weight equal,
+the evaluation's and the report's figures equal. Only what records a run rather than its result may differ: times,
+throughput, run keys, the experiment's name and `resumed_from_step`. Three designs share the cost:
+
+- Kinds that change one experiment's sections (model, tokenize, train, preference): one base run trains one
+  experiment per kind, all alike; the changed config gives each its change and adds a twin per kind, an
+  experiment that never existed (no outputs, no checkpoints): the incremental runs and their clean runs come out
+  of one Snakemake run, two jobs at a time.
+- Kinds that change what every experiment shares (dataset, eval, a rule file, a DeepSpeed file): the tiny run
+  is copied, changed and rerun, and beside it a fresh copy of the workflow with the change runs from nothing.
+- Code edits (a comment appended to each stage's modules and a script): they rerun their stages (under new code
+  hashes) without changing what they compute, so the clean run of the changed code is the tiny run itself; one
+  rerun with every edit at once reruns every stage, and each output must equal the tiny run's.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, TINY_CONFIG, clone_run, copy_workflow, run_snakemake
+from test_reproducibility import CASES
+
+pytestmark = pytest.mark.slow
+
+REALDATA_TOKENIZER = REPO.parent / "shared" / "realdata" / "deepseek-llm-7b-base"
+PREF_TRAIN = yaml.safe_load(TINY_CONFIG.read_text())["preference"]["train"]
+EXPERIMENT_KINDS = {
+    "tokenize.packing": {"tokenize": {"packing": False}},
+    "model.tokenizer": {"model": {"tokenizer": str(REALDATA_TOKENIZER)}},
+    "train.learning_rate": {"train": {"learning_rate": 1.0e-3}},
+    "train.deepspeed (ZeRO-2 -> ZeRO-3)": {"train": {"deepspeed": "config/deepspeed/zero3.json"}},
+    "preference.beta": {"preference": {"beta": 0.2}},
+    "preference.pairs": {"preference": {"pairs": "all"}},
+    "preference.max_length": {"preference": {"max_length": 32}},
+    "preference.train.learning_rate": {"preference": {"train": {**PREF_TRAIN, "learning_rate": 5.0e-4}}},
+}
+"""Kind -> the change, as overrides of one experiment (the reproducibility test changes the top-level section)."""
+ADDED = "added experiment"
+SHARED_KINDS = {
+    "dataset.languages": ("config", {"dataset": {"languages": ["en"]}}),
+    "dataset.paths": ("config", {"dataset": {"paths": "all"}}),
+    "eval.prompts": ("config", {"eval": {"prompts": ["What is 2 + 2?"]}}),
+    "tokenizer vocabulary (rule file)": (
+        "file",
+        ("workflow/rules/data.smk", "vocab_size=1024", "vocab_size=1000"),
+    ),
+    "ZeRO config file contents": (
+        "file",
+        ("config/deepspeed/zero2.json", '"reduce_bucket_size": 200000000', '"reduce_bucket_size": 5e8'),
+    ),
+}
+CODE_KINDS = [kind for kind, ((what, _), _) in CASES.items() if what == "file" and kind not in SHARED_KINDS]
+NAMES = ["default", *(f"k{i}" for i in range(1, len(EXPERIMENT_KINDS)))]
+"""The base run's experiments, one per experiment kind (config/config.yaml always brings `default`)."""
+RUN = ("--cores", "2", "--resources", "gpu=2")
+RECORD_FIELDS = {"experiment", "wall_time_s", "run_key", "resumed_from_step", "time_s", "tokens_per_s_per_gpu",
+                 "loss_tokens_per_s_per_gpu", "padded_tokens_per_s_per_gpu", "step_time_s", "mfu",
+                 "model_tflops_per_gpu", "flops_share_of_measured_matmul", "tuned_model", "dpo_model",
+                 "peak_memory_gib_per_rank", "device_memory_per_rank", "cuda_alloc_retries_per_rank",
+                 "model"}  # fmt: skip
+"""What a record of a run says about that run (its name, time, speed, where), not about what it computed."""
+
+
+def test_every_change_kind_is_covered():
+    assert sorted([*EXPERIMENT_KINDS, ADDED, *SHARED_KINDS, *CODE_KINDS]) == sorted(CASES)
+
+
+# ---- what a run produced, for comparison ---------------------------------------------------------------------
+
+
+def _metrics(path: Path) -> list[dict]:
+    """metrics.csv without the wall-clock and throughput columns."""
+    with open(path, newline="") as f:
+        return [
+            {k: v for k, v in row.items() if k != "time" and not k.startswith(("perf/", "memory/"))}
+            for row in csv.DictReader(f)
+        ]
+
+
+def _weights(model_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {name: t for f in sorted(model_dir.glob("*.safetensors")) for name, t in load_file(f).items()}
+
+
+def _strip(obj):
+    """A JSON record without RECORD_FIELDS, at any depth."""
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if k not in RECORD_FIELDS}
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+def outputs(workdir: Path, experiment: str) -> dict:
+    """Everything an experiment's run produced, as compared: data files by bytes, losses, weights, figures."""
+    res = workdir / "results"
+    out = {"train/metrics": _metrics(res / f"train/{experiment}/metrics.csv"),
+           "train/summary": _strip(json.loads((res / f"train/{experiment}/summary.json").read_text())),
+           "train/weights": _weights(res / f"train/{experiment}/model"),
+           "eval/metrics": _strip(json.loads((res / f"eval/{experiment}/metrics.json").read_text())),
+           "eval/generations": (res / f"eval/{experiment}/generations.jsonl").read_text(),
+           "report": _strip(json.loads((res / "report/summary.json").read_text())["experiments"][experiment])}  # fmt: skip
+    pref = res / f"preference/{experiment}"
+    if pref.exists():
+        out["reference"] = (pref / "reference.parquet").read_bytes()
+        out["dpo/metrics"] = _metrics(res / f"dpo/{experiment}/metrics.csv")
+        out["dpo/summary"] = _strip(json.loads((res / f"dpo/{experiment}/summary.json").read_text()))
+        out["dpo/weights"] = _weights(res / f"dpo/{experiment}/model")
+    return out
+
+
+def data_files(workdir: Path) -> dict[str, bytes]:
+    """Every file of the data stages (download to tokenized pairs) and the memory plans, by bytes."""
+    res = workdir / "results"
+    keep = ("data", "tokenizer", "tokenized", "tokenized_pairs", "plan")
+    return {str(p.relative_to(res)): p.read_bytes() for top in keep for p in sorted((res / top).rglob("*"))
+            if p.is_file()}  # fmt: skip
+
+
+def assert_same(got: dict, want: dict, what: str) -> None:
+    import torch
+
+    assert got.keys() == want.keys(), what
+    for key in want:
+        if key.endswith("weights"):
+            assert got[key].keys() == want[key].keys(), f"{what}: {key}"
+            differ = [n for n in want[key] if not torch.equal(got[key][n], want[key][n])]
+            assert not differ, f"{what}: {key} differ: {differ[:5]}"
+        else:
+            assert got[key] == want[key], f"{what}: {key} differs from the clean run's"
+
+
+def written_since(workdir: Path, before: dict[str, float]) -> set[str]:
+    """The results/ files rewritten since `before` (path -> mtime_ns)."""
+    now = {str(p): p.stat().st_mtime_ns for p in (workdir / "results").rglob("*") if p.is_file()}
+    return {p for p, t in now.items() if before.get(p) != t}
+
+
+def mtimes(workdir: Path) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime_ns for p in (workdir / "results").rglob("*") if p.is_file()}
+
+
+# ---- kinds that change one experiment: one base run, one run of the changes and their clean twins --------------
+
+
+@pytest.fixture(scope="module")
+def experiments(tmp_path_factory) -> dict:
+    if not REALDATA_TOKENIZER.is_dir():
+        pytest.skip(f"{REALDATA_TOKENIZER} absent (../shared/realdata, beside the checkout in CI)")
+    workdir = copy_workflow(tmp_path_factory.mktemp("rerun_experiments"))
+    shutil.copy2(TINY_CONFIG, workdir / "tiny.yaml")
+    (workdir / "base.yaml").write_text(json.dumps({"experiments": dict.fromkeys(NAMES, {})}))
+    run_snakemake(workdir, *RUN, "--configfile", "tiny.yaml", "base.yaml")
+    before = mtimes(workdir)
+    changed = {name: change for name, change in zip(NAMES, EXPERIMENT_KINDS.values(), strict=True)}
+    twins = {f"clean{i}": change for i, change in enumerate(EXPERIMENT_KINDS.values())}
+    twins["clean_added"] = changed["added"] = {"train": {"learning_rate": 1.0e-3}}
+    (workdir / "changed.yaml").write_text(json.dumps({"experiments": {**changed, **twins}}))
+    log = run_snakemake(workdir, *RUN, "--configfile", "tiny.yaml", "changed.yaml")
+    return {"workdir": workdir, "written": written_since(workdir, before), "log": log}
+
+
+@pytest.mark.parametrize("kind", [*EXPERIMENT_KINDS, ADDED])
+def test_rerun_of_an_experiment_equals_its_clean_twin(experiments, kind):
+    workdir = experiments["workdir"]
+    if kind == ADDED:
+        name, twin = "added", "clean_added"
+    else:
+        i = list(EXPERIMENT_KINDS).index(kind)
+        name, twin = NAMES[i], f"clean{i}"
+    assert_same(outputs(workdir, name), outputs(workdir, twin), f"{kind}: experiment {name} against {twin}")
+    written = {Path(p).relative_to(workdir / "results").parts[:2] for p in experiments["written"]}
+    # The stages tests/test_reproducibility.py expects for this kind rewrote this experiment's outputs.
+    expected = set(CASES[kind][1])
+    for rule, top in (("train", "train"), ("dpo", "dpo"), ("evaluate", "eval"), ("reference", "preference")):
+        assert ((top, name) in written) == (rule in expected or kind == ADDED), f"{kind}: {rule} of {name}"
+    dpo_log = (workdir / f"logs/dpo/{name}.log").read_text()
+    if "dpo" in expected:
+        # Its DPO started from the new SFT model and reference: no stale checkpoint of the base run was resumed.
+        assert "resuming from checkpoint" not in dpo_log, dpo_log[-2000:]
+
+
+def test_sft_learning_rate_rerun_retrains_dpo_from_scratch(experiments):
+    """The issue's case: only the SFT learning rate changes; DPO reruns from the new SFT model, its losses are the
+    clean run's exactly (the comparison above), and nothing of the old DPO run is resumed."""
+    workdir = experiments["workdir"]
+    name = NAMES[list(EXPERIMENT_KINDS).index("train.learning_rate")]
+    dpo = json.loads((workdir / f"results/dpo/{name}/summary.json").read_text())
+    assert dpo["resumed_from_step"] == 0 and dpo["start_check"]["violations"] == 0
+    base_ckpts = {p.name for p in (workdir / f"results/checkpoints/{name}/dpo").iterdir() if p.is_dir()}
+    assert len(base_ckpts) == 2, base_ckpts  # the base run's and the rerun's: another key, not a resume
+
+
+# ---- kinds that change what every experiment shares ---------------------------------------------------------
+
+
+def _apply(workdir: Path, kind: str) -> tuple[str, ...]:
+    """Apply a shared change in `workdir`; the extra --configfile it needs."""
+    what, change = SHARED_KINDS[kind]
+    if what == "config":
+        (workdir / "change.yaml").write_text(json.dumps(change))
+        return ("change.yaml",)
+    path, old, new = change
+    text = (workdir / path).read_text()
+    assert text.count(old) == 1, (path, old)
+    (workdir / path).write_text(text.replace(old, new))
+    return ()
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_run, tmp_path_factory) -> dict:
+    """For each shared kind: the tiny run changed and rerun, and a clean run of the changed workflow, side by side
+    (two Snakemake runs at a time)."""
+    root = tmp_path_factory.mktemp("rerun_shared")
+    pairs = {}
+    for i, kind in enumerate(SHARED_KINDS):
+        incremental = clone_run(tiny_run, root / f"incremental{i}")
+        clean = copy_workflow(root / f"clean{i}")
+        shutil.copy2(tiny_run / "tiny.yaml", clean / "tiny.yaml")
+        extra = _apply(incremental, kind)
+        assert _apply(clean, kind) == extra
+        pairs[kind] = (incremental, clean, extra)
+    errors = []
+
+    def run(workdir, extra):
+        try:
+            run_snakemake(
+                workdir, "--cores", "1", "--resources", "gpu=1", "--configfile", "tiny.yaml", *extra
+            )
+        except BaseException as e:  # noqa: BLE001 - reported below, on the test's thread
+            errors.append(e)
+
+    for incremental, clean, extra in pairs.values():
+        threads = [threading.Thread(target=run, args=(w, extra)) for w in (incremental, clean)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    return pairs
+
+
+@pytest.mark.parametrize("kind", list(SHARED_KINDS))
+def test_rerun_after_a_shared_change_equals_a_clean_run(shared, kind):
+    incremental, clean, _ = shared[kind]
+    assert data_files(incremental) == data_files(clean), f"{kind}: data files differ from the clean run's"
+    assert_same(outputs(incremental, "default"), outputs(clean, "default"), kind)
+
+
+# ---- code edits ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def code_rerun(tiny_run, tmp_path_factory) -> Path:
+    workdir = clone_run(tiny_run, tmp_path_factory.mktemp("rerun_code") / "wf")
+    for kind in CODE_KINDS:
+        (_, (path, old, new)), _ = CASES[kind]
+        assert old is None, kind
+        with open(workdir / path, "a") as f:
+            f.write("# edited by tests/test_rerun_clean.py\n")
+    run_snakemake(workdir, *RUN, "--configfile", "tiny.yaml")
+    return workdir
+
+
+@pytest.mark.parametrize("kind", CODE_KINDS)
+def test_rerun_after_a_code_edit_equals_the_clean_run(code_rerun, tiny_run, kind):
+    """Every stage reran under its new code hash (the report's record of each job says so) and computed what the
+    tiny run, a clean run of the same behaviour, computed."""
+    assert data_files(code_rerun) == data_files(tiny_run)
+    assert_same(outputs(code_rerun, "default"), outputs(tiny_run, "default"), kind)
+    base = json.loads((tiny_run / "results/provenance/manifest.json").read_text())
+    rerun = json.loads((code_rerun / "results/provenance/manifest.json").read_text())
+    codes = {j["record"]: j.get("code") for j in base["jobs"]}
+    changed = [j["record"] for j in rerun["jobs"] if j.get("code") != codes.get(j["record"])]
+    assert changed, "no stage ran under a new code hash"

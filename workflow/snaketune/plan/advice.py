@@ -1,0 +1,117 @@
+"""What would fit, when a training does not: the plan's message names the fastest strategy that fits, LoRA,
+smaller micro-batches, 8-bit Adam states, more GPUs (snaketune.plan.search calls it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from snaketune.plan.arch import Arch
+from snaketune.plan.budget import Budget
+from snaketune.plan.memory import ENV_HOST_MEMORY, HOST_USABLE, Estimate, Setup, estimate
+from snaketune.plan.setups import format_entry, setup_for
+from snaketune.plan.strategies import STRATEGY_FILES, candidate_strategies
+
+
+def _fastest_fitting(
+    arch: Arch, train: dict, files: dict[str, str], common: dict, budget: Budget
+) -> tuple[str, Setup, Estimate] | None:
+    """The fastest strategy (STRATEGIES order) that fits `budget` with these train settings."""
+    lora = bool((train.get("lora") or {}).get("enabled"))
+    for strat in candidate_strategies(lora, train.get("optimizer_states", "fp32") == "8bit"):
+        if strat.deepspeed_file not in files:
+            continue
+        ds = json.loads(Path(files[strat.deepspeed_file]).read_text())
+        s = setup_for(train, ds, gradient_checkpointing=strat.gradient_checkpointing, **common)
+        e = estimate(arch, s)
+        if budget.fits(e):
+            return strat.name, s, e
+    return None
+
+
+def not_fitting_message(
+    plan: dict,
+    arch: Arch,
+    train: dict,
+    ds: dict,
+    common: dict,
+    budget: Budget,
+    candidate_files: dict[str, str] | None,
+) -> str:
+    """'... zero2 needs 113.8 GiB per GPU as configured. What would fit: zero3_offload needs 9.6 GiB per GPU
+    and 98 GiB host RAM (...); LoRA (train.lora.enabled: true) with zero2 needs 16.2 GiB per GPU.'
+
+    Tried in this order, each with the fastest strategy that fits, at most three kept: the configured
+    training with another strategy, with 8-bit Adam states, LoRA instead of full fine-tuning, micro_batch_size 1,
+    LoRA and micro_batch_size 1, more GPUs.
+    """
+    configured = plan["configured"]
+    world = common["world"]
+    head = f"train.gpus {world} x {budget.gpu_gib:.1f} GiB ({budget.source})"
+    if budget.host_gib is not None:
+        head += f", {budget.host_gib:.0f} GiB host RAM"
+    where = configured["deepspeed_config"] + (
+        ", gradient checkpointing on" if configured["gradient_checkpointing"] else ""
+    )
+    text = f"{head}: {format_entry(configured)} as configured ({where})"
+    if plan["strategy"] == "auto":
+        text = f"{head}: no strategy fits; {format_entry(configured)} as configured ({where})"
+    files = dict(candidate_files or {})
+    files.setdefault(Path(configured["deepspeed_config"]).name, configured["deepspeed_config"])
+    full = not (train.get("lora") or {}).get("enabled")
+    lora_train = {**train, "lora": {**(train.get("lora") or {}), "enabled": True}}
+    micro = int(train["micro_batch_size"])
+    variants = [("", train)]
+    if full and train.get("optimizer_states", "fp32") != "8bit":
+        variants.append(
+            ("8-bit Adam states (train.optimizer_states: 8bit) with ", {**train, "optimizer_states": "8bit"})
+        )
+    if full:
+        variants.append(("LoRA (train.lora.enabled: true) with ", lora_train))
+    if micro > 1:
+        variants.append(("micro_batch_size 1 with ", {**train, "micro_batch_size": 1}))
+        if full:
+            variants.append(("LoRA and micro_batch_size 1 with ", {**lora_train, "micro_batch_size": 1}))
+    would = []
+    for label, variant in variants:
+        found = _fastest_fitting(arch, variant, files, common, budget)
+        if found:
+            name, s, e = found
+            hint = ""
+            if not label:
+                hint = (
+                    f" (train.deepspeed: {files[STRATEGY_FILES[name]]}, gradient_checkpointing: "
+                    f"{str(s.gradient_checkpointing).lower()}; or train.strategy: auto)"
+                )
+            would.append(
+                label
+                + format_entry({"name": name, "setup": dataclasses.asdict(s), "estimate": e.as_dict()})
+                + hint
+            )
+        if len(would) == 3:
+            break
+    if not would:
+        for more in (2, 4, 8, 16, 32, 64):
+            if more > world:
+                found = _fastest_fitting(arch, train, files, {**common, "world": more}, budget)
+                if found:
+                    name, s, e = found
+                    would.append(f"{name} on {more} GPUs needs {e.gpu_gib:.1f} GiB per GPU")
+                    break
+    # A strategy that fits the GPUs but not the host is worth naming: more RAM would do.
+    host_short = [
+        c
+        for c in plan["candidates"]
+        if not c["fits"] and c["estimate"]["offload"] and c["estimate"]["gpu_gib"] <= budget.gpu_gib
+    ]
+    if host_short and budget.host_gib is not None:
+        c = host_short[0]
+        text += (
+            f"; {c['name']} would fit the GPUs ({c['estimate']['gpu_gib']:.1f} GiB) but needs "
+            f"{c['estimate']['host_gib']:.0f} GiB host RAM ({HOST_USABLE:.0%} of {budget.host_gib:.0f} GiB "
+            f"is usable; {ENV_HOST_MEMORY} overrides the RAM)"
+        )
+    if would:
+        return f"{text}. What would fit: " + "; ".join(would) + "."
+    return f"{text}. Nothing tried fits: use more or larger GPUs, a shorter tokenize.max_length or LoRA."
