@@ -29,8 +29,11 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-kernels.txt pyproje
 run: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES) --resources gpu=$(GPUS) $(SNAKEMAKE_ARGS)
 
+# Two workers, one test file at a time each (a file's module fixtures are built once): the end-to-end runs spend
+# much of their time in one process importing torch, so the other worker's tests fill the second core.
+TEST_WORKERS ?= 2
 test: $(STAMP) lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

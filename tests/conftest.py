@@ -309,3 +309,29 @@ def run_reference(
         module="snaketune.preference.reference",
     )
     return Path(spec["output_dir"])
+
+
+HEAVY_FIRST = (
+    "test_rerun_clean.py",
+    "test_faults.py",
+    "test_hub_workflow.py",
+    "test_default_run.py",
+    "test_workflow.py",
+    "test_slurm.py",
+    "test_reproducibility.py",
+    "test_bench.py",
+    "test_preferences.py",
+    "test_fast_path.py",
+    "test_training.py",
+    "test_quantized.py",
+)
+"""The files with the longest runs, in the order they start: the two workers of `make test` (pytest-xdist,
+--dist loadfile) take files in collection order, so the long ones start first and short ones fill the end."""
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = Path(str(item.fspath)).name
+        return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)
+
+    items.sort(key=rank)  # stable: a file's tests keep their order

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from snaketune.model import batching
 from snaketune.model.batching import (
     IGNORE,
     GlobalOrder,
@@ -229,3 +230,13 @@ def test_load_split_counts_the_loss_tokens_the_tokenizer_stage_reports(tiny_data
         assert int(split.loss_tokens.sum()) == stats["splits"][name]["loss_tokens"]
         assert int(split.lengths.sum()) == stats["splits"][name]["tokens"]
         assert max(split.lengths) <= tiny_data.max_length
+
+
+def test_a_split_without_rows_loads_empty(tmp_path):
+    """datasets writes a split of no rows (a small dataset can leave no validation pair) as no data file, and its
+    load_from_disk cannot read that back; the ranks get an empty split."""
+    from snaketune.data.tokenization import save_rows
+
+    save_rows([], tmp_path / "validation", split="validation", fingerprint="0" * 16)
+    split = batching.load_split(tmp_path / "validation")
+    assert len(split) == 0 and split.loss_tokens.shape == (0,) and split.lengths.shape == (0,)

@@ -530,7 +530,7 @@ def test_fast_path_loss_follows_the_plain_path(fast_run, plain_run):
 def test_fast_path_resumes_the_uninterrupted_run(fast_run, tiny_data, tmp_path):
     ckpt = tmp_path / "checkpoints"
     shutil.copytree(fast_run.checkpoint_dir, ckpt)
-    for late in ("step00000008",):  # resume from step 4, as if the run had died before step 8
+    for late in ("step00000008", "step00000012"):  # resume from step 4, as if the run had died before step 8
         shutil.rmtree(ckpt / late)
     run = run_training(tmp_path, tiny_data, train_overrides=FAST, deepspeed="zero0", checkpoint_dir=ckpt)
     assert run.summary["resumed_from_step"] == 4

@@ -129,14 +129,15 @@ CASES = {
     ),
     "pairs.py": (_edit("workflow/snaketune/data/pairs.py"), FROM_PAIRS),
     "training.py": (_edit("workflow/snaketune/train/trainer.py"), FROM_TRAIN),
-    "dpo.py": (_edit("workflow/snaketune/preference/dpo.py"), FROM_DPO),
+    # the reference stage runs DPO's trainer without training: the same model, kernels and attention
+    "dpo.py": (_edit("workflow/snaketune/preference/dpo.py"), FROM_REFERENCE),
     "logprobs.py": (_edit("workflow/snaketune/preference/logprobs.py"), FROM_REFERENCE),
     "evaluate.py": (_edit("workflow/snaketune/evaluation/evaluate.py"), FROM_EVALUATE),
-    # imported by the tokenizing stages, plan, training, the preference stages and evaluate; not by the data
-    # stages before them
-    "config.py": (
+    # the dataclasses: imported by plan, training, the preference stages and evaluate; not by the data stages,
+    # which use only the allowed values (config/choices.py)
+    "config/schema.py": (
         _edit("workflow/snaketune/config/schema.py"),
-        ("plan", "plan_dpo", "tokenize", "tokenize_pairs", *FROM_TRAIN),
+        ("plan", "plan_dpo", *FROM_TRAIN),
     ),
     # records are not outputs: a new record format remakes the manifest, never a stage
     "provenance.py": (_edit("workflow/snaketune/provenance.py"), END),
@@ -270,11 +271,13 @@ def test_every_job_has_a_record(workdir):
             else:
                 assert entry["type"] == "directory" and entry["files"], path
     # The stages of the Snakefile's world ran without torch (tests/test_layout.py checks their imports); the
-    # ones that train or score a model with it.
+    # evaluation scores models with it in its own process (the launchers of train, reference and dpo need it only
+    # on a machine with GPUs: their ranks do the work).
     light = {"download", "conversations", "train_tokenizer", "tokenize", "preferences", "tokenize_pairs", "plan",
              "plan_dpo", "report"}  # fmt: skip
     for name, rec in records.items():
-        assert rec["imported_torch"] == (rec["rule"] not in light), name
+        assert not (rec["rule"] in light and rec["imported_torch"]), name
+    assert records["evaluate/default"]["imported_torch"]
     train = records["train/default"]
     assert train["seeds"] == {"spec.train.seed": 1234}
     assert train["params"]["spec"]["train"]["learning_rate"] == 3.0e-3

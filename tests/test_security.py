@@ -252,6 +252,7 @@ def test_resume_refuses_a_damaged_checkpoint(checkpointed_run, tmp_path, damage)
     data, first = checkpointed_run
     ckpt_root = tmp_path / "checkpoints"
     shutil.copytree(first.checkpoint_dir, ckpt_root)
+    shutil.rmtree(ckpt_root / "step00000003")  # the final step's: resume from step 2, the damaged one
     ckpt = ckpt_root / "step00000002"
     states = ckpt / "mp_rank_00_model_states.pt"
     marker = tmp_path / "code-ran"

@@ -239,13 +239,19 @@ def test_run_outputs_and_checkpoint_layout(zero2_run):
     }
     assert (ckpt / "rng_rank0.pt").is_file() and (ckpt / "rng_rank1.pt").is_file()
     # Checkpoints are only written before the last step: the final model is in output_dir/model.
-    assert sorted(p.name for p in zero2_run.checkpoint_dir.glob("step*")) == ["step00000003"]
+    # And the last step's, durable before the outputs are written (a rerun after a failure there only saves).
+    assert sorted(p.name for p in zero2_run.checkpoint_dir.glob("step*")) == ["step00000003", "step00000006"]
 
 
 def test_resume_continues_the_uninterrupted_run(zero2_run, tiny_data, tmp_path):
     """From the step-3 checkpoint, steps 4-6 repeat the losses of the run that went through."""
     ckpt = tmp_path / "checkpoints"
     shutil.copytree(zero2_run.checkpoint_dir, ckpt)
+    assert sorted(p.name for p in ckpt.glob("step*")) == [
+        "step00000003",
+        "step00000006",
+    ]  # the last step's too
+    shutil.rmtree(ckpt / "step00000006")  # as if the run had died after step 3
     run = run_training(
         tmp_path,
         tiny_data,
@@ -258,6 +264,24 @@ def test_resume_continues_the_uninterrupted_run(zero2_run, tiny_data, tmp_path):
     assert run.losses[:3] == zero2_run.losses[:3]  # rows of the first run, kept
     np.testing.assert_allclose(run.losses[3:], zero2_run.losses[3:], rtol=1e-6)
     assert run.summary["final_val_loss"] == pytest.approx(zero2_run.summary["final_val_loss"], rel=1e-6)
+
+
+def test_lora_checkpoints_hold_the_adapters_and_resume_the_uninterrupted_run(tiny_data, tmp_path):
+    """LoRA's checkpoints leave the frozen base out (13 GB of a 7B in every one); a resume loads the base as the
+    run started, then the adapters and their optimizer, and goes on as the uninterrupted run did."""
+    overrides = dict(max_steps=6, checkpoint_every=3, lora={"enabled": True, "rank": 4})
+    first = run_training(tmp_path / "a", tiny_data, train_overrides=overrides)
+    states = first.checkpoint_dir / "step00000003" / "mp_rank_00_model_states.pt"
+    full = (first.out_dir / "model" / "model.safetensors").stat().st_size
+    assert states.stat().st_size < full / 4, (states.stat().st_size, full)
+    ckpt = tmp_path / "resumed_checkpoints"
+    shutil.copytree(first.checkpoint_dir, ckpt)
+    shutil.rmtree(ckpt / "step00000006")
+    (tmp_path / "b").mkdir()
+    run = run_training(tmp_path / "b", tiny_data, train_overrides=overrides, checkpoint_dir=ckpt)
+    assert run.summary["resumed_from_step"] == 3
+    np.testing.assert_allclose(run.losses[3:], first.losses[3:], rtol=1e-6)
+    assert run.summary["final_val_loss"] == pytest.approx(first.summary["final_val_loss"], rel=1e-6)
 
 
 def test_lora_trains_adapters_and_saves_a_merged_model(lora_run, tiny_data):

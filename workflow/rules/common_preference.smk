@@ -68,7 +68,9 @@ def reference_input(wildcards):
         "data": pairs_dir(exp),
         "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
         "deepspeed": exp.dpo_train.deepspeed,
-        "plan": plan_dpo_path(exp),
+        # The plan's memory cap and strategy (train.strategy auto), by its content: a plan_dpo rerun for a new
+        # learning rate writes the same choice, and the params below hold what the choice depends on.
+        "plan": ancient(plan_dpo_path(exp)),
     }
     if exp.preference.reference == "sft":
         files["policy"] = f"results/train/{exp.name}/model"
@@ -118,6 +120,7 @@ def reference_params(wildcards):
         },
         "max_length": exp.preference.max_length,
         "deepspeed_sha256": sha256_file(exp.dpo_train.deepspeed),
+        "gpu_memory_gib": CFG.gpu_memory_gib,  # with train.strategy auto the plan's choice depends on it
         "code": keys.code_hash("reference"),
     }
     return {**spec, "run_key": keys.short_hash(spec)}

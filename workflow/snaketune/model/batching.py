@@ -9,6 +9,7 @@ needs the step.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,11 @@ def load_split(path: str | Path) -> TokenizedSplit:
     """Read a split saved by the tokenize stage (datasets.save_to_disk) into numpy arrays."""
     import datasets  # deferred: import is slow and only ranks need it
 
+    state = Path(path) / "state.json"
+    if state.is_file() and not json.loads(state.read_text()).get("_data_files", True):
+        # datasets writes a split without rows as no file at all, and cannot read that back (a small dataset can
+        # leave no validation pair): an empty split.
+        return TokenizedSplit([], [], [], np.zeros(0, dtype=np.int64))
     ds = datasets.load_from_disk(str(path)).with_format("numpy")
     cols = {c: list(ds[c]) for c in ("input_ids", "labels", "position_ids")}
     loss = np.array(

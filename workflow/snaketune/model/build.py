@@ -132,12 +132,13 @@ def load_model(
 
 
 def keep_4bit_layout(net: torch.nn.Module) -> torch.nn.Module:
-    """bitsandbytes repacks a 4-bit weight for its AVX512-BF16 CPU kernel at the first forward without gradients,
-    and asserts there that the layer's outputs are a multiple of 32 (bitsandbytes 0.50.2,
-    functional._convert_weight_packed_for_cpu): a model with a smaller layer fails on such a CPU only. Those
-    layers keep the plain layout, which every CPU runs."""
+    """bitsandbytes repacks a 4-bit weight for its AVX512-BF16 CPU kernel at the first forward without gradients, and
+    that repacking assumes shapes a small model does not have (bitsandbytes 0.50.2, functional.
+    _convert_weight_packed_for_cpu: outputs a multiple of 32, and more): a QLoRA evaluation of the tiny test model
+    fails on such a CPU only. The plain layout runs on every CPU; QLoRA on a CPU is for tests, so its speed there
+    does not matter, and on CUDA the flag is never read."""
     for module in net.modules():
-        if getattr(module, "support_avx512bf16_for_cpu", False) and module.out_features % 32:
+        if getattr(module, "support_avx512bf16_for_cpu", False):
             module.support_avx512bf16_for_cpu = False
     return net
 

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from snaketune.config.deepspeed import offloads, zero_stage
+from snaketune.device_memory import LAZY_MODULES_GIB
 from snaketune.plan.arch import Arch
 
 log = logging.getLogger("snaketune.plan.search")
@@ -81,8 +82,11 @@ FUSED_CHUNK_BYTES = 2**30
 """snaketune.model.losses.CHUNK_BYTES (kept here so that the plan does not import torch)."""
 MASTER_CHUNK_ELEMENTS = 2**28
 """snaketune.train.optim.CHUNK_ELEMENTS (the same reason)."""
-CUDA_OVERHEAD_GIB = 1.0
-"""CUDA context (~0.5 GiB on Hopper), NCCL buffers and workspaces that the caching allocator does not count."""
+CUDA_OVERHEAD_GIB = 1.25 + LAZY_MODULES_GIB
+"""What a rank holds outside PyTorch's allocator (snaketune.device_memory): measured with NVML on an H200, torch 2.11,
+2026-12-02 (bench/RESULTS.md): the CUDA context 0.60 GiB, with cuBLAS's handle and NCCL's communicator 1.21, after a
+training step's kernels 1.28, 1.22 at a 7B LoRA step's OOM under the cap; 1.25, and the room the ranks leave for
+kernel modules loaded after their warm-up."""
 FRAGMENTATION = 0.05
 """Allocator blocks reserved but not allocated at the peak, as a share of the peak."""
 HOST_PER_RANK_GIB = 5.0

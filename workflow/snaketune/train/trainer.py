@@ -63,7 +63,7 @@ class Trainer:
             # gpu_memory_gib is the card's memory: what lies outside the allocator is started and measured
             # first, and the allocator gets the rest (snaketune.device_memory).
             nvml = device_memory.device_memory(self.device)
-            device_memory.warm_up(self.device, distributed=self.world > 1)
+            device_memory.warm_up(self.device, distributed=True)  # NCCL's buffers come with the first collective
             capped, self.device_budget = device_memory.cap_allocator(
                 self.device, device_memory.card_from_env(), nvml
             )
@@ -202,7 +202,9 @@ class Trainer:
                 f"rerun with --resources gpu={meta.get('world_size')} to resume, or delete {self.ckpt_root} to restart"
             )
         try:
-            load_path, _ = self.engine.load_checkpoint(str(self.ckpt_root), tag=path.name)
+            load_path, _ = self.engine.load_checkpoint(
+                str(self.ckpt_root), tag=path.name, load_module_strict=not self.cfg.lora.enabled
+            )
             checkpoint.load_rng(path, self.rank)
         except Exception as e:  # a truncated file, a foreign pickle refused by weights_only, a shape mismatch
             raise RuntimeError(
@@ -396,8 +398,14 @@ class Trainer:
         """DeepSpeed's checkpoint of this step, every rank's RNG state, then (rank 0) the marker with `state`: the
         metrics of the last logged step and the run's throughput so far, what a run resumed at its end reports."""
         tag = checkpoint.tag_for(step)
+        # LoRA: the adapters and their optimizer, not the frozen base (13 GB for a 7B, a copy per checkpoint): a
+        # resume loads the base as the run started, then these.
         self.engine.save_checkpoint(
-            str(self.ckpt_root), tag=tag, client_state={"step": step}, save_latest=False
+            str(self.ckpt_root),
+            tag=tag,
+            client_state={"step": step},
+            save_latest=False,
+            exclude_frozen_parameters=self.cfg.lora.enabled,
         )
         checkpoint.save_rng(self.ckpt_root / tag, self.rank)
         dist.barrier()
