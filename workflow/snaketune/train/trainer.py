@@ -63,7 +63,8 @@ class Trainer:
             # gpu_memory_gib is the card's memory: what lies outside the allocator is started and measured
             # first, and the allocator gets the rest (snaketune.device_memory).
             nvml = device_memory.device_memory(self.device)
-            device_memory.warm_up(self.device, distributed=True)  # NCCL's buffers come with the first collective
+            # NCCL's buffers come with the first collective (also with one rank: the metrics are all-reduced).
+            device_memory.warm_up(self.device, distributed=True)
             capped, self.device_budget = device_memory.cap_allocator(
                 self.device, device_memory.card_from_env(), nvml
             )
