@@ -9,7 +9,7 @@ SNAKEMAKE_ARGS ?=
 
 .PHONY: run test lint format clean-results
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-kernels.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt requirements-kernels.txt requirements-models.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and alone: this exact version is the CPU build on a CPU-only machine here; on a GPU
@@ -22,7 +22,7 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-kernels.txt pyproje
 	$(BIN)/pip install --quiet -r requirements.txt -r requirements-dev.txt
 	# GPU-only kernels, without their Triton requirement (torch's CUDA build brings Triton; the CPU build does
 	# not and needs none): requirements-kernels.txt.
-	$(BIN)/pip install --quiet --no-deps -r requirements-kernels.txt
+	$(BIN)/pip install --quiet --no-deps -r requirements-kernels.txt -r requirements-models.txt
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $(STAMP)
 

@@ -1,6 +1,7 @@
 # snaketune: oasst1-format conversations -> DeepSpeed fine-tuning of DeepSeek-architecture models.
 #
 # results/
+# ├── models/<name>-<hash>/        a GGUF model.base as a hub-format directory        (rule import_gguf)
 # ├── data/raw/                    messages.parquet, SHA256SUMS, source.json         (rule download)
 # ├── data/conversations/          train.parquet, validation.parquet, stats.json     (rule conversations)
 # ├── tokenizer/<tokenizer id>/    HF tokenizer with chat template              (rules train_tokenizer, fetch_tokenizer)
@@ -41,8 +42,10 @@ wildcard_constraints:
     key="[0-9a-f]{16}",
     tokenizer="[A-Za-z0-9-]+",
     pairs="best_vs_rest|all",
+    gguf="[A-Za-z0-9-]+",
 
 
+include: "workflow/rules/model.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/plan.smk"
 include: "workflow/rules/train.smk"

@@ -530,11 +530,13 @@ def test_fast_path_loss_follows_the_plain_path(fast_run, plain_run):
 def test_fast_path_resumes_the_uninterrupted_run(fast_run, tiny_data, tmp_path):
     ckpt = tmp_path / "checkpoints"
     shutil.copytree(fast_run.checkpoint_dir, ckpt)
-    for late in ("step00000008", "step00000012"):  # resume from step 4, as if the run had died before step 8
-        shutil.rmtree(ckpt / late)
+    # The newest two of the checkpoints at steps 4, 8 and 12 (the last step's) are kept: resume from step 8, as if
+    # the run had died before its end.
+    assert sorted(p.name for p in ckpt.glob("step*")) == ["step00000008", "step00000012"]
+    shutil.rmtree(ckpt / "step00000012")
     run = run_training(tmp_path, tiny_data, train_overrides=FAST, deepspeed="zero0", checkpoint_dir=ckpt)
-    assert run.summary["resumed_from_step"] == 4
-    np.testing.assert_allclose(run.losses[4:], fast_run.losses[4:], rtol=1e-6)
+    assert run.summary["resumed_from_step"] == 8
+    np.testing.assert_allclose(run.losses[8:], fast_run.losses[8:], rtol=1e-6)
 
 
 def test_fast_path_two_ranks_follow_one(fast_run, tiny_data, tmp_path):

@@ -189,7 +189,7 @@ def test_preference_stage_runs_on_the_hub_path(hub_run):
     assert dpo["steps"] == 3 and dpo["lora"] and dpo["objective"] == "dpo"
     metrics = _json(workdir / "results/eval/lora/metrics.json")
     assert metrics["models"] == ["base", "tuned", "dpo"]
-    assert set(metrics["preference"]) == {"beta", "base", "tuned", "dpo"}
+    assert set(metrics["preference"]) == {"beta", "reference", "base", "tuned", "dpo"}
     assert not (workdir / f"results/dpo/{ZERO2}").exists()  # only where preference.enabled
     qlora = _json(workdir / "results/dpo/qlora/summary.json")
     assert qlora["lora_quantize"] == "nf4" and qlora["steps"] == 3

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "workflow" / "scripts"
 RULES = REPO / "workflow" / "rules"
 SCRIPT_STAGES = {
+    "import_gguf.py": "import_gguf",
     "download.py": "download",
     "conversations.py": "conversations",
     "train_tokenizer.py": "tokenizer",

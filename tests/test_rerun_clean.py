@@ -68,7 +68,7 @@ RECORD_FIELDS = {"experiment", "wall_time_s", "run_key", "resumed_from_step", "t
                  "loss_tokens_per_s_per_gpu", "padded_tokens_per_s_per_gpu", "step_time_s", "mfu",
                  "model_tflops_per_gpu", "flops_share_of_measured_matmul", "tuned_model", "dpo_model",
                  "peak_memory_gib_per_rank", "device_memory_per_rank", "cuda_alloc_retries_per_rank",
-                 "model"}  # fmt: skip
+                 "model", "data_key"}  # fmt: skip
 """What a record of a run says about that run (its name, time, speed, where), not about what it computed."""
 
 
@@ -190,7 +190,8 @@ def experiments(tmp_path_factory) -> dict:
     before = mtimes(workdir)
     changed = {name: change for name, change in zip(NAMES, EXPERIMENT_KINDS.values(), strict=True)}
     twins = {f"clean{i}": change for i, change in enumerate(EXPERIMENT_KINDS.values())}
-    twins["clean_added"] = changed["added"] = {"train": {"learning_rate": 1.0e-3}}
+    # The added experiment has train.learning_rate's change: that kind's twin is its clean run too.
+    changed["added"] = EXPERIMENT_KINDS["train.learning_rate"]
     (workdir / "changed.yaml").write_text(json.dumps({"experiments": {**changed, **twins}}))
     targets = _dpo_targets([*changed, *twins])
     log = run_snakemake(workdir, *targets, *RUN, "--configfile", "tiny.yaml", "changed.yaml")
@@ -201,7 +202,7 @@ def experiments(tmp_path_factory) -> dict:
 def test_rerun_of_an_experiment_equals_its_clean_twin(experiments, kind):
     workdir = experiments["workdir"]
     if kind == ADDED:
-        name, twin = "added", "clean_added"
+        name, twin = "added", f"clean{list(EXPERIMENT_KINDS).index('train.learning_rate')}"
     else:
         i = list(EXPERIMENT_KINDS).index(kind)
         name, twin = NAMES[i], f"clean{i}"

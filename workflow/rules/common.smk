@@ -44,6 +44,37 @@ def exp_for_key(wildcards):
     return DATA_KEYS[wildcards.key]
 
 
+# ---- models from GGUF files --------------------------------------------------------------------------
+
+
+# The hub-format directory of each GGUF file an experiment's model.base names (rule import_gguf makes it).
+GGUF_MODELS = {
+    Path(exp.model.pretrained).name: exp.model.base
+    for exp in EXPERIMENTS.values()
+    if exp.model.is_gguf
+}
+
+
+def gguf_input(wildcards):
+    return GGUF_MODELS[wildcards.gguf]
+
+
+def import_gguf_params(wildcards):
+    """model.trust_remote_code of the experiments that name the file (all of them, or the import is refused)."""
+    trusted = {
+        e.model.trust_remote_code
+        for e in EXPERIMENTS.values()
+        if e.model.base == GGUF_MODELS[wildcards.gguf]
+    }
+    return {"trust_remote_code": all(trusted), "code": keys.code_hash("import_gguf")}
+
+
+def base_model_input(model):
+    """The imported directory of a GGUF model, as an input of every stage that reads the model (none for other
+    models: a hub id or a directory the user brings is not made by the workflow)."""
+    return {"base_model": model.pretrained} if model.is_gguf else {}
+
+
 # ---- download / conversations ------------------------------------------------------------------
 
 
@@ -81,9 +112,14 @@ def tokenizer_dir(exp):
     return f"results/tokenizer/{keys.tokenizer_id(exp.model)}"
 
 
+def fetch_tokenizer_input(wildcards):
+    model = TOKENIZERS[wildcards.tokenizer]
+    return base_model_input(model) if model.tokenizer == "auto" else {}
+
+
 def fetch_tokenizer_params(wildcards):
     model = TOKENIZERS[wildcards.tokenizer]
-    name = model.base if model.tokenizer == "auto" else model.tokenizer
+    name = model.pretrained if model.tokenizer == "auto" else model.tokenizer
     return {
         "name": name,
         "revision": model.revision,
@@ -120,6 +156,7 @@ def train_input(wildcards):
         "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
         "deepspeed": exp.train.deepspeed,
         "plan": plan_path(exp),
+        **base_model_input(exp.model),
     }
 
 

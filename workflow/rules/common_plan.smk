@@ -29,11 +29,13 @@ def candidate_deepspeed_files():
 def plan_input(wildcards):
     """The configured DeepSpeed file; with train.strategy auto also the files it chooses among, so that an
     edit to one reruns the plan (and through it training)."""
-    return _plan_files(experiment(wildcards).train)
+    exp = experiment(wildcards)
+    return _plan_files(exp.train, exp.model)
 
 
-def _plan_files(train):
-    files = {"deepspeed": train.deepspeed}
+def _plan_files(train, model):
+    """The DeepSpeed files, and a GGUF model's imported directory (the plan reads its config.json)."""
+    files = {"deepspeed": train.deepspeed, **base_model_input(model)}
     if train.strategy == "auto":
         files.update(
             {
@@ -70,7 +72,8 @@ def plan_dpo_path(exp):
 
 
 def plan_dpo_input(wildcards):
-    return _plan_files(experiment(wildcards).dpo_train)
+    exp = experiment(wildcards)
+    return _plan_files(exp.dpo_train, exp.model)
 
 
 def plan_dpo_params(wildcards):

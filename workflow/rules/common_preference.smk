@@ -74,6 +74,8 @@ def reference_input(wildcards):
     }
     if exp.preference.reference == "sft":
         files["policy"] = f"results/train/{exp.name}/model"
+    else:
+        files.update(base_model_input(exp.model))
     return files
 
 

@@ -34,6 +34,7 @@ def evaluate_input(wildcards):
             exp
         ),  # gpu_memory_gib (the allocator cap) and the evaluation's batch size
         "conversations": "results/data/conversations/validation.parquet",  # eval.prompts auto
+        **base_model_input(exp.model),  # the base model is evaluated too
     }
     if exp.preference.enabled:
         files.update(dpo_model=f"{dpo_dir(exp)}/model", pairs=pairs_dir(exp))

@@ -67,6 +67,8 @@ rule train_tokenizer:
 
 
 rule fetch_tokenizer:
+    input:
+        unpack(fetch_tokenizer_input),
     output:
         tokenizer="results/tokenizer/{tokenizer}/tokenizer.json",
     log:

@@ -27,6 +27,7 @@ from snaketune.io import stable_json
 # not import. tests/test_keys.py checks that every script's imports fall inside its stage and that the
 # import scan agrees with Python's own parser.
 STAGE_MODULES = {
+    "import_gguf": ("snaketune.model.gguf",),
     "download": ("snaketune.data.download",),
     "conversations": ("snaketune.data.conversations",),
     "tokenizer": ("snaketune.data.tokenizer", "snaketune.io"),
@@ -133,7 +134,7 @@ def tokenizer_id(model: ModelConfig) -> str:
     """Directory name under results/tokenizer/ for the experiment's tokenizer."""
     if model.uses_builtin_tokenizer:
         return "builtin"
-    name = model.base if model.tokenizer == "auto" else model.tokenizer
+    name = model.pretrained if model.tokenizer == "auto" else model.tokenizer
     slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")[-40:]
     return f"{slug}-{_short(stable_json([name, model.revision, model.trust_remote_code]), 8)}"
 

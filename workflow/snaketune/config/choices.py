@@ -8,8 +8,26 @@ ConfigError through `fail`, with the key and the allowed values in the message.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 BUILTIN_MODELS = ("builtin-tiny", "arch:deepseek-llm-7b")
+
+GGUF_SUFFIX = ".gguf"
+"""model.base naming a file with this suffix is a GGUF model (llama.cpp's format), imported once into a hub-format
+directory under MODELS_DIR (rule import_gguf)."""
+MODELS_DIR = "results/models"
+
+
+def gguf_model_dir(path: str) -> str:
+    """The hub-format directory rule import_gguf makes of a GGUF file: its name (letters, digits and '-' only, so
+    that it stays under MODELS_DIR) and 8 hex digits of the path as given."""
+    import hashlib
+
+    stem = (
+        re.sub(r"[^A-Za-z0-9]+", "-", Path(path).name.removesuffix(GGUF_SUFFIX)).strip("-")[-40:] or "model"
+    )
+    return f"{MODELS_DIR}/{stem}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+
 
 SOURCE_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 """snaketune.data.messages.SUFFIXES (kept here so that the config does not import pandas)."""

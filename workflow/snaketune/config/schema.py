@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from snaketune.config.choices import (
@@ -17,6 +18,7 @@ from snaketune.config.choices import (
     BUILTIN_EVAL_QUESTIONS,
     BUILTIN_MODELS,
     CHAT_TEMPLATES,
+    GGUF_SUFFIX,
     KERNELS,
     LANG_CODE,
     LOSS_KERNELS,
@@ -32,6 +34,7 @@ from snaketune.config.choices import (
     STRATEGIES,
     TREE_STATES,
     fail,
+    gguf_model_dir,
 )
 
 
@@ -81,7 +84,8 @@ class DatasetConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     base: str = "builtin-tiny"
-    """`builtin-tiny` | `arch:deepseek-llm-7b` | a hub model id | a local model directory."""
+    """`builtin-tiny` | `arch:deepseek-llm-7b` | a hub model id | a local model directory | a local `.gguf` file
+    (llama.cpp's format: imported once into a hub-format directory, `pretrained`)."""
     tokenizer: str = "auto"
     """`auto` (the model's own; the builtin BPE for builtin-tiny and arch:*) | a hub id | a local directory."""
     revision: str = "main"
@@ -96,6 +100,11 @@ class ModelConfig:
             fail(
                 "model.base",
                 "is empty; allowed: builtin-tiny | arch:deepseek-llm-7b | a hub id | a local directory",
+            )
+        if self.is_gguf and not Path(self.base).is_file():
+            fail(
+                "model.base",
+                f"{self.base!r}: no such file; allowed: a GGUF model file that exists (or a hub id ...)",
             )
         if self.base.startswith("arch:") and self.base not in BUILTIN_MODELS:
             fail("model.base", f"{self.base!r} is unknown; allowed arch: models: arch:deepseek-llm-7b")
@@ -112,6 +121,16 @@ class ModelConfig:
     @property
     def is_builtin(self) -> bool:
         return self.base in BUILTIN_MODELS
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.base.lower().endswith(GGUF_SUFFIX)
+
+    @property
+    def pretrained(self) -> str:
+        """What from_pretrained reads: model.base, or for a GGUF file the hub-format directory rule import_gguf
+        makes of it (snaketune.model.gguf)."""
+        return gguf_model_dir(self.base) if self.is_gguf else self.base
 
     @property
     def uses_builtin_tokenizer(self) -> bool:

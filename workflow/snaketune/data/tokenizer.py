@@ -178,12 +178,12 @@ def load_fast_tokenizer(name: str | Path, what: str, *, trust_remote_code: bool 
     classes), which the data stages never do (tests/test_layout.py). A tokenizer class shipped as remote code
     needs AutoTokenizer, and only model.trust_remote_code allows that."""
     if trust_remote_code:
-        from transformers import AutoTokenizer as loader
+        from transformers import AutoTokenizer as tokenizer_class
     else:
-        from transformers import PreTrainedTokenizerFast as loader
+        from transformers import PreTrainedTokenizerFast as tokenizer_class
 
     try:
-        tokenizer = loader.from_pretrained(str(name), trust_remote_code=trust_remote_code, **kwargs)
+        tokenizer = tokenizer_class.from_pretrained(str(name), trust_remote_code=trust_remote_code, **kwargs)
     except Exception as e:  # transformers raises anything from OSError to a Rust parse error here
         raise TokenizerError(
             f"{what} {str(name)!r}: the tokenizer cannot be loaded ({type(e).__name__}: {e}); "

@@ -113,7 +113,7 @@ def load_model(
     if quantize == "nf4":
         placement["quantization_config"] = nf4_config(dtype)
     net = AutoModelForCausalLM.from_pretrained(
-        model.base,
+        model.pretrained,
         revision=model.revision,
         trust_remote_code=model.trust_remote_code,
         dtype=dtype,
@@ -125,7 +125,7 @@ def load_model(
         keep_4bit_layout(net)
     if net.get_input_embeddings().num_embeddings < vocab_size:
         raise ValueError(
-            f"model.base {model.base!r} has {net.get_input_embeddings().num_embeddings} embeddings but the "
+            f"model.base {model.pretrained!r} has {net.get_input_embeddings().num_embeddings} embeddings but the "
             f"tokenizer has {vocab_size} tokens; use the model's own tokenizer (model.tokenizer: auto)"
         )
     return net
@@ -205,7 +205,7 @@ def merge_adapter(
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     base = AutoModelForCausalLM.from_pretrained(
-        model.base,
+        model.pretrained,
         revision=model.revision,
         trust_remote_code=model.trust_remote_code,
         dtype=dtype,
@@ -233,7 +233,7 @@ def count_params(net: torch.nn.Module) -> tuple[int, int]:
 def flop_counts(net: torch.nn.Module, *, lora: bool) -> tuple[float, float]:
     """(dense FLOPs per token, attention coefficient) of training, as PaLM counts model FLOPs (Chowdhery et al.
     2022, appendix B): 6N per token for the matmuls of full fine-tuning (forward 2N, backward 4N), with N the
-    non-embedding parameters (the input embedding is a lookup, not a matmul; the untied lm_head counts), and
+    non-embedding parameters (the input embedding is a lookup, not a matmul; the lm_head counts, tied or not), and
     12 x layers x (heads x head_dim) x T per token for attention over a context of T tokens. For packed
     conversations T is each conversation's own length, so a step's attention FLOPs are the coefficient times
     the sum of its conversations' squared lengths (snaketune.model.batching.TokenizedSplit.attention_units), not a
@@ -241,7 +241,11 @@ def flop_counts(net: torch.nn.Module, *, lora: bool) -> tuple[float, float]:
     cfg = net.config
     total, _ = count_params(net)
     emb = net.get_input_embeddings()
-    dense = total - numel(emb.weight)
+    out = net.get_output_embeddings()
+    # Tied embeddings (SmolLM2): the lm_head is the embedding matrix, counted once among the parameters, and its
+    # matmul is as real as an untied one's: nothing to take out.
+    tied = out is not None and out.weight is emb.weight
+    dense = total if tied else total - numel(emb.weight)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return (4 if lora else 6) * dense, 12.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
 

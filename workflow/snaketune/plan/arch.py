@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from snaketune.config.choices import GGUF_SUFFIX, gguf_model_dir
+
 log = logging.getLogger("snaketune.plan")
 
 
@@ -111,7 +113,8 @@ def resolve_arch(model: dict, *, allow_download: bool = False) -> tuple[Arch | N
         if model.get("num_layers"):
             cfg["num_hidden_layers"] = model["num_layers"]
         return arch_from_hf_config(cfg), f"{base} (snaketune.model.build), {cfg['num_hidden_layers']} layers"
-    path = Path(base) / "config.json"
+    # A GGUF file: the hub-format directory rule import_gguf made of it (an input of the plan rules).
+    path = Path(gguf_model_dir(base) if base.lower().endswith(GGUF_SUFFIX) else base) / "config.json"
     if not path.is_file():
         found = _hub_config(base, model.get("revision", "main"), allow_download)
         if found is None:

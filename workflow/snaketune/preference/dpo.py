@@ -168,7 +168,10 @@ class DPOTrainer(Trainer):
         return float(sum(weights))
 
     def validation_metrics(self, sums, count):
-        return {f"val/{'dpo_loss' if k == 'loss' else k}": sums[k] / max(1.0, count) for k in METRICS}
+        """None for a validation split without pairs (a small dataset can leave none)."""
+        return {
+            f"val/{'dpo_loss' if k == 'loss' else k}": sums[k] / count if count else None for k in METRICS
+        }
 
     @property
     def seq_len(self) -> int:

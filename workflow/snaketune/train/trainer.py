@@ -122,8 +122,9 @@ class Trainer:
         """What an evaluation batch's sums are normalized by: its loss-bearing targets."""
         return float(sum(int(split.loss_tokens[r]) for r, w in zip(rows, weights, strict=True) if w))
 
-    def validation_metrics(self, sums: dict[str, float], count: float) -> dict[str, float]:
-        return {"val/loss": sums["loss"] / max(1.0, count)}
+    def validation_metrics(self, sums: dict[str, float], count: float) -> dict[str, float | None]:
+        """None for a validation split without loss-bearing rows (a small dataset can leave none)."""
+        return {"val/loss": sums["loss"] / count if count else None}
 
     # ---- setup ---------------------------------------------------------------------------------
 

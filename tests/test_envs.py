@@ -1,0 +1,34 @@
+"""The conda environments of the rules (envs/*.yaml) pin what requirements*.txt pin, version for version: a rule
+run with --use-conda computes with the same packages as the pip-installed .venv."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pins(text: str) -> dict[str, str]:
+    return {
+        m.group(1).lower(): m.group(2)
+        for m in re.finditer(r"^\s*-?\s*([A-Za-z0-9_.-]+)==([^\s#]+)", text, re.M)
+    }
+
+
+def test_conda_envs_pin_what_the_requirements_pin():
+    required = {}
+    for path in sorted(REPO.glob("requirements*.txt")):
+        required.update(pins(path.read_text()))
+    required["torch"] = "2.13.0"  # installed first and alone (Makefile)
+    envs = sorted((REPO / "envs").glob("*.yaml"))
+    assert envs
+    for env in envs:
+        deps = yaml.safe_load(env.read_text())["dependencies"]
+        pip = next(d["pip"] for d in deps if isinstance(d, dict) and "pip" in d)
+        found = pins("\n".join(f"- {p}" for p in pip))
+        assert found, env
+        wrong = {name: (v, required.get(name)) for name, v in found.items() if required.get(name) != v}
+        assert not wrong, f"{env.name}: pins that differ from requirements*.txt (env, requirements): {wrong}"

