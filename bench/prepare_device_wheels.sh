@@ -45,6 +45,8 @@ PKGS=(
   # bitsandbytes: below (one CUDA library of its 43 MB)
   # bench/trl_peer.py, the outside reference of bench/train_throughput.py
   trl==1.16.0
+  # snaketune.model.gguf (model.base: a .gguf file)
+  gguf==0.19.0
 )
 
 PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64

@@ -177,6 +177,9 @@ class DPOTrainer(Trainer):
     def seq_len(self) -> int:
         return 2 * self.spec.preference["max_length"]  # a row holds both sides of a pair
 
+    def checkpoint_meta(self) -> dict:
+        return {"start_check": getattr(self, "start", None)}
+
     def summary(self, last: dict, wall: float) -> dict:
         out = super().summary(last, wall)
         # What this stage computes instead of the SFT loss (train.loss_kernel and fused_cross_entropy do not apply).
@@ -184,7 +187,8 @@ class DPOTrainer(Trainer):
         out.update(
             logprobs=self.loss_summary.removeprefix("log-probabilities: "),
             reference=self.spec.preference.get("reference", "sft"),
-            start_check=getattr(self, "start", None),
+            # A run resumed from a checkpoint reports the check its first attempt made (checkpoint_meta).
+            start_check=getattr(self, "start", None) or self.resumed_meta.get("start_check"),
             objective=self.spec.preference["loss"],
             beta=self.spec.preference["beta"],
             final_train_loss=last.get("dpo/loss"),

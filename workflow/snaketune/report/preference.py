@@ -140,6 +140,10 @@ def preference_section(experiments: list[Experiment], plot: Path) -> list[Block]
         )
         pref, val = ev.get("preference") or {}, ev["validation"]
         models = [w for w in MODEL_NAMES if w in pref]
+        if not any(pref[w].get("pairs") for w in models):
+            # An empty validation split (a small dataset, or a filter that leaves no held-out tree with pairs).
+            blocks.append(Para("No held-out pairs: the preference metrics were not measured."))
+            continue
         rows = [
             ["preference accuracy", *[_acc(pref[w]["accuracy"]) for w in models]],
             ["mean log-probability margin", *[fmt(pref[w]["logprob_margin"]) for w in models]],

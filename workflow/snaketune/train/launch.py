@@ -220,7 +220,8 @@ def launch(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, check=False, pass_fds=tuple(alloc.fds)
         )
     if proc.returncode != 0:
-        raise LaunchError(f"training failed (torchrun exit code {proc.returncode}); see {log_file}")
+        launcher = "torchrun" if nproc > 1 or nodes > 1 else "rank"
+        raise LaunchError(f"training failed ({launcher} exit code {proc.returncode}); see {log_file}")
 
 
 def node_main(argv: list[str]) -> None:

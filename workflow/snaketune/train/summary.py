@@ -73,7 +73,7 @@ def log_progress(trainer, done: int, t_start: float, m: dict) -> None:
     elapsed = time.perf_counter() - t_start
     eta = elapsed / max(1, done - trainer.start_step) * (trainer.total_steps - done)
     parts = [f"step {done}/{trainer.total_steps}"]
-    parts += [f"{k.split('/')[-1]} {v:.4f}" for k, v in m.items() if k.endswith("loss")]
+    parts += [f"{k.replace('/', ' ')} {v:.4f}" for k, v in m.items() if k.endswith("loss") and v is not None]
     parts.append(f"lr {m['train/lr']:.2e}")
     if m.get("perf/tokens_per_s_per_gpu"):
         parts.append(f"{m['perf/tokens_per_s_per_gpu']:,.0f} tok/s/rank")

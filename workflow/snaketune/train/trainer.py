@@ -1,6 +1,7 @@
 """Stage 5, train: one DeepSpeed rank. `snaketune.train.launch` starts one process per granted GPU (or CPU rank)
-with torchrun; each runs `python -m snaketune.train.trainer <run spec JSON>` (or `-m snaketune.preference.dpo` for the
-preference stage, whose trainer is a subclass of this one).
+with torchrun (a single rank directly, with torchrun's environment); each runs
+`python -m snaketune.train.trainer <run spec JSON>` (or `-m snaketune.preference.dpo` for the preference stage,
+whose trainer is a subclass of this one).
 
 A plain loop over `deepspeed.initialize` (not the HF Trainer, which on CPU silently trains world_size=1
 on every rank: ../shared/FACTS.md): construct, setup, train, save; cleanup is guaranteed on error. The model,
@@ -396,6 +397,11 @@ class Trainer:
         self.engine.train()
         return self.validation_metrics(total, total.pop("_count"))
 
+    def checkpoint_meta(self) -> dict:
+        """What a subclass records in every checkpoint's marker for a run resumed from it to report (DPO: its start
+        check, which only a run from step 0 computes)."""
+        return {}
+
     def save_checkpoint(self, step: int, state: dict | None = None) -> None:
         """DeepSpeed's checkpoint of this step, every rank's RNG state, then (rank 0) the marker with `state`: the
         metrics of the last logged step and the run's throughput so far, what a run resumed at its end reports."""
@@ -421,6 +427,7 @@ class Trainer:
                     "run_key": self.spec.run_key,
                     "experiment": self.spec.experiment,
                     "time": time.time(),
+                    **self.checkpoint_meta(),
                     **(state or {}),
                 },
             )
