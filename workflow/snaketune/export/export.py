@@ -1,0 +1,178 @@
+"""Stage 9, export: a fine-tuned model (SFT or DPO; LoRA and QLoRA were merged by their stages) as GGUF files for
+llama.cpp, Ollama and LM Studio: the unquantized file (bf16 by default) through llama.cpp's converter, each
+configured quant through its quantizer (snaketune.export.llama_cpp), then measured against the model they came
+from (snaketune.export.measure): perplexity and its ratio to the unquantized file, KL divergence and top-1
+agreement against transformers, greedy replies beside transformers', prompt and generation speed, file sizes.
+
+A file is marked failing (in metrics.json and the report; the stage itself succeeds) when its mean KL per token
+exceeds export.max_kl for its type, when a reply runs past eval.max_new_tokens where transformers' ended, or when
+the file lost what a runtime needs to chat: the chat template, bos, eos, or eos as an end-of-generation token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from snaketune.export import llama_cpp, measure
+from snaketune.io import atomic_dir, write_json
+from snaketune.model import batching
+from snaketune.model.inference import render_prompt
+
+log = logging.getLogger("snaketune.export")
+
+
+def export(
+    *,
+    model_dir: str | Path,
+    name: str,
+    out_dir: str | Path,
+    data_dir: str | Path,
+    prompts: list[str],
+    outtype: str,
+    quants: list[str],
+    max_kl: dict[str, float],
+    eval_tokens: int,
+    max_new_tokens: int,
+    max_prompt_tokens: int,
+    threads: int,
+    trust_remote_code: bool,
+    log_file: str | Path,
+) -> dict:
+    """Write `<name>-<type>.gguf` for the unquantized type and each quant, metrics.json and replies.jsonl into
+    `out_dir` (atomically); returns metrics.json's content."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tools = llama_cpp.check_toolchain()
+    t0 = time.perf_counter()
+    model_dir = Path(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    net = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, trust_remote_code=trust_remote_code
+    ).eval()
+    split = batching.load_split(Path(data_dir) / "validation")
+    max_len = max_prompt_tokens + max_new_tokens
+    segments = measure.validation_segments(split, eval_tokens, max_len)
+    reference = measure.reference_logprobs(net, segments)
+    ref_nll = sum(
+        -float(r[range(len(s.targets)), s.ids[s.targets + 1]].sum())
+        for s, r in zip(segments, reference, strict=True)
+    )
+    n_targets = sum(len(s.targets) for s in segments)
+    eos = tokenizer.eos_token_id
+    prompt_ids = [render_prompt(tokenizer, p, max_prompt_tokens) for p in prompts]
+    hf_replies = measure.reference_replies(net, prompt_ids, max_new_tokens, eos)
+    del net
+    log.info("reference (transformers, fp32): %d held-out conversations, %d target tokens, perplexity %.4f; %d prompts",
+             len(segments), n_targets, _exp(ref_nll, n_targets), len(prompts))  # fmt: skip
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    n_ctx = max([max_len, *(len(s.ids) for s in segments), *(len(p) + max_new_tokens for p in prompt_ids)])
+
+    if outtype == "auto":
+        outtype = llama_cpp.saved_type(model_dir)
+    files, replies = [], []
+    with atomic_dir(out_dir) as tmp:
+        base = tmp / f"{name}-{outtype}.gguf"
+        t = time.perf_counter()
+        llama_cpp.convert(model_dir, base, outtype, log_file)
+        made = {outtype: (base, time.perf_counter() - t)}
+        for q in quants:
+            t = time.perf_counter()
+            llama_cpp.quantize(base, tmp / f"{name}-{q}.gguf", q, threads, log_file)
+            made[q] = (tmp / f"{name}-{q}.gguf", time.perf_counter() - t)
+        meta = llama_cpp.gguf_metadata(base)
+        for kind, (path, made_s) in made.items():
+            llm = measure.open_gguf(path, n_ctx, threads)
+            row = {"type": kind, "file": path.name, "bytes": path.stat().st_size, "made_s": made_s}
+            row |= measure.score_gguf(llm, segments, reference)
+            gen_tokens, gen_s, agree, ended, ended_hf = 0, 0.0, 0, 0, 0
+            for prompt, ids, (want, gaps) in zip(prompts, prompt_ids, hf_replies, strict=True):
+                got, ended_here, secs = measure.greedy_gguf(llm, ids, max_new_tokens)
+                text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                     add_generation_prompt=True)  # fmt: skip
+                own = llm.tokenize(text.encode(), add_bos=False, special=True)
+                part = measure.parted_at(got[: measure.AGREE_TOKENS], want[: measure.AGREE_TOKENS])
+                gen_tokens += len(got)
+                gen_s += secs
+                agree += part is None
+                ended += ended_here
+                ended_hf += len(want) < len(gaps)  # it generated eos
+                replies.append({
+                    "type": kind, "prompt": prompt, "llama_cpp": tokenizer.decode(got, skip_special_tokens=True).strip(),
+                    "transformers": tokenizer.decode(want, skip_special_tokens=True).strip(),
+                    "parted_at": part, "transformers_top2_gap_there": gaps[part] if part is not None and part < len(gaps) else None,
+                    "llama_cpp_tokens": len(got), "transformers_tokens": len(want),
+                    "ended_at_end_of_turn": ended_here, "llama_cpp_tokenizer_matches": own == ids,
+                })  # fmt: skip
+            row.update(
+                generation_tokens_per_s=gen_tokens / gen_s if gen_tokens else None,
+                replies=len(prompts),
+                replies_agreeing=agree,
+                replies_ended=ended,
+                replies_ended_transformers=ended_hf,
+                eos_is_end_of_generation=measure.is_eog(llm, eos),
+            )
+            del llm
+            files.append(row)
+        unquantized_ppl = files[0]["perplexity"]
+        for row in files:
+            row["perplexity_ratio"] = row["perplexity"] / unquantized_ppl if unquantized_ppl else None
+            row["failing"] = _failures(row, max_kl.get(row["type"]), meta, tokenizer, template)
+        metrics = {
+            "model": name,
+            "source": str(model_dir),
+            "toolchain": tools,
+            "outtype": outtype,
+            "metadata": meta
+            | {
+                "chat_template_matches": meta["chat_template"] == template,
+                "bos_matches": meta["bos_token_id"] == tokenizer.bos_token_id,
+                "eos_matches": meta["eos_token_id"] == eos,
+            },  # fmt: skip
+            "reference": {
+                "perplexity": _exp(ref_nll, n_targets),
+                "target_tokens": n_targets,
+                "conversations": len(segments),
+            },
+            "max_kl": {t: max_kl.get(t) for t in made},
+            "threads": threads,
+            "files": files,
+            "time_s": time.perf_counter() - t0,
+        }
+        write_json(tmp / "metrics.json", metrics)
+        (tmp / "replies.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in replies))
+    for row in files:
+        log.info("%s: %.1f MiB, perplexity %.4f (x%.4f), KL %.5f, top-1 %.3f, %d/%d replies agree, %d ended; "
+                 "%.0f prompt / %.1f generation tok/s%s", row["file"], row["bytes"] / 2**20, row["perplexity"],
+                 row["perplexity_ratio"], row["kl_mean"], row["top1_agreement"], row["replies_agreeing"],
+                 row["replies"], row["replies_ended"], row["prompt_tokens_per_s"], row["generation_tokens_per_s"] or 0,
+                 f"; FAILING: {', '.join(row['failing'])}" if row["failing"] else "")  # fmt: skip
+    return metrics
+
+
+def _exp(nll: float, n: int) -> float | None:
+    import math
+
+    return math.exp(nll / n) if n else None
+
+
+def _failures(row: dict, max_kl: float | None, meta: dict, tokenizer, template: str | None) -> list[str]:
+    """Why a file is marked failing (empty: it passes)."""
+    out = []
+    if max_kl is not None and row["kl_mean"] is not None and row["kl_mean"] > max_kl:
+        out.append(f"KL {row['kl_mean']:.4g} > {max_kl:g}")
+    if row["replies_ended"] < row["replies_ended_transformers"]:
+        out.append(
+            f"{row['replies_ended_transformers'] - row['replies_ended']} replies ran past the end of turn"
+        )
+    if template and meta["chat_template"] != template:
+        out.append("chat template lost")
+    if meta["eos_token_id"] != tokenizer.eos_token_id:
+        out.append(f"eos {meta['eos_token_id']} != {tokenizer.eos_token_id}")
+    if not row["eos_is_end_of_generation"]:
+        out.append("eos does not end generation")
+    return out
