@@ -31,7 +31,7 @@ CHANGE = "change.yaml"  # a second --configfile holding the change under test
 # A rule named twice runs twice (the export stage: once for the SFT model, once for the DPO model).
 END = ("manifest", "report", "all")
 ONLY_EVALUATE = ("evaluate", *END)
-# The export stage reads the eval prompts and eval.max_new_tokens (and evaluate.py's prompt choice) too.
+# The export stage reads the eval prompts and eval.max_new_tokens too (snaketune.data.prompts, not evaluate.py).
 FROM_EVALUATE = ("evaluate", "export", "export", *END)
 ONLY_EXPORT = ("export", "export", *END)
 # The preference stages: the reference log-probs (of the SFT model), DPO on the SFT model, then evaluation and
@@ -141,7 +141,7 @@ CASES = {
     # the reference stage runs DPO's trainer without training: the same model, kernels and attention
     "dpo.py": (_edit("workflow/snaketune/preference/dpo.py"), FROM_REFERENCE),
     "logprobs.py": (_edit("workflow/snaketune/preference/logprobs.py"), FROM_REFERENCE),
-    "evaluate.py": (_edit("workflow/snaketune/evaluation/evaluate.py"), FROM_EVALUATE),
+    "evaluate.py": (_edit("workflow/snaketune/evaluation/evaluate.py"), ONLY_EVALUATE),
     # the dataclasses: imported by plan, training, the preference stages and evaluate; not by the data stages,
     # which use only the allowed values (config/choices.py)
     "config/schema.py": (

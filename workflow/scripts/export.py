@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from snaketune.evaluation.evaluate import resolve_prompts
+from snaketune.data.prompts import resolve_prompts
 from snaketune.export.export import export
 
 

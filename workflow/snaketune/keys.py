@@ -39,7 +39,7 @@ STAGE_MODULES = {
     "reference": ("snaketune.train.launch", "snaketune.preference.reference"),
     "dpo": ("snaketune.train.launch", "snaketune.preference.dpo"),
     "evaluate": ("snaketune.evaluation.evaluate", "snaketune.gpus"),
-    "export": ("snaketune.export.export", "snaketune.evaluation.evaluate"),
+    "export": ("snaketune.export.export", "snaketune.data.prompts"),
     "report": ("snaketune.report.build",),
     "manifest": ("snaketune.provenance",),
 }

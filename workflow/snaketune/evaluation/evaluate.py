@@ -32,14 +32,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import torch
 
 from snaketune import device_memory
-from snaketune.config.choices import AUTO_PROMPTS, DEFAULT_EVAL_PROMPTS
 from snaketune.config.load import from_dict
 from snaketune.config.schema import ModelConfig
-from snaketune.data.builtin import eval_examples, expected_answer
+from snaketune.data.builtin import eval_examples
+from snaketune.data.prompts import resolve_prompts
 from snaketune.data.tokenization import load_tokenizer
 from snaketune.io import atomic_files, write_json
 from snaketune.model import batching
@@ -94,31 +93,6 @@ def score(examples: Sequence[dict[str, str]], replies: Sequence[str]) -> dict[st
         for example, hit in zip(examples, hits, strict=True):
             groups.setdefault(example[field], []).append(hit)
         out[f"by_{field}"] = {k: _share(sum(v), len(v)) for k, v in sorted(groups.items())}
-    return out
-
-
-# ---- prompts ------------------------------------------------------------------------------------
-
-
-def resolve_prompts(prompts, *, builtin_dataset: bool, conversations_dir: str | Path | None) -> list[dict]:
-    """[{"prompt", "expected"}]: the configured prompts, or for ``auto`` the builtin questions (builtin data)
-    or the first user message of AUTO_PROMPTS validation conversations with their reference reply."""
-    if prompts != "auto":
-        return [{"prompt": p, "expected": expected_answer(p) if builtin_dataset else None} for p in prompts]
-    if builtin_dataset:
-        return [{"prompt": p, "expected": expected_answer(p)} for p in DEFAULT_EVAL_PROMPTS]
-    if conversations_dir is None:
-        raise ValueError("eval.prompts auto needs the validation conversations")
-    table = pq.read_table(Path(conversations_dir) / "validation.parquet", columns=["messages"])
-    out, seen = [], set()
-    for messages in table.column("messages").to_pylist():
-        first = messages[0]["content"]
-        if first in seen:
-            continue
-        seen.add(first)
-        out.append({"prompt": first, "expected": messages[1]["content"] if len(messages) > 1 else None})
-        if len(out) == AUTO_PROMPTS:
-            break
     return out
 
 
