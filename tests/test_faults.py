@@ -374,15 +374,17 @@ def test_a_killed_export_is_redone_to_the_uninterrupted_files(tmp_path_factory, 
 
     workdir = clone_run(reference, tmp_path_factory.mktemp("faults_export") / "wf")
     target = f"results/export/{EXPERIMENT}/sft"
-    shutil.rmtree(workdir / target)
+    shutil.rmtree(
+        workdir / target
+    )  # asked for by name: Snakemake does not remake a missing intermediate itself
     with environment(**{io.PAUSE_ENV: target}):
-        run = start(workdir, *tiny_args())
+        run = start(workdir, target, *tiny_args())
     _wait(run, f"the pause hook at {target}", lambda: target in paused_targets(workdir))
     assert kill_everything(run.proc) == []
     assert not (workdir / target).exists() and temporaries(workdir / "results")
-    assert snakemake(workdir, *tiny_args("-n"), check=False).planned_rules.count("export") == 1
+    assert snakemake(workdir, target, *tiny_args("-n"), check=False).planned_rules == ["export"]
     snakemake(workdir, "--unlock", "--configfile", str(TINY_CONFIG))
-    rerun = finish(start(workdir, *tiny_args("--rerun-incomplete")), RUN_TIMEOUT_S)
+    rerun = finish(start(workdir, target, *tiny_args("--rerun-incomplete")), RUN_TIMEOUT_S)
     assert "export" in rerun.finished_rules and temporaries(workdir / "results") == []
     want = {p.name: p.read_bytes() for p in sorted((reference / target).glob("*.gguf"))}
     assert want and {p.name: p.read_bytes() for p in sorted((workdir / target).glob("*.gguf"))} == want

@@ -262,8 +262,8 @@ def _jobs(workdir: Path) -> list[str]:
         "reference/default",
         "dpo/default",
         "evaluate/default",
-        "export/default/dpo",
-        "export/default/sft",
+        "export/default_dpo",
+        "export/default_sft",
     ]
 
 

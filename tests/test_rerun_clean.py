@@ -309,7 +309,7 @@ def test_rerun_after_a_stage_change_equals_a_clean_run_of_the_stage(stage_reruns
     incremental, clean = stage_reruns[kind]
     assert data_files(incremental) == data_files(clean)
     got, want = outputs(incremental, "default"), outputs(clean, "default")
-    assert sorted(got["export/sft"]) == ["default-sft-bf16.gguf", "default-sft-q8_0.gguf"], got["export/sft"]
+    assert sorted(got["export/sft"]) == ["default-sft-f32.gguf", "default-sft-q8_0.gguf"], got["export/sft"]
     assert_same(got, want, kind)
 
 

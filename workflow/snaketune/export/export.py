@@ -52,7 +52,7 @@ def export(
     model_dir = Path(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     net = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, trust_remote_code=trust_remote_code
+        str(model_dir), dtype=torch.float32, use_safetensors=True, trust_remote_code=trust_remote_code
     ).eval()
     split = batching.load_split(Path(data_dir) / "validation")
     max_len = max_prompt_tokens + max_new_tokens
@@ -87,7 +87,7 @@ def export(
         meta = llama_cpp.gguf_metadata(base)
         for kind, (path, made_s) in made.items():
             llm = measure.open_gguf(path, n_ctx, threads)
-            row = {"type": kind, "file": path.name, "bytes": path.stat().st_size, "made_s": made_s}
+            row = {"type": kind, "file": path.name, "bytes": path.stat().st_size, "make_time_s": made_s}
             row |= measure.score_gguf(llm, segments, reference)
             gen_tokens, gen_s, agree, ended, ended_hf = 0, 0.0, 0, 0, 0
             for prompt, ids, (want, gaps) in zip(prompts, prompt_ids, hf_replies, strict=True):

@@ -79,7 +79,7 @@ def export_section(experiments: list[Experiment]) -> list[Block]:
                     f"({'equal to the tokenizer’s' if meta['chat_template_matches'] else 'NOT equal to the tokenizer’s'}"
                     f"), bos {meta['bos_token_id']}, eos {meta['eos_token_id']} ({'equal' if meta['eos_matches'] else 'NOT equal'} "
                     f"to the tokenizer’s), pre-tokenizer `{meta['pre_tokenizer']}`. Written in "
-                    f"{fmt(sum(f['made_s'] for f in m['files']), 3)} s; the stage took {fmt(m['time_s'], 3)} s."
+                    f"{fmt(sum(f['make_time_s'] for f in m['files']), 3)} s; the stage took {fmt(m['time_s'], 3)} s."
                 )
             )
             quant = m["files"][1] if len(m["files"]) > 1 else m["files"][0]
