@@ -67,7 +67,7 @@ def export(
     prompt_ids = [render_prompt(tokenizer, p, max_prompt_tokens) for p in prompts]
     hf_replies = measure.reference_replies(net, prompt_ids, max_new_tokens, eos)
     del net
-    log.info("reference (transformers, fp32): %d held-out conversations, %d target tokens, perplexity %.4f; %d prompts",
+    log.info("reference (transformers, fp32): %d held-out conversations, %d target tokens, perplexity %s; %d prompts",
              len(segments), n_targets, _exp(ref_nll, n_targets), len(prompts))  # fmt: skip
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
     n_ctx = max([max_len, *(len(s.ids) for s in segments), *(len(p) + max_new_tokens for p in prompt_ids)])
@@ -95,6 +95,9 @@ def export(
                 text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                      add_generation_prompt=True)  # fmt: skip
                 own = llm.tokenize(text.encode(), add_bos=False, special=True)
+                theirs = tokenizer(text, add_special_tokens=False)[
+                    "input_ids"
+                ]  # before any prompt truncation
                 part = measure.parted_at(got[: measure.AGREE_TOKENS], want[: measure.AGREE_TOKENS])
                 gen_tokens += len(got)
                 gen_s += secs
@@ -106,7 +109,7 @@ def export(
                     "transformers": tokenizer.decode(want, skip_special_tokens=True).strip(),
                     "parted_at": part, "transformers_top2_gap_there": gaps[part] if part is not None and part < len(gaps) else None,
                     "llama_cpp_tokens": len(got), "transformers_tokens": len(want),
-                    "ended_at_end_of_turn": ended_here, "llama_cpp_tokenizer_matches": own == ids,
+                    "ended_at_end_of_turn": ended_here, "llama_cpp_tokenizer_matches": own == theirs,
                 })  # fmt: skip
             row.update(
                 generation_tokens_per_s=gen_tokens / gen_s if gen_tokens else None,
@@ -146,11 +149,11 @@ def export(
         write_json(tmp / "metrics.json", metrics)
         (tmp / "replies.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in replies))
     for row in files:
-        log.info("%s: %.1f MiB, perplexity %.4f (x%.4f), KL %.5f, top-1 %.3f, %d/%d replies agree, %d ended; "
-                 "%.0f prompt / %.1f generation tok/s%s", row["file"], row["bytes"] / 2**20, row["perplexity"],
-                 row["perplexity_ratio"], row["kl_mean"], row["top1_agreement"], row["replies_agreeing"],
-                 row["replies"], row["replies_ended"], row["prompt_tokens_per_s"], row["generation_tokens_per_s"] or 0,
-                 f"; FAILING: {', '.join(row['failing'])}" if row["failing"] else "")  # fmt: skip
+        log.info("%s: %.1f MiB, %s%s", row["file"], row["bytes"] / 2**20,
+                 ", ".join(f"{k} {row[k]:.5g}" for k in ("perplexity", "perplexity_ratio", "kl_mean", "top1_agreement",
+                           "prompt_tokens_per_s", "generation_tokens_per_s") if row[k] is not None),
+                 f"; {row['replies_agreeing']}/{row['replies']} replies agree, {row['replies_ended']} ended"
+                 + (f"; FAILING: {', '.join(row['failing'])}" if row["failing"] else ""))  # fmt: skip
     return metrics
 
 
