@@ -353,3 +353,24 @@ def test_schema_knows_the_eval_section():
     raw["eval"]["max_new_token"] = 8
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(raw, schema)
+
+
+def test_preference_intervals_are_wilsons_and_the_means():
+    # Newcombe (1998), Statistics in Medicine 17:857, table I: 81 of 263 -> Wilson 95% interval 0.2553-0.3662;
+    # 0 of 10 -> 0.0000-0.2775 (the normal approximation would give a zero-width interval there).
+    lo, hi = evaluate.wilson_interval(81, 263)
+    assert (round(lo, 4), round(hi, 4)) == (0.2553, 0.3662)
+    lo, hi = evaluate.wilson_interval(0, 10)
+    assert lo == 0.0 and round(hi, 4) == 0.2775
+    # 40 pairs whose chosen reply wins 30 times by the summed log-prob and never per token, rewards against a
+    # reference 0.5 nats lower on the chosen side only.
+    counts = torch.tensor([[2.0, 10.0]] * 40)  # short chosen replies: less likely per token
+    logprobs = torch.tensor([[-8.0, -9.0]] * 30 + [[-10.0, -9.0]] * 10)
+    reference = logprobs - torch.tensor([0.5, 0.0])
+    scores = evaluate.preference_scores(logprobs, counts, reference, beta=0.1)
+    assert scores["accuracy"] == 0.75 and scores["accuracy_ci95"] == evaluate.wilson_interval(30, 40)
+    assert scores["accuracy_per_token"] == 0.0 and scores["accuracy_per_token_ci95"][0] == 0.0
+    assert scores["reward_accuracy"] == 1.0 and scores["reward_margin"] == pytest.approx(0.05)
+    assert scores["reward_margin_ci95"] == pytest.approx(
+        [0.05, 0.05]
+    )  # every pair the same margin: no spread
