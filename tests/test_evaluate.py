@@ -371,6 +371,5 @@ def test_preference_intervals_are_wilsons_and_the_means():
     assert scores["accuracy"] == 0.75 and scores["accuracy_ci95"] == evaluate.wilson_interval(30, 40)
     assert scores["accuracy_per_token"] == 0.0 and scores["accuracy_per_token_ci95"][0] == 0.0
     assert scores["reward_accuracy"] == 1.0 and scores["reward_margin"] == pytest.approx(0.05)
-    assert scores["reward_margin_ci95"] == pytest.approx(
-        [0.05, 0.05]
-    )  # every pair the same margin: no spread
+    # Every pair has the same margin: no spread, a zero-width interval.
+    assert scores["reward_margin_ci95"] == pytest.approx([0.05, 0.05])
