@@ -7,11 +7,14 @@ What is the same as the workflow's stages, read from its run directory and its c
 - Model: the hub-format directory rule import_gguf made of the GGUF file (results/models/*).
 - SFT data: the train stage's own tokenized conversations (results/tokenized/*/train), each packed row cut back into
   its conversations (position 0 starts one), with the train stage's loss tokens as TRL's `completion_mask`: the same
-  tokens, the same chat template, the same assistant-only masking. Rows are padded to the longest of each
-  micro-batch: TRL's packed padding-free mode needs FlashAttention-2 (transformers' sdpa attends across the packed
-  conversations), which the lent machine does not have. Same epochs, optimizer steps per epoch (conversations per
-  step = conversations / the workflow's steps per epoch), peak rate, warm-up, cosine decay to min_lr_ratio, AdamW
-  betas, weight decay, gradient clipping, bf16 mixed precision, seed; Liger's kernels (`use_liger_kernel`).
+  tokens, the same chat template, the same assistant-only masking. `--mode padded`: one conversation per row, each
+  micro-batch padded to its longest; `--mode packed`: TRL's packed padding-free mode (best-fit-decreasing packing
+  into rows of tokenize.max_length with position ids restarting per conversation, the workflow's micro- and global
+  batch in rows; transformers 5 turns those position ids into a block-diagonal mask for sdpa, as no FlashAttention-2
+  package can be installed on the lent machine; DPO's pairs padding-free too). Same epochs, optimizer steps per
+  epoch (conversations per step = conversations / the workflow's steps per epoch), max_steps where the config sets
+  it, the learning-rate schedule (the workflow's own function: `with_schedule`), AdamW betas, weight decay,
+  gradient clipping, bf16 mixed precision, seed; Liger's kernels (`use_liger_kernel`).
 - DPO data: the preference stage's pairs (results/data/preferences/*/train.parquet) in TRL's conversational form
   (prompt messages, chosen and rejected assistant replies), tokenized by TRL with the same chat template, at most
   `preference.max_length` tokens per side (TRL keeps the start; the workflow drops old turns first). Same beta, the
@@ -22,12 +25,13 @@ Writes OUT/sft and OUT/dpo (hub-format), OUT/metrics.json and OUT/generations.js
 and OUT/trl.json (wall time of each stage from process start to the saved model, step times, losses).
 
     python3 bench/real_model_trl.py --run DIR --config config/examples/smollm2-135m-real.yaml [more configs] \\
-        [--experiment NAME] --out OUT [--stages sft,dpo,eval]
+        [--experiment NAME] --out OUT [--stages sft,dpo,eval] [--mode padded|packed]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -47,6 +51,36 @@ from seed_recipe import step_timer  # noqa: E402
 
 from snaketune.config.load import _deep_merge, load_config  # noqa: E402
 from snaketune.model.batching import IGNORE, load_split, steps_for_epochs  # noqa: E402
+
+
+MAX_MICRO = 32
+"""Conversations (SFT) per micro-batch at most: 32 x up to 1,024 tokens fits the H200 in both modes."""
+
+
+def duration(train) -> dict:
+    """TRL's length of training: the workflow's max_steps where set, else its epochs."""
+    if train.max_steps:
+        return {"max_steps": train.max_steps}
+    return {"num_train_epochs": train.epochs}
+
+
+def with_schedule(trainer_cls, train):
+    """`trainer_cls` with the workflow's own learning-rate schedule (snaketune.train.engine.lr_lambda: the first
+    step already at peak / warmup_steps, the last exactly at min_lr_ratio). Transformers' cosine_with_min_lr
+    starts its warm-up at 0, one step behind, so the same arguments would not give the same rates."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from snaketune.train.engine import lr_lambda
+
+    class SameSchedule(trainer_cls):
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:
+                optimizer = optimizer if optimizer is not None else self.optimizer
+                self.lr_scheduler = LambdaLR(optimizer, lr_lambda(train, num_training_steps))
+                self._created_lr_scheduler = True
+            return self.lr_scheduler
+
+    return SameSchedule
 
 
 def one(paths: list[Path], what: str) -> Path:
@@ -102,9 +136,6 @@ def common_args(train, cuda: bool, out: Path, report: dict) -> dict:
     return dict(
         output_dir=str(out),
         learning_rate=train.learning_rate,
-        lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": train.min_lr_ratio},
-        warmup_steps=train.warmup_steps,
         weight_decay=train.weight_decay,
         adam_beta1=train.adam_betas[0],
         adam_beta2=train.adam_betas[1],
@@ -123,7 +154,7 @@ def common_args(train, cuda: bool, out: Path, report: dict) -> dict:
     )
 
 
-def train_sft(files: dict, exp, out: Path, report: dict) -> None:
+def train_sft(files: dict, exp, out: Path, report: dict, mode: str) -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -132,11 +163,15 @@ def train_sft(files: dict, exp, out: Path, report: dict) -> None:
     train = exp.train
     rows, packed = sft_rows(files["data"])
     steps_per_epoch = steps_for_epochs(packed, 1, train.global_batch_size)
-    per_step = int(np.ceil(len(rows["input_ids"]) / steps_per_epoch))
-    micro = min(per_step, 32)
-    accumulation = int(np.ceil(per_step / micro))
+    if mode == "packed":  # TRL packs the same conversations into rows of max_length: the workflow's batch shape
+        micro = train.micro_batch_size
+        accumulation = train.global_batch_size // train.micro_batch_size
+    else:  # one conversation per row: as many conversations per step as the workflow's packed rows hold
+        per_step = int(np.ceil(len(rows["input_ids"]) / steps_per_epoch))
+        accumulation = int(np.ceil(per_step / MAX_MICRO))  # micro-batches of at most MAX_MICRO conversations
+        micro = int(np.ceil(per_step / accumulation))
     report.update(conversations=len(rows["input_ids"]), workflow_packed_rows=packed, steps_per_epoch=steps_per_epoch,
-                  conversations_per_step=micro * accumulation, micro_batch=micro,
+                  rows_per_step=micro * accumulation, micro_batch=micro,
                   tokens=int(sum(map(len, rows["input_ids"]))))  # fmt: skip
     tok = AutoTokenizer.from_pretrained(files["tokenizer"])
     model = AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch.float32)
@@ -144,12 +179,13 @@ def train_sft(files: dict, exp, out: Path, report: dict) -> None:
         **common_args(train, cuda, out / "sft_trainer", report),
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation,
-        num_train_epochs=train.epochs,
+        **duration(train),
         max_length=exp.tokenize.max_length,
-        packing=False,
+        packing=mode == "packed",
+        packing_strategy="bfd",  # best-fit decreasing, padding-free rows (position ids restart per conversation)
         completion_only_loss=True,
     )
-    trainer = SFTTrainer(
+    trainer = with_schedule(SFTTrainer, train)(
         model=model,
         args=config,
         train_dataset=Dataset.from_dict(rows),
@@ -161,7 +197,7 @@ def train_sft(files: dict, exp, out: Path, report: dict) -> None:
     tok.save_pretrained(str(out / "sft"))
 
 
-def train_dpo(files: dict, exp, out: Path, report: dict) -> None:
+def train_dpo(files: dict, exp, out: Path, report: dict, mode: str) -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
@@ -178,14 +214,15 @@ def train_dpo(files: dict, exp, out: Path, report: dict) -> None:
         **common_args(train, cuda, out / "dpo_trainer", report),
         per_device_train_batch_size=train.micro_batch_size,
         gradient_accumulation_steps=train.global_batch_size // train.micro_batch_size,
-        num_train_epochs=train.epochs,
+        **duration(train),
         max_length=pref.max_length,
+        padding_free=mode == "packed",  # each micro-batch's pairs concatenated into one row
         beta=pref.beta,
         loss_type=losses,
         loss_weights=[1.0] + ([pref.sft_weight] if pref.sft_weight else []),
         precompute_ref_log_probs=True,
     )
-    trainer = DPOTrainer(
+    trainer = with_schedule(DPOTrainer, train)(
         model=model,
         args=config,
         train_dataset=Dataset.from_dict(rows),
@@ -205,7 +242,7 @@ def evaluate_peer(files: dict, exp, cfg, out: Path) -> None:
 
     summary = out / "summary.json"
     summary.write_text(
-        json.dumps({"seed": exp.train.seed, "precision": "bf16" if torch.cuda.is_available() else "fp32"})
+        json.dumps({"seed": exp.train.seed, "precision": "bfloat16" if torch.cuda.is_available() else "float32"})
     )
     evaluate(
         **to_dict(cfg.eval),
@@ -240,6 +277,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--experiment", default="default")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--stages", default="sft,dpo,eval")
+    parser.add_argument("--mode", choices=("padded", "packed"), default="padded")
+    parser.add_argument("--seed", type=int, help="override train.seed of both stages (the seed runs)")
     args = parser.parse_args(argv)
     import trl
 
@@ -252,7 +291,13 @@ def main(argv: list[str]) -> int:
     exp = cfg.experiments[args.experiment]
     files = run_files(Path("."))
     args.out.mkdir(parents=True, exist_ok=True)
-    reports: dict = {"trl": trl.__version__, "experiment": args.experiment, "seed": exp.train.seed}
+    if args.seed is not None:
+        exp = dataclasses.replace(
+            exp,
+            train=dataclasses.replace(exp.train, seed=args.seed),
+            dpo_train=dataclasses.replace(exp.dpo_train, seed=args.seed),
+        )
+    reports: dict = {"trl": trl.__version__, "experiment": args.experiment, "seed": exp.train.seed, "mode": args.mode}
     status = 0
     for stage, fn in (("sft", train_sft), ("dpo", train_dpo), ("eval", None)):
         if stage not in args.stages.split(","):
@@ -263,7 +308,7 @@ def main(argv: list[str]) -> int:
             if fn is None:
                 evaluate_peer(files, exp, cfg, args.out)
             else:
-                fn(files, exp, args.out, report)
+                fn(files, exp, args.out, report, args.mode)
             report["status"] = "ok"
         except Exception as e:  # noqa: BLE001 - the report says what happened
             traceback.print_exc()
