@@ -75,9 +75,16 @@ def rewrite(example: Path, sft: float, dpo: float) -> None:
     lines = example.read_text().splitlines(keepends=True)
     hits = [i for i, line in enumerate(lines) if re.match(r"^\s+learning_rate:\s", line)]
     if len(hits) != 2:
-        raise SystemExit(f"{example}: expected two learning_rate lines (train, preference.train), found {len(hits)}")
+        raise SystemExit(
+            f"{example}: expected two learning_rate lines (train, preference.train), found {len(hits)}"
+        )
     for i, value in zip(hits, (sft, dpo), strict=True):
-        lines[i] = re.sub(r"(learning_rate:\s*)\S+", lambda m, v=value: m[1] + f"{v:.1e}".replace("e-0", "e-"), lines[i], count=1)
+        lines[i] = re.sub(
+            r"(learning_rate:\s*)\S+",
+            lambda m, v=value: m[1] + f"{v:.1e}".replace("e-0", "e-"),
+            lines[i],
+            count=1,
+        )
     example.write_text("".join(lines))
     cfg = yaml.safe_load(example.read_text())
     assert math.isclose(cfg["train"]["learning_rate"], sft) and math.isclose(

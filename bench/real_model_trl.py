@@ -52,7 +52,6 @@ from seed_recipe import step_timer  # noqa: E402
 from snaketune.config.load import _deep_merge, load_config  # noqa: E402
 from snaketune.model.batching import IGNORE, load_split, steps_for_epochs  # noqa: E402
 
-
 MAX_MICRO = 32
 """Conversations (SFT) per micro-batch at most: 32 x up to 1,024 tokens fits the H200 in both modes."""
 
@@ -163,7 +162,9 @@ def train_sft(files: dict, exp, out: Path, report: dict, mode: str) -> None:
     train = exp.train
     rows, packed = sft_rows(files["data"])
     steps_per_epoch = steps_for_epochs(packed, 1, train.global_batch_size)
-    if mode == "packed":  # TRL packs the same conversations into rows of max_length: the workflow's batch shape
+    if (
+        mode == "packed"
+    ):  # TRL packs the same conversations into rows of max_length: the workflow's batch shape
         micro = train.micro_batch_size
         accumulation = train.global_batch_size // train.micro_batch_size
     else:  # one conversation per row: as many conversations per step as the workflow's packed rows hold
@@ -242,7 +243,9 @@ def evaluate_peer(files: dict, exp, cfg, out: Path) -> None:
 
     summary = out / "summary.json"
     summary.write_text(
-        json.dumps({"seed": exp.train.seed, "precision": "bfloat16" if torch.cuda.is_available() else "float32"})
+        json.dumps(
+            {"seed": exp.train.seed, "precision": "bfloat16" if torch.cuda.is_available() else "float32"}
+        )
     )
     evaluate(
         **to_dict(cfg.eval),
@@ -297,7 +300,12 @@ def main(argv: list[str]) -> int:
             train=dataclasses.replace(exp.train, seed=args.seed),
             dpo_train=dataclasses.replace(exp.dpo_train, seed=args.seed),
         )
-    reports: dict = {"trl": trl.__version__, "experiment": args.experiment, "seed": exp.train.seed, "mode": args.mode}
+    reports: dict = {
+        "trl": trl.__version__,
+        "experiment": args.experiment,
+        "seed": exp.train.seed,
+        "mode": args.mode,
+    }
     status = 0
     for stage, fn in (("sft", train_sft), ("dpo", train_dpo), ("eval", None)):
         if stage not in args.stages.split(","):
