@@ -109,7 +109,12 @@ print(min(wall, key=wall.get) if wall else "padded")')
     pid=$(sample_gpu seeds)
     (EXTRA="$R/bench/configs/real_model_seeds.yaml" smk $d "$OUT/seeds_workflow.log" \
         results/eval/seed1/metrics.json results/eval/seed2/metrics.json; echo "=== $(date -u +%T) workflow seeds exit $?") &
-    (for s in 1 2; do
+    (if [ "$MODE" = packed ]; then  # phase final scored only the padded models (seed 1234)
+        python3 bench/real_model_trl.py --run $d --config $d/$EXAMPLE bench/configs/real_model.yaml \
+            --out /tmp/trl_packed --mode packed --stages eval > "$OUT/trl_packed_eval.log" 2>&1
+        echo "=== $(date -u +%T) TRL packed seed 1234 eval exit $?"
+     fi
+     for s in 1 2; do
         python3 bench/real_model_trl.py --run $d --config $d/$EXAMPLE bench/configs/real_model.yaml \
             --out /tmp/trl_seed$s --mode "$MODE" --seed $s > "$OUT/trl_seed$s.log" 2>&1
         echo "=== $(date -u +%T) TRL seed $s exit $?"
@@ -117,7 +122,7 @@ print(min(wall, key=wall.get) if wall else "padded")')
     wait -n; wait -n
     kill "$pid"
     collect seeds $d
-    for t in trl_seed1 trl_seed2; do mkdir -p "$OUT/$t"; cp /tmp/$t/*.json /tmp/$t/*.jsonl "$OUT/$t/" 2>/dev/null; done
+    for t in trl_seed1 trl_seed2 trl_packed; do mkdir -p "$OUT/$t"; cp /tmp/$t/*.json /tmp/$t/*.jsonl "$OUT/$t/" 2>/dev/null; done
     ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

@@ -39,9 +39,12 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
-import torch
-import yaml
+# Before torch, transformers and TRL load: the first stage's wall time counts their imports (as a rule's does).
+T_START = time.perf_counter()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "workflow"))
@@ -301,6 +304,7 @@ def main(argv: list[str]) -> int:
             dpo_train=dataclasses.replace(exp.dpo_train, seed=args.seed),
         )
     reports: dict = {
+        "import_s": time.perf_counter() - T_START,
         "trl": trl.__version__,
         "experiment": args.experiment,
         "seed": exp.train.seed,
