@@ -36,6 +36,20 @@ def test_shipped_configs_validate(path):
     assert cfg.experiments
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "config/examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_load_over_the_defaults(path, tmp_path, monkeypatch):
+    """Each example as `--configfile config/examples/<file>` gives it: merged key by key over config.yaml. A GGUF
+    model.base is the file its header copies into the working directory (an empty stand-in here)."""
+    from snaketune.config.load import _deep_merge
+
+    raw = _deep_merge(default_config(), yaml.safe_load(path.read_text()))
+    monkeypatch.chdir(tmp_path)
+    if raw["model"]["base"].endswith(".gguf"):
+        (tmp_path / raw["model"]["base"]).touch()
+    jsonschema.validate(raw, SCHEMA)
+    assert load_config(raw).experiments["default"].train.gpus >= 1
+
+
 def test_defaults_match_config_yaml():
     """config.yaml spells out the dataclass defaults, so reading it or omitting it gives the same run."""
     from_file = load_config(default_config()).experiments["default"]
