@@ -163,3 +163,29 @@ def test_launcher_refuses_several_nodes_without_them(tmp_path, monkeypatch, slur
     with pytest.raises(LaunchError, match=expected):
         launch({"experiment": "x"}, spec, granted=1, log_file=tmp_path / "log", threads=1, nodes=2)
     assert not spec.exists()  # refused before anything was written or started
+
+
+def test_ranks_run_the_launching_workflows_own_package(tmp_path):
+    """A workflow copied elsewhere (tests do it; so does a user with two checkouts) launches ranks that import its
+    own snaketune, not the one installed in the environment (`pip install -e .` points at the checkout)."""
+    import subprocess
+    import sys
+
+    from conftest import copy_workflow
+
+    copy = copy_workflow(tmp_path / "copy")
+    ask = "import sys; sys.path.insert(0, sys.argv[1]); from snaketune.train.launch import rank_pythonpath as r; print(r({}))"
+    pythonpath = subprocess.run(
+        [sys.executable, "-c", ask, str(copy / "workflow")], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    where = subprocess.run(
+        [sys.executable, "-c", "import snaketune; print(snaketune.__file__)"],
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert os.path.realpath(where) == os.path.realpath(copy / "workflow/snaketune/__init__.py"), (
+        pythonpath,
+        where,
+    )

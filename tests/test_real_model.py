@@ -11,6 +11,7 @@ import csv
 import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,29 @@ def test_sft_lowers_the_loss_on_the_overfit_set_with_the_models_own_template(rea
     assert summary["parameters"] == 134_515_008
     evaluation = json.loads((real_run / "results/eval/default/metrics.json").read_text())
     assert evaluation["validation"]["tuned"]["loss"] < evaluation["validation"]["base"]["loss"]
+
+
+def test_the_trl_peer_trains_on_the_train_stages_own_tokens_and_loss_tokens(real_run):
+    """bench/real_model_trl.py cuts the packed rows back into conversations for TRL: each one starts where the
+    model's chat template starts a turn, and their completion masks hold exactly the train stage's loss tokens."""
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from real_model_trl import sft_rows
+
+    from snaketune.model.batching import IGNORE, load_split
+
+    data_dir = next((real_run / "results/tokenized").glob("*/stats.json")).parent
+    rows, packed = sft_rows(data_dir)
+    split = load_split(data_dir / "train")
+    assert packed == len(split.input_ids) and len(rows["input_ids"]) > packed
+    assert sum(map(sum, rows["completion_mask"])) == sum(int((lab != IGNORE).sum()) for lab in split.labels)
+    tok = Tokenizer.from_file(str(next((real_run / "results/tokenizer").glob("*/tokenizer.json"))))
+    im_start = tok.token_to_id("<|im_start|>")
+    assert {ids[0] for ids in rows["input_ids"]} == {im_start}
+    assert all(
+        len(ids) == len(mask) for ids, mask in zip(rows["input_ids"], rows["completion_mask"], strict=True)
+    )
 
 
 def test_the_report_shows_the_real_models_replies(real_run):

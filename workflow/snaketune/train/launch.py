@@ -32,7 +32,14 @@ from snaketune.train import hosts
 
 log = logging.getLogger(__name__)
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
+"""The directory that holds this snaketune package (workflow/): first on the ranks' PYTHONPATH, so that they run
+the code of the workflow that launched them, not another copy installed in the environment."""
+
+
+def rank_pythonpath(environ: dict[str, str]) -> str:
+    """PYTHONPATH for the ranks: PACKAGE_ROOT, then the caller's."""
+    return os.pathsep.join([str(PACKAGE_ROOT), environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 
 
 class LaunchError(RuntimeError):
@@ -171,7 +178,7 @@ def launch(
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(json.dumps(spec, indent=2, sort_keys=True))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = rank_pythonpath(env)
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     alloc, gpu_env = assign_gpus(pool, nproc, experiment=spec["experiment"], plan=plan)
     env.update(gpu_env)
