@@ -6,11 +6,12 @@
 #          wheel, the oasst rows as xz, the first part of the model file's xz): install, unpack.
 #   sweep  carry .rm/c2 (the rest of the model file): join, check sha256, then the learning-rate sweep of
 #          bench/configs/real_model_sweep.yaml, four Snakemake runs side by side on the one GPU (each with its own
-#          GPU lock directory: quality figures only, no timings from this phase).
-#   final  bench/real_model_select.py writes the chosen rates into the example; then, alone on the GPU, the
-#          example through the workflow (seed 1234, every stage, wall time per stage from benchmarks/), TRL in its
+#          GPU lock directory: quality figures only, no timings from this phase); bench/real_model_select.py
+#          writes the chosen rates into a copy of the example (/tmp/smollm2/example.yaml).
+#   final  alone on the GPU: that example through the workflow (seed 1234, every stage, wall time per stage from benchmarks/), TRL in its
 #          padded mode (SFT, DPO, the evaluate stage's scoring) and in its packed padding-free mode (SFT, DPO).
 #   seeds  seeds 1 and 2 of the example through the workflow and TRL (side by side: quality figures only).
+# Each phase leaves its log and one archive of everything else in $OUT (a call brings back at most 8 files).
 #   bash bench/device_real_model.sh PHASE
 set -uo pipefail
 PHASE=${1:?usage: bench/device_real_model.sh setup|sweep|final|seeds}
