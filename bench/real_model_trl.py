@@ -56,7 +56,7 @@ from snaketune.config.load import _deep_merge, load_config  # noqa: E402
 from snaketune.model.batching import IGNORE, load_split, steps_for_epochs  # noqa: E402
 
 MAX_MICRO = 32
-"""Conversations (SFT) per micro-batch at most: 32 x up to 1,024 tokens fits the H200 in both modes."""
+"""Padded mode: conversations per SFT micro-batch at most (on the H200 25 x 3 per step took 4.6 GiB)."""
 
 
 def duration(train) -> dict:
