@@ -133,7 +133,7 @@ def dpo_rows(pairs_dir: Path) -> dict[str, list]:
     }
 
 
-def common_args(train, cuda: bool, out: Path, report: dict) -> dict:
+def common_args(train, cuda: bool, out: Path) -> dict:
     """TrainingArguments shared by both stages, from a train section of the workflow's config."""
     return dict(
         output_dir=str(out),
@@ -156,8 +156,23 @@ def common_args(train, cuda: bool, out: Path, report: dict) -> dict:
     )
 
 
-def train_sft(files: dict, exp, out: Path, report: dict, mode: str) -> None:
+def fit(trainer_cls, model, tok, config, rows: dict, report: dict, dest: Path) -> None:
+    """Train with TRL's `trainer_cls` on `rows`, timing each step into `report`; save model and tokenizer to dest."""
     from datasets import Dataset
+
+    trainer = trainer_cls(
+        model=model,
+        args=config,
+        train_dataset=Dataset.from_dict(rows),
+        processing_class=tok,
+        callbacks=[step_timer(report, torch.cuda.is_available())],
+    )
+    trainer.train()
+    trainer.save_model(str(dest))
+    tok.save_pretrained(str(dest))
+
+
+def train_sft(files: dict, exp, out: Path, report: dict, mode: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
@@ -180,7 +195,7 @@ def train_sft(files: dict, exp, out: Path, report: dict, mode: str) -> None:
     tok = AutoTokenizer.from_pretrained(files["tokenizer"])
     model = AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch.float32)
     config = SFTConfig(
-        **common_args(train, cuda, out / "sft_trainer", report),
+        **common_args(train, cuda, out / "sft_trainer"),
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation,
         **duration(train),
@@ -189,20 +204,10 @@ def train_sft(files: dict, exp, out: Path, report: dict, mode: str) -> None:
         packing_strategy="bfd",  # best-fit decreasing, padding-free rows (position ids restart per conversation)
         completion_only_loss=True,
     )
-    trainer = with_schedule(SFTTrainer, train)(
-        model=model,
-        args=config,
-        train_dataset=Dataset.from_dict(rows),
-        processing_class=tok,
-        callbacks=[step_timer(report, cuda)],
-    )
-    trainer.train()
-    trainer.save_model(str(out / "sft"))
-    tok.save_pretrained(str(out / "sft"))
+    fit(with_schedule(SFTTrainer, train), model, tok, config, rows, report, out / "sft")
 
 
 def train_dpo(files: dict, exp, out: Path, report: dict, mode: str) -> None:
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
@@ -215,7 +220,7 @@ def train_dpo(files: dict, exp, out: Path, report: dict, mode: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(out / "sft", dtype=torch.float32)
     losses = ["sigmoid"] + (["sft"] if pref.sft_weight else [])
     config = DPOConfig(
-        **common_args(train, cuda, out / "dpo_trainer", report),
+        **common_args(train, cuda, out / "dpo_trainer"),
         per_device_train_batch_size=train.micro_batch_size,
         gradient_accumulation_steps=train.global_batch_size // train.micro_batch_size,
         **duration(train),
@@ -226,16 +231,7 @@ def train_dpo(files: dict, exp, out: Path, report: dict, mode: str) -> None:
         loss_weights=[1.0] + ([pref.sft_weight] if pref.sft_weight else []),
         precompute_ref_log_probs=True,
     )
-    trainer = with_schedule(DPOTrainer, train)(
-        model=model,
-        args=config,
-        train_dataset=Dataset.from_dict(rows),
-        processing_class=tok,
-        callbacks=[step_timer(report, cuda)],
-    )
-    trainer.train()
-    trainer.save_model(str(out / "dpo"))
-    tok.save_pretrained(str(out / "dpo"))
+    fit(with_schedule(DPOTrainer, train), model, tok, config, rows, report, out / "dpo")
 
 
 def evaluate_peer(files: dict, exp, cfg, out: Path) -> None:
