@@ -47,7 +47,6 @@ def quality(metrics: dict) -> dict:
         "margin_txt": ci(p["dpo"], "reward_margin"),
         "acc": {w: p[w]["accuracy"] for w in ("base", "tuned", "dpo")},
         "acc_tok": {w: p[w]["accuracy_per_token"] for w in ("base", "tuned", "dpo")},
-        "pairs": p["dpo"].get("pairs"),
     }
 
 
@@ -71,14 +70,12 @@ def spread(values: list[float]) -> str:
 def main(root: Path) -> None:
     sel = load(root / "selection.json")
     print(f"Sweep (seed 1234; chosen SFT {sel['sft_lr']:.0e}, DPO {sel['dpo_lr']:.0e}):\n")
-    print(
-        "| experiment | SFT lr | DPO lr | held-out loss base / SFT / DPO | DPO reward accuracy [95%] | pairs |"
-    )
-    print("|---|---:|---:|---|---|---:|")
+    print("| experiment | SFT lr | DPO lr | held-out loss base / SFT / DPO | DPO reward accuracy [95%] |")
+    print("|---|---:|---:|---|---|")
     for r in sorted(sel["records"], key=lambda r: (r["sft_lr"], r["dpo_lr"])):
         lo, hi = r["reward_accuracy_ci95"]
         print(f"| {r['experiment']} | {r['sft_lr']:.0e} | {r['dpo_lr']:.0e} | {r['base_loss']:.4f} / {r['sft_loss']:.4f} / "
-              f"{r['dpo_loss']:.4f} | {r['reward_accuracy']:.3f} [{lo:.3f}, {hi:.3f}] | |")  # fmt: skip
+              f"{r['dpo_loss']:.4f} | {r['reward_accuracy']:.3f} [{lo:.3f}, {hi:.3f}] |")  # fmt: skip
 
     runs = {"workflow": [], "trl": []}
     for exp, d in (("default", root / "final"), ("seed1", root / "seeds"), ("seed2", root / "seeds")):
