@@ -264,3 +264,75 @@ def test_two_experiments_train_at_once_on_disjoint_gpus(tmp_path):
     train_jobs = re.findall(r"rule train:\n((?:    .*\n)+)", proc.stderr)
     assert len(train_jobs) == 2, proc.stderr[-4000:]
     assert not [job for job in train_jobs if re.search(r"threads: (?!1\n)", job)], train_jobs
+
+
+FAKE_LIBCUDA = r"""
+#include <stdlib.h>
+#include <string.h>
+#include <stdio.h>
+/* The driver calls snaketune.cuda_driver makes, answering from FAKE_CUDA_DEVICES ("name:GiB,name:GiB,...");
+   FAKE_CUDA_INIT is cuInit's CUresult. Peer access: between devices of the same name. */
+static char names[8][64]; static long long mem[8]; static int n = 0;
+int cuInit(unsigned flags) {
+    const char *rc = getenv("FAKE_CUDA_INIT"), *spec = getenv("FAKE_CUDA_DEVICES");
+    if (rc && atoi(rc)) return atoi(rc);
+    char buf[512]; strncpy(buf, spec ? spec : "", sizeof buf - 1); buf[sizeof buf - 1] = 0;
+    for (char *tok = strtok(buf, ","); tok && n < 8; tok = strtok(NULL, ",")) {
+        char *colon = strchr(tok, ':'); *colon = 0;
+        strncpy(names[n], tok, 63); mem[n] = atoll(colon + 1) << 30; n++;
+    }
+    return n ? 0 : 100;
+}
+int cuDeviceGetCount(int *count) { *count = n; return 0; }
+int cuDeviceGet(int *dev, int ordinal) { if (ordinal < 0 || ordinal >= n) return 101; *dev = ordinal; return 0; }
+int cuDeviceGetName(char *out, int len, int dev) { strncpy(out, names[dev], len); return 0; }
+int cuDeviceTotalMem_v2(size_t *bytes, int dev) { *bytes = (size_t)mem[dev]; return 0; }
+int cuDeviceCanAccessPeer(int *can, int a, int b) { *can = strcmp(names[a], names[b]) == 0; return 0; }
+int cuGetErrorName(int rc, const char **s) { *s = rc == 999 ? "CUDA_ERROR_UNKNOWN" : "OTHER"; return 0; }
+"""
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the fake driver")
+def test_the_launcher_asks_the_cuda_driver_without_importing_torch(tmp_path):
+    """The rule's process counts, names and sizes the GPUs through libcuda (snaketune.cuda_driver), never torch:
+    a fake driver built here answers, and torch stays unimported; no driver or a failing cuInit means no GPU."""
+    src = tmp_path / "fake_cuda.c"
+    src.write_text(FAKE_LIBCUDA)
+    lib = tmp_path / "libcuda.so.1"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: fake'\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    probe = textwrap.dedent(
+        """
+        import json, sys
+        from snaketune import cuda_driver, gpus
+        cuda_driver.LIBRARY = sys.argv[1]
+        n = gpus.cuda_device_count()
+        devices = gpus.cuda_devices(range(n)) if n else []
+        peer = gpus.peer_access(list(range(n))) if n else {}
+        print(json.dumps({"n": n, "devices": [[d.name, d.total_gib] for d in devices],
+                          "peer": sorted(f"{a}{b}" for (a, b), ok in peer.items() if ok),
+                          "torch": "torch" in sys.modules}))
+        """
+    )
+
+    def ask(library: Path, **env) -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-c", probe, str(library)],
+            env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", **env},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return json.loads(proc.stdout)
+
+    got = ask(lib, FAKE_CUDA_DEVICES="RTX 4090:24,RTX 4090:24,RTX 3090:24")
+    assert got == {
+        "n": 3,
+        "devices": [["RTX 4090", 24.0], ["RTX 4090", 24.0], ["RTX 3090", 24.0]],
+        "peer": ["01", "10"],
+        "torch": False,
+    }
+    assert ask(lib, FAKE_CUDA_DEVICES="")["n"] == 0  # cuInit: CUDA_ERROR_NO_DEVICE
+    assert ask(lib, FAKE_CUDA_DEVICES="H200:139", FAKE_CUDA_INIT="999")["n"] == 0
+    assert ask(tmp_path / "absent.so")["n"] == 0

@@ -14,7 +14,12 @@ import pytest
 from snaketune import keys
 
 LAYERS = (
-    ("snaketune.io", "snaketune.gpus", "snaketune.device_memory"),  # infrastructure every stage uses
+    (
+        "snaketune.io",
+        "snaketune.cuda_driver",
+        "snaketune.gpus",
+        "snaketune.device_memory",
+    ),  # infrastructure every stage uses
     ("snaketune.config",),  # allowed values, dataclasses, loading, DeepSpeed files
     ("snaketune.keys", "snaketune.provenance"),  # names of cached outputs, records of jobs
     ("snaketune.data",),  # download -> tokenized pairs
@@ -29,6 +34,8 @@ LAYERS = (
 """Each layer may import itself and the layers above it in this list, never one below."""
 NO_TORCH = (
     "snaketune.io",
+    "snaketune.cuda_driver",
+    "snaketune.gpus",
     "snaketune.device_memory",
     "snaketune.config",
     "snaketune.keys",

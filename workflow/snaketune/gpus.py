@@ -104,13 +104,13 @@ def count_gpus() -> int:
 
 
 def cuda_device_count() -> int:
-    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies); torch is imported, and CUDA asked, only on
-    a machine where nvidia-smi exists: a launcher on a CPU machine spends no second importing torch."""
+    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies), asked of the CUDA driver (snaketune.cuda_driver:
+    no torch import in a rule's process), and only on a machine where nvidia-smi exists."""
     if shutil.which("nvidia-smi") is None:
         return 0
-    import torch
+    from snaketune import cuda_driver
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return cuda_driver.device_count()
 
 
 def candidates(environ: Mapping[str, str] | None = None, *, count: int | None = None) -> Candidates:
@@ -400,23 +400,20 @@ def nvidia_smi_devices(ids: Sequence[str] | None = None) -> list[Device]:
     return devices
 
 
-def torch_devices(positions: Sequence[int]) -> list[Device]:
-    """Name and memory of this process's CUDA devices at `positions` (initializes CUDA here)."""
-    import torch
+def cuda_devices(positions: Sequence[int]) -> list[Device]:
+    """Name and memory of this process's CUDA devices at `positions` (torch's cuda:<position>), from the driver."""
+    from snaketune import cuda_driver
 
-    out = []
-    for p in positions:
-        props = torch.cuda.get_device_properties(p)
-        out.append(Device(props.name, props.total_memory / 2**30))
-    return out
+    infos = [cuda_driver.device_info(p) for p in positions]
+    return [Device(i.name, i.total_bytes / 2**30) for i in infos]
 
 
 def peer_access(positions: Sequence[int]) -> dict[tuple[int, int], bool]:
     """Whether each ordered pair of this process's CUDA devices can access the other's memory directly."""
-    import torch
+    from snaketune import cuda_driver
 
     return {
-        (a, b): bool(torch.cuda.can_device_access_peer(pa, pb))
+        (a, b): cuda_driver.can_access_peer(pa, pb)
         for a, pa in enumerate(positions)
         for b, pb in enumerate(positions)
         if a != b

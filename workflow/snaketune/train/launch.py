@@ -92,7 +92,7 @@ def assign_gpus(
         return alloc, env
     try:
         positions = [pool.position(i) for i in alloc.ids]
-        devices = gpus.torch_devices(positions)
+        devices = gpus.cuda_devices(positions)
         fits, line = check_devices(
             plan,
             world=nproc,
