@@ -15,6 +15,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# The suite runs two pytest workers on CI's two cores, and each starts processes with OpenMP thread teams of their
+# own (CPU ranks, the evaluate and export rules): the cores are oversubscribed by design. OpenMP threads that
+# spin while they wait (libgomp's default) then burn the other processes' time: a forward and backward of the
+# 135M SmolLM2 at 2 x 128 tokens, two threads, beside two other busy processes, took 14-44 s spinning and 3.2-3.3 s
+# with passive waiting (this 2-core machine, 2026-12-03). Set before any torch loads, inherited by every process.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 DEEPSPEED_DIR = REPO / "config" / "deepspeed"
 WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs")
 """What a copy of the workflow needs (tests run Snakemake in copies, never in the checkout)."""

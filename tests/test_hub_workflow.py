@@ -1,7 +1,9 @@
 """The user's path end to end on CPU ranks: a hub-format model directory (LlamaForCausalLM with DeepSeek-LLM's
 102,400-row embedding, sharded safetensors written by save_pretrained, the real DeepSeek tokenizer copied in,
-no chat template), real oasst rows in both official forms, and the workflow through train (ZeRO-0, ZeRO-2,
-ZeRO-3, LoRA), preference tuning, evaluate, manifest and report."""
+no chat template), real oasst rows in both official forms, and the workflow through train (ZeRO-2, ZeRO-3 with
+the optimizer offloaded, LoRA on ZeRO-2, QLoRA on ZeRO-0), preference tuning, evaluate, export, manifest and
+report. Full fine-tuning on ZeRO-0 and plain ZeRO-3 load the hub directory as ZeRO-2 and ZeRO-3 with offload do; on
+the builtin model tests/test_training.py checks that the ZeRO stages agree."""
 
 from __future__ import annotations
 
@@ -27,11 +29,9 @@ needs_realdata = pytest.mark.skipif(not TOKENIZER.is_dir(), reason=f"{REALDATA} 
 RUN_TIMEOUT_S = 1500
 ZERO2 = "default"
 EXPERIMENTS = {
-    "zero0": {"train": {"deepspeed": "config/deepspeed/zero0.json"}},
     # Snakemake merges config/config.yaml's `experiments: {default: {}}` into any config file's experiments, so
     # the ZeRO-2 case is the one named `default` (ZERO2) rather than a fifth training.
     ZERO2: {"train": {"deepspeed": "config/deepspeed/zero2.json"}},
-    "zero3": {"train": {"deepspeed": "config/deepspeed/zero3.json"}},
     "zero3_offload": {"train": {"deepspeed": "config/deepspeed/zero3_offload.json"}},
     "lora": {
         "train": {"deepspeed": "config/deepspeed/zero2.json", "lora": {"enabled": True, "rank": 4}},
@@ -84,7 +84,7 @@ def hub_run(tmp_path_factory):
     model = write_hub_model(root / "deepseek-tiny-hub")
     workdir = copy_workflow(root / "wf")
     config = {
-        "dataset": {"source": str(ROWS), "paths": "all", "validation_fraction": 0.15},
+        "dataset": {"source": str(ROWS), "paths": "all", "validation_fraction": 0.08},
         "model": {"base": str(model)},
         "tokenize": {"max_length": 256},
         "train": {
@@ -100,7 +100,8 @@ def hub_run(tmp_path_factory):
         },
         "preference": {
             "enabled": False,
-            "max_length": 128,
+            # 64 tokens a side: the reference pass scores every pair against the 102,400-row head (115 s at 128)
+            "max_length": 64,
             "train": {"max_steps": 3, "global_batch_size": 4, "micro_batch_size": 2, "eval_every": 0},
         },
         "eval": {"max_new_tokens": 6, "batch_size": 4},
@@ -132,13 +133,11 @@ def test_hub_model_has_the_users_layout(hub_run):
 def test_every_strategy_trains_from_the_hub_directory(hub_run):
     workdir, _, result = hub_run
     summaries = {name: _json(workdir / f"results/train/{name}/summary.json") for name in EXPERIMENTS}
-    assert [summaries[n]["zero_stage"] for n in ("zero0", ZERO2, "zero3", "zero3_offload")] == [0, 2, 3, 3]
+    assert [summaries[n]["zero_stage"] for n in (ZERO2, "zero3_offload", "lora", "qlora")] == [2, 3, 2, 0]
     for name, s in summaries.items():
         assert s["world_size"] == 2 and s["steps"] == 4, name
         adapters = s["trainable_parameters"] if s["lora"] else 0
-        assert (
-            s["parameters"] - adapters == summaries["zero0"]["parameters"]
-        )  # 102,400-row embeddings, untied
+        assert s["parameters"] - adapters == summaries[ZERO2]["parameters"]  # 102,400-row embeddings, untied
         assert s["final_train_loss"] is not None and s["final_train_loss"] < 11.6, name  # ln(102,400) = 11.54
     assert (
         summaries["lora"]["lora"]
@@ -152,13 +151,9 @@ def test_every_strategy_trains_from_the_hub_directory(hub_run):
     # The plan knows the base is 4-bit (this tiny model's weights are nearly all embeddings, which stay bf16).
     assert _json(workdir / "results/plan/qlora.json")["configured"]["setup"]["quantized"]
     # ZeRO-3 partitions the parameters while they load; the decay groups follow the real shapes.
-    assert summaries["zero3"]["weight_decay_parameters"] == summaries[ZERO2]["weight_decay_parameters"]
     assert (
         summaries["zero3_offload"]["weight_decay_parameters"] == summaries[ZERO2]["weight_decay_parameters"]
     )
-    assert summaries["zero0"]["weight_decay_parameters"] == summaries[ZERO2]["weight_decay_parameters"]
-    log = (workdir / "logs/train/zero3.log").read_text()
-    assert "optimizer tensors checked" in log
     # With the optimizer offloaded its states live on the host, and the check says so.
     assert "optimizer tensors checked on the host" in (workdir / "logs/train/zero3_offload.log").read_text()
     # The saved models are hub directories again, with the real tokenizer and the DeepSeek chat template.
@@ -199,7 +194,12 @@ def test_preference_stage_runs_on_the_hub_path(hub_run):
 
 @needs_realdata
 def test_evaluation_and_report_on_the_hub_path(hub_run):
+    import pyarrow.parquet as pq
+
     workdir, _, _ = hub_run
+    conversations = pq.read_table(workdir / "results/data/conversations/validation.parquet").to_pylist()
+    first_messages = list(dict.fromkeys(c["messages"][0]["content"] for c in conversations))
+    assert len(first_messages) >= 4
     for name in EXPERIMENTS:
         metrics = _json(workdir / f"results/eval/{name}/metrics.json")
         assert metrics["base_model"].startswith("from_pretrained(")
@@ -208,8 +208,10 @@ def test_evaluation_and_report_on_the_hub_path(hub_run):
             json.loads(line)
             for line in (workdir / f"results/eval/{name}/generations.jsonl").read_text().splitlines()
         ]
-        # auto prompts on real data: validation conversations' first user messages, their reply as expected
-        assert len(rows) == 8 and all(r["expected"] for r in rows)
+        # auto prompts on real data: the validation conversations' distinct first user messages (8 at most), their
+        # reply as expected
+        assert len(rows) == min(8, len(first_messages)) and all(r["expected"] for r in rows)
+        assert [r["prompt"] for r in rows] == first_messages[: len(rows)]
         val = metrics["validation"]
         assert val["tuned"]["loss"] < val["base"]["loss"]
     summary = _json(workdir / "results/report/summary.json")
