@@ -17,8 +17,8 @@ import yaml
 from conftest import copy_workflow
 from test_workflow import snakemake
 
-# The fixture runs the whole workflow for six experiments (about 17 minutes on two cores): longer than
-# pyproject.toml's per-test timeout, which the first test using it pays.
+# The fixture runs the whole workflow for four experiments (about 7 minutes on two cores beside another test):
+# longer than pyproject.toml's per-test timeout, which the first test using it pays.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
