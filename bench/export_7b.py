@@ -33,12 +33,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "workflow"))
 
-from snaketune.config.load import _deep_merge, load_config  # noqa: E402
+from snaketune.config.load import load_config, merge_config_files  # noqa: E402
 from snaketune.config.schema import Config, ExperimentConfig  # noqa: E402
 
 EXPERIMENT, MODEL = "default", "sft"  # the names rule export would give: results/export/default/sft
@@ -46,13 +44,10 @@ EXPERIMENT, MODEL = "default", "sft"  # the names rule export would give: result
 
 def load_cfg(args: argparse.Namespace) -> tuple[Config, ExperimentConfig]:
     """config/config.yaml, any --config overlays, then the rows file and the 7B architecture (with the given tokenizer)."""
-    raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    for extra in args.config:
-        raw = _deep_merge(raw, yaml.safe_load(Path(extra).read_text()) or {})
-    raw = _deep_merge(raw, {
-        "dataset": {"source": str(args.data)},
-        "model": {"base": "arch:deepseek-llm-7b", "tokenizer": str(args.tokenizer), "num_layers": args.num_layers},
-    })  # fmt: skip
+    raw = merge_config_files([REPO / "config" / "config.yaml", *args.config])
+    raw["dataset"] = {**raw["dataset"], "source": str(args.data)}
+    raw["model"] = {**raw["model"], "base": "arch:deepseek-llm-7b", "tokenizer": str(args.tokenizer),
+                    "num_layers": args.num_layers}  # fmt: skip
     raw.pop("experiments", None)
     cfg = load_config(raw)
     return cfg, cfg.experiments[EXPERIMENT]

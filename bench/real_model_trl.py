@@ -44,7 +44,6 @@ T_START = time.perf_counter()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "workflow"))
@@ -52,7 +51,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from seed_recipe import step_timer  # noqa: E402
 
-from snaketune.config.load import _deep_merge, load_config  # noqa: E402
+from snaketune.config.load import load_config, merge_config_files  # noqa: E402
 from snaketune.model.batching import IGNORE, load_split, steps_for_epochs  # noqa: E402
 
 MAX_MICRO = 32
@@ -285,9 +284,7 @@ def main(argv: list[str]) -> int:
     import trl
 
     # Snakemake's config: config/config.yaml, then each --configfile merged over it, key by key.
-    raw = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    for path in args.config:
-        raw = _deep_merge(raw, yaml.safe_load(path.read_text()) or {})
+    raw = merge_config_files([REPO / "config/config.yaml", *args.config])
     os.chdir(args.run)  # relative paths of the config (dataset.source, model.base) as the workflow read them
     cfg = load_config(raw)
     exp = cfg.experiments[args.experiment]

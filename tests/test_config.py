@@ -40,9 +40,9 @@ def test_shipped_configs_validate(path):
 def test_example_configs_load_over_the_defaults(path, tmp_path, monkeypatch):
     """Each example as `--configfile config/examples/<file>` gives it: merged key by key over config.yaml. A GGUF
     model.base is the file its header copies into the working directory (an empty stand-in here)."""
-    from snaketune.config.load import _deep_merge
+    from snaketune.config.load import merge_config_files
 
-    raw = _deep_merge(default_config(), yaml.safe_load(path.read_text()))
+    raw = merge_config_files([ROOT / "config/config.yaml", path])
     monkeypatch.chdir(tmp_path)
     if raw["model"]["base"].endswith(".gguf"):
         (tmp_path / raw["model"]["base"]).touch()

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import difflib
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,17 @@ def _deep_merge(base: dict, override: dict) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def merge_config_files(paths: Iterable[str | Path]) -> dict[str, Any]:
+    """The mapping Snakemake makes of config files (the Snakefile's configfile, then each ``--configfile``): each file
+    merged over the ones before it, key by key. For scripts outside the workflow that read a run's config as it did."""
+    import yaml
+
+    raw: dict[str, Any] = {}
+    for path in paths:
+        raw = _deep_merge(raw, yaml.safe_load(Path(path).read_text()) or {})
+    return raw
 
 
 def load_config(raw: dict[str, Any]) -> Config:
