@@ -22,6 +22,23 @@ BEST = dict(
 LORA_LIGER = {**BEST, "kernels": "liger", "learning_rate": 1e-4, "lora": {"enabled": True, "rank": 16}}
 """LoRA r16 on every linear layer with Liger's kernels: lora30_liger and its capped variants."""
 
+IN_BACKWARD = {
+    **BEST,
+    "kernels": "liger",
+    "optimizer_step": "in_backward",
+    "optimizer_states": "4bit",
+    "gradient_checkpointing": True,
+    "micro_batch_size": 1,
+    "global_batch_size": 1,
+}
+"""Issue #26: full fine-tuning with the step in backward and 4-bit states, one 2,048-token row per step (it cannot
+accumulate), every layer checkpointed, Liger's kernels."""
+OFFLOAD = {**IN_BACKWARD, "deepspeed": "config/deepspeed/zero3_offload.json", "optimizer_step": "after_backward",
+           "optimizer_states": "fp32"}  # fmt: skip
+"""The same training as IN_BACKWARD under ZeRO-3 with DeepSpeed's CPU optimizer offload: what a full fine-tune of a 7B
+on a 24 GB card needed before."""
+LONG_ROWS = {"max_length": 2048}
+
 
 @dataclass(frozen=True)
 class Case:
@@ -211,6 +228,53 @@ CASES = [
         {**BEST, "kernels": "liger", "strategy": "auto"},
         estimate_s=110,
         gpu_memory_gib=80,
+    ),
+    Case(
+        "full30_inbwd",
+        "train",
+        30,
+        "(b) full 7B, 1 x 2,048 packed: step in backward, 4-bit states, checkpointing, Liger; no cap",
+        IN_BACKWARD,
+        LONG_ROWS,
+        estimate_s=150,
+        peer="trl30_ckpt",
+    ),
+    Case(
+        "full30_inbwd_cap24",
+        "train",
+        30,
+        "(b) as full30_inbwd under gpu_memory_gib 24 (23.5 GiB of device memory)",
+        IN_BACKWARD,
+        LONG_ROWS,
+        estimate_s=150,
+        gpu_memory_gib=24,
+        peer="trl30_ckpt",
+    ),
+    Case(
+        "full20_inbwd",
+        "train",
+        20,
+        "(b) as full30_inbwd on 20 layers (the depth whose ZeRO-3 offload fits this machine's 128 GiB of RAM)",
+        IN_BACKWARD,
+        LONG_ROWS,
+        estimate_s=120,
+    ),
+    Case(
+        "full20_offload",
+        "train",
+        20,
+        "(b) as full20_inbwd under ZeRO-3 with CPU optimizer offload (fp32 states, step after backward)",
+        OFFLOAD,
+        LONG_ROWS,
+        estimate_s=200,
+    ),
+    Case(
+        "trl30_ckpt",
+        "trl",
+        30,
+        "TRL SFTTrainer + Liger: full FT 30 layers, fp32 weights + bf16 autocast, checkpointing, 8 x 1, unpacked",
+        estimate_s=150,
+        options=("--checkpointing",),
     ),
     Case(
         "trl24",

@@ -110,7 +110,19 @@ def snakemake(
     work: Path, config: Path, targets: list[str], log_path: Path, timeout: float, gpu_memory_gib=None
 ) -> int | str:
     cores = str(os.cpu_count() or 2)
-    cmd = [sys.executable, "-m", "snakemake", *targets, "--cores", cores, "--resources", "gpu=1"]
+    # greedy: one job at a time needs no ILP solver (the device wheels leave pulp out)
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        *targets,
+        "--cores",
+        cores,
+        "--resources",
+        "gpu=1",
+        "--scheduler",
+        "greedy",
+    ]
     cmd += ["--configfile", str(config)]
     if gpu_memory_gib is not None:
         cmd += ["--config", f"gpu_memory_gib={gpu_memory_gib}"]
@@ -190,6 +202,7 @@ def train_result(work: Path, case: Case, rc) -> dict:
                 "attention",
                 "kernels",
                 "optimizer_states",
+                "optimizer_step",
                 "compile",
             )
         },

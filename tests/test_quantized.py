@@ -105,6 +105,10 @@ def test_qlora_saves_adapters_and_a_model_merged_into_the_unquantized_base(qlora
 # ---- 8-bit Adam states -------------------------------------------------------------------------------------
 
 STATE_STEPS = 20
+IN_BACKWARD_RTOL = 1e-4
+"""As tests/test_training.py's RTOL: the same arithmetic in another order (2 ranks, the step inside backward)."""
+FOUR_BIT_RTOL = 0.15
+"""4-bit m and v against fp32 ones, final validation loss on the tiny model at lr 3e-3 (measured: see the test)."""
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +158,101 @@ def test_8bit_states_resume_the_uninterrupted_run(states_8bit_run, tiny_data, tm
     )
     assert run.summary["resumed_from_step"] == 3
     np.testing.assert_allclose(run.losses[3:6], states_8bit_run.losses[3:6], rtol=1e-6)
+
+
+# ---- the optimizer step in backward (train.optimizer_step: in_backward) ---------------------------------------
+
+IN_BACKWARD = {"optimizer_step": "in_backward", "grad_clip": 0.0, "max_steps": 6}
+"""Compared with the plain step without clipping, which the in-backward step cannot reproduce (it clips by the
+previous step's norm: tests/test_backward_step.py checks that against a reference)."""
+
+
+@pytest.fixture(scope="module")
+def plain_zero0_run(tiny_data, tmp_path_factory):
+    """1 rank, ZeRO-0, the usual step after backward, fp32 states, no clipping: 6 steps."""
+    return run_training(
+        tmp_path_factory.mktemp("plain_zero0"),
+        tiny_data,
+        deepspeed="zero0",
+        train_overrides={"grad_clip": 0.0, "max_steps": 6},
+    )
+
+
+@pytest.fixture(scope="module")
+def in_backward_run(tiny_data, tmp_path_factory):
+    """2 ranks x micro-batch 2 (the same global batch of 4, no accumulation, as the step in backward needs), each
+    parameter updated by its hook with fp32 states after its gradient is averaged over the ranks."""
+    return run_training(
+        tmp_path_factory.mktemp("in_backward"),
+        tiny_data,
+        nproc=2,
+        deepspeed="zero0",
+        train_overrides={**IN_BACKWARD, "micro_batch_size": 2},
+    )
+
+
+@pytest.fixture(scope="module")
+def in_backward_4bit_run(tiny_data, tmp_path_factory):
+    """1 rank, the step in backward with 4-bit states (torchao) and the default clipping; checkpoints every 3 steps."""
+    return run_training(
+        tmp_path_factory.mktemp("in_backward_4bit"),
+        tiny_data,
+        deepspeed="zero0",
+        train_overrides={**STATES_4BIT, "checkpoint_every": 3, "keep_checkpoints": 10},
+    )
+
+
+STATES_4BIT = {"optimizer_step": "in_backward", "optimizer_states": "4bit"}
+
+
+def test_in_backward_step_is_the_plain_step(plain_zero0_run, in_backward_run):
+    """The whole trainer, fp32 on CPU: updating each parameter inside backward (2 ranks, each gradient all-reduced
+    by its hook) gives the losses and gradient norms of the usual step after backward (1 rank)."""
+    assert in_backward_run.summary["optimizer_step"] == "in_backward"
+    assert in_backward_run.summary["gradient_accumulation_steps"] == 1
+    np.testing.assert_allclose(in_backward_run.losses, plain_zero0_run.losses, rtol=IN_BACKWARD_RTOL)
+    np.testing.assert_allclose(
+        [r["train/grad_norm"] for r in in_backward_run.rows],
+        [r["train/grad_norm"] for r in plain_zero0_run.rows],
+        rtol=IN_BACKWARD_RTOL,
+    )
+    assert in_backward_run.summary["final_val_loss"] == pytest.approx(
+        plain_zero0_run.summary["final_val_loss"], rel=IN_BACKWARD_RTOL
+    )
+
+
+def test_in_backward_with_4bit_states_trains_near_fp32_states(fp32_states_run, in_backward_4bit_run):
+    """The same first step as the plain fp32 run (its loss and gradient norm), then a loss that falls as far, within
+    4-bit states' error (module constant FOUR_BIT_RTOL), from 20 steps at the tiny model's high learning rate."""
+    exact, run = fp32_states_run, in_backward_4bit_run
+    assert run.summary["optimizer_states"] == "4bit"
+    np.testing.assert_allclose(run.losses[0], exact.losses[0], rtol=1e-6)
+    np.testing.assert_allclose(run.rows[0]["train/grad_norm"], exact.rows[0]["train/grad_norm"], rtol=1e-4)
+    quantized, reference = np.array(run.losses), np.array(exact.losses)
+    assert len(quantized) == STATE_STEPS and np.abs(quantized - reference).max() > 1e-4
+    assert quantized[-5:].mean() < quantized[0] - 1.5
+    assert run.summary["final_val_loss"] == pytest.approx(exact.summary["final_val_loss"], rel=FOUR_BIT_RTOL)
+    assert "4bit (torchao, block-wise where quantized), updated in backward" in run.log_file.read_text()
+
+
+def test_in_backward_resumes_the_uninterrupted_run(in_backward_4bit_run, tiny_data, tmp_path):
+    """From the step-3 checkpoint: 4-bit m and v (torchao's subclass, saved as codes and scales), the step counters
+    and the next step's clipping divisor come back, and steps 4-6 repeat the uninterrupted run's."""
+    import shutil
+
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(in_backward_4bit_run.checkpoint_dir, ckpt)
+    for tag in sorted(p for p in ckpt.iterdir() if p.is_dir() and p.name.startswith("step"))[1:]:
+        shutil.rmtree(tag)
+    run = run_training(
+        tmp_path,
+        tiny_data,
+        deepspeed="zero0",
+        train_overrides={**STATES_4BIT, "checkpoint_every": 3, "max_steps": 6},
+        checkpoint_dir=ckpt,
+    )
+    assert run.summary["resumed_from_step"] == 3
+    np.testing.assert_allclose(run.losses[3:6], in_backward_4bit_run.losses[3:6], rtol=1e-6)
 
 
 def _tiny_bf16_model(seed: int = 0) -> torch.nn.Module:
@@ -227,9 +326,20 @@ def test_master_weight_adamw_with_8bit_states():
             "experiments.default.train.lora.quantize",
             "model.base 'builtin-tiny' is built here",
         ),
-        ({"train": {"optimizer_states": "4bit"}}, "train.optimizer_states", "allowed: fp32, 8bit"),
+        ({"train": {"optimizer_states": "2bit"}}, "train.optimizer_states", "allowed: fp32, 8bit, 4bit"),
+        (
+            {"train": {"optimizer_states": "4bit"}},
+            "train.optimizer_states",
+            "'4bit' needs train.optimizer_step: in_backward",
+        ),
     ],
-    ids=["unknown-quantization", "quantize-without-lora", "quantize-a-builtin-model", "unknown-states"],
+    ids=[
+        "unknown-quantization",
+        "quantize-without-lora",
+        "quantize-a-builtin-model",
+        "unknown-states",
+        "4bit-states-after-backward",
+    ],
 )
 def test_bad_quantization_settings_name_the_key(raw, key, says):
     from snaketune.config.choices import ConfigError

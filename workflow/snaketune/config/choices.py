@@ -71,7 +71,9 @@ KERNELS = ("auto", "torch", "liger")
 
 QUANTIZE = ("none", "nf4")
 
-OPTIMIZER_STATES = ("fp32", "8bit")
+OPTIMIZER_STATES = ("fp32", "8bit", "4bit")
+
+OPTIMIZER_STEPS = ("after_backward", "in_backward")
 
 EXPERIMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 

@@ -80,14 +80,18 @@ def build_ds_config(
     if zero.get("stage", 0) not in ZERO_STAGES:
         raise ConfigError(f"{source}: zero_optimization.stage {zero.get('stage')!r}; allowed: 0, 1, 2, 3")
     gas = train.accumulation_steps(world_size)
+    in_backward = train.optimizer_step == "in_backward"
+    own_step = master_weights or in_backward  # the optimizer clips, and the bf16 weights stay as they are
     cfg.update(
         train_batch_size=train.global_batch_size,
         train_micro_batch_size_per_gpu=train.micro_batch_size,
         gradient_accumulation_steps=gas,
-        gradient_clipping=0.0 if master_weights else train.grad_clip,
-        bf16={"enabled": bf16 and not master_weights},
+        gradient_clipping=0.0 if own_step else train.grad_clip,
+        bf16={"enabled": bf16 and not own_step},
         fp16={"enabled": False},
     )
+    if in_backward:
+        check_in_backward(cfg, train, world_size, source)
     if master_weights:
         if zero_stage(cfg) != 0:
             raise ConfigError(
@@ -105,6 +109,25 @@ def build_ds_config(
         # Adam as tested (tests/test_quantized.py trains and resumes with it under ZeRO-2).
         cfg.setdefault("zero_allow_untested_optimizer", True)
     return cfg
+
+
+def check_in_backward(cfg: dict, train: TrainConfig, world_size: int, source: str) -> None:
+    """train.optimizer_step: in_backward updates each parameter in backward (snaketune.train.backward_step): ZeRO
+    stage 0 without offload, and one micro-batch per rank per optimizer step."""
+    if zero_stage(cfg) != 0 or offloads(cfg) or offloads(cfg, "offload_param"):
+        raise ConfigError(
+            f"{source}: train.optimizer_step 'in_backward' needs zero_optimization.stage 0 without offload (found "
+            f"stage {zero_stage(cfg)}); use config/deepspeed/zero0.json or train.optimizer_step: after_backward"
+        )
+    gas = cfg["gradient_accumulation_steps"]
+    if gas > 1:
+        per_step = train.micro_batch_size * world_size
+        raise ConfigError(
+            f"config key 'train.optimizer_step': 'in_backward' applies each micro-batch's gradients at once, so "
+            f"it cannot accumulate {gas} micro-batches: train.global_batch_size {train.global_batch_size} must "
+            f"equal micro_batch_size x ranks = {train.micro_batch_size} x {world_size} = {per_step} (set "
+            f"micro_batch_size to {train.global_batch_size // world_size} or global_batch_size to {per_step})"
+        )
 
 
 def offloads(ds_config: dict, key: str = "offload_optimizer") -> bool:

@@ -24,6 +24,7 @@ from snaketune.config.choices import (
     LOSS_KERNELS,
     OPTIMIZER_KERNELS,
     OPTIMIZER_STATES,
+    OPTIMIZER_STEPS,
     PAIR_MODES,
     PATHS_MODES,
     PRECISIONS,
@@ -235,9 +236,17 @@ class TrainConfig:
     m, v and bf16 weight out; CUDA with triton), `torch` (fp32 gradient copies + torch's fused AdamW); `auto`: triton
     where it runs."""
     optimizer_states: str = "fp32"
-    """Adam's m and v: `fp32` (8 B per trained parameter) or `8bit` (bitsandbytes' block-wise 8-bit states, 2 B; the
-    fp32 master weights stay fp32). With `strategy: auto` the plan switches fp32 to 8bit where that is what makes a
-    training fit without CPU offload (snaketune.plan.search). Not with optimizer offload (DeepSpeed's CPU Adam)."""
+    """Adam's m and v: `fp32` (8 B per trained parameter), `8bit` (block-wise 8-bit states, 2 B: bitsandbytes', the
+    fp32 master weights stay fp32; torchao's with `optimizer_step: in_backward`) or `4bit` (torchao's 4-bit states,
+    1.06 B; `optimizer_step: in_backward` only). With `strategy: auto` the plan switches fp32 to 8bit, then to the
+    in-backward step with 4bit, where that is what makes a training fit without CPU offload (snaketune.plan.search).
+    Not with optimizer offload (DeepSpeed's CPU Adam)."""
+    optimizer_step: str = "after_backward"
+    """`after_backward`: the usual step once the gradients of the whole batch exist; `in_backward`: each parameter is
+    updated as soon as backward has produced its gradient, which is freed at once, and the weights are their own
+    masters (bf16 with stochastic rounding on a GPU): a full fine-tune of the 7B in 12.9 GiB of weights and 6.8 GiB
+    of 4bit states. ZeRO stage 0, one micro-batch per rank per step (no accumulation), and clipping by the previous
+    step's gradient norm (snaketune.train.backward_step says why)."""
     loss_kernel: str = "auto"
     """The cross-entropy on the logits (where fused_cross_entropy is false): `triton` (snaketune.model.losses: two passes
     over the bf16 logits, the gradient written over them: 2 B per token and vocabulary entry instead of 12; CUDA
@@ -315,6 +324,23 @@ class TrainConfig:
             fail(
                 "train.optimizer_states",
                 f"{self.optimizer_states!r} is not allowed; allowed: {', '.join(OPTIMIZER_STATES)}",
+            )
+        if self.optimizer_step not in OPTIMIZER_STEPS:
+            fail(
+                "train.optimizer_step",
+                f"{self.optimizer_step!r} is not allowed; allowed: {', '.join(OPTIMIZER_STEPS)}",
+            )
+        if self.optimizer_states == "4bit" and self.optimizer_step != "in_backward":
+            fail(
+                "train.optimizer_states",
+                "'4bit' needs train.optimizer_step: in_backward (torchao's 4-bit states have no fp32-master "
+                "step here); allowed with after_backward: fp32, 8bit",
+            )
+        if self.optimizer_step == "in_backward" and self.bf16_optimizer != "auto":
+            fail(
+                "train.bf16_optimizer",
+                f"{self.bf16_optimizer!r} with train.optimizer_step: in_backward, whose weights are their own "
+                "masters; allowed: auto",
             )
         if self.attention not in ATTENTIONS:
             fail("train.attention", f"{self.attention!r} is not allowed; allowed: {', '.join(ATTENTIONS)}")

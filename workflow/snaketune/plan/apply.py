@@ -19,11 +19,13 @@ def apply_plan(run_spec: dict, plan: dict) -> dict:
     chosen = plan["chosen"]
     current = run_spec["train"]
     states = chosen.get("optimizer_states", current.get("optimizer_states", "fp32"))
+    step = chosen.get("optimizer_step", current.get("optimizer_step", "after_backward"))
     micro = chosen.get("micro_batch_size", current["micro_batch_size"])
-    same = (chosen["deepspeed_config"], chosen["gradient_checkpointing"], states, micro) == (
+    same = (chosen["deepspeed_config"], chosen["gradient_checkpointing"], states, step, micro) == (
         run_spec["deepspeed_config"],
         current["gradient_checkpointing"],
         current.get("optimizer_states", "fp32"),
+        current.get("optimizer_step", "after_backward"),
         current["micro_batch_size"],
     )
     if plan.get("strategy") != "auto" or same:
@@ -32,6 +34,7 @@ def apply_plan(run_spec: dict, plan: dict) -> dict:
         **current,
         "gradient_checkpointing": chosen["gradient_checkpointing"],
         "optimizer_states": states,
+        "optimizer_step": step,
         "micro_batch_size": micro,
     }
     named = [run_spec["run_key"], chosen["name"], sha256_file(chosen["deepspeed_config"])]

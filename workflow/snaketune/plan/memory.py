@@ -97,6 +97,8 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 """Bytes per 4-bit NormalFloat weight with double quantization (snaketune.model.build.nf4_config), counted."""
 STATE_8BIT_BYTES = 2 + 8 / 256
 """snaketune.train.adam8bit.BYTES_PER_PARAM (kept here so that the plan does not import torch)."""
+STATE_4BIT_BYTES = 1 + 8 / 128
+"""snaketune.train.backward_step.BYTES_PER_PARAM["4bit"]: m and v in 4 bits, an fp32 scale per 128 for each."""
 HOST_USABLE = 0.9
 """Share of the machine's RAM a training may plan to use (the OS, Snakemake and page cache keep the rest)."""
 ENV_HOST_MEMORY = "SNAKETUNE_HOST_MEMORY_GIB"
@@ -133,6 +135,11 @@ class Setup:
     """QLoRA: the frozen linear weights in NF4 (train.lora.quantize: nf4)."""
     states_8bit: bool = False
     """Adam's m and v in 8 bits (train.optimizer_states: 8bit)."""
+    states_4bit: bool = False
+    """Adam's m and v in 4 bits (train.optimizer_states: 4bit; with in_backward only)."""
+    in_backward: bool = False
+    """train.optimizer_step: in_backward (snaketune.train.backward_step): the weights are their own masters, each
+    gradient is applied and freed by its hook (ZeRO-0, one micro-batch per step)."""
     engine: str = "deepspeed"
     """deepspeed | torch (torch AdamW, no DeepSpeed: FACTS.md's reference runs only)."""
     master_weights: bool = False
@@ -220,10 +227,12 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
         linear = arch.layers * sum(sizes)
         weights = w * (total - linear) + NF4_BYTES * linear
         dequantized = w * max(sizes)  # one weight at a time, in w bytes
-    state_bytes = STATE_8BIT_BYTES if s.states_8bit else 8.0
+    state_bytes = STATE_4BIT_BYTES if s.states_4bit else STATE_8BIT_BYTES if s.states_8bit else 8.0
     if s.precision == "autocast":
         weights += 2 * total  # autocast's bf16 copies of the weights, saved for backward
-    if s.master_weights and stage == 0 and s.accumulation > 1:
+    if s.in_backward:
+        grads = 0.0  # freed by each hook as it is applied; the one in flight is transient_grad below
+    elif s.master_weights and stage == 0 and s.accumulation > 1:
         grads = 4.0 * trained  # the fp32 accumulation buffer (each bf16 .grad is freed into it as it comes)
     elif s.master_weights and stage == 0:
         grads = float(w * trained)  # the model's own bf16 gradients; fp32 only one chunk at a time
@@ -235,6 +244,8 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
         grads = 0.0 if s.offload_optimizer else w * trained / n
     if s.offload_optimizer:
         optim = 0.0
+    elif s.in_backward:
+        optim = state_bytes * trained  # no masters: the weights are updated in place
     elif torch_engine:
         optim = 8.0 * trained  # the fp32 weights are the master copy
     else:
@@ -303,7 +314,12 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
     states = weights + grads + optim
     # The buckets live from the first gradient to the end of backward (DeepSpeed releases them there).
     forward_backward = states + buffers + transient_grad + acts + logits
-    if s.master_weights and stage == 0 and s.accumulation == 1:
+    if s.in_backward:
+        # No step after backward; while backward runs, the gradient being applied (the largest: the embedding,
+        # in the weights' dtype) beside the activations not yet freed. The compiled update is one fused kernel per
+        # tensor: no fp32 copies of it.
+        forward_backward = weights + optim + transient_grad + acts + logits
+    elif s.master_weights and stage == 0 and s.accumulation == 1:
         # The gradients are freed after every step (DeepSpeed's zero_grad) and, with one micro-batch per step,
         # grow during backward while the activations are freed: the peak is at the start of backward, with
         # all activations and (nearly) no gradients. Measured: 95.5 GiB for 24 layers at 8 x 512 (bench/RESULTS.md).

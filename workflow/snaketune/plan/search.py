@@ -36,6 +36,7 @@ from snaketune.plan.strategies import (  # noqa: F401 - the plan's public names 
     MICRO_SPEED,
     MICRO_SPEED_LORA,
     SPEED_8BIT,
+    SPEED_IN_BACKWARD,
     STRATEGIES,
     STRATEGY_FILES,
     Strategy,
@@ -159,8 +160,9 @@ def plan_training(
             s, speed = _largest_fitting_micro(arch, s, budget, speed)
         name = strategy_name(s, micro=setup.micro_batch)
         candidates.append(plan_entry(name, path, s, estimate(arch, s), budget, relative_speed=speed))
-    if strategy == "auto" and not lora and not setup.states_8bit:
+    if strategy == "auto" and not lora and not setup.states_8bit and not setup.in_backward:
         candidates = _with_8bit_states(candidates, arch, budget)
+        candidates += _with_backward_step(candidates, arch, budget, setup)
     candidates = _by_speed(candidates)
     if strategy == "auto" and budget.gpu_gib is not None:
         pick = next((c for c in candidates if c["fits"]), None)
@@ -171,7 +173,10 @@ def plan_training(
     if pick is not None:
         chosen = {k: pick[k] for k in ("name", "deepspeed_config", "gradient_checkpointing")}
         chosen["micro_batch_size"] = pick["setup"]["micro_batch"]
-        chosen["optimizer_states"] = "8bit" if pick["setup"]["states_8bit"] else "fp32"
+        chosen["optimizer_states"] = (
+            "4bit" if pick["setup"]["states_4bit"] else "8bit" if pick["setup"]["states_8bit"] else "fp32"
+        )
+        chosen["optimizer_step"] = "in_backward" if pick["setup"]["in_backward"] else "after_backward"
         chosen["estimate"] = pick["estimate"]
     stage = {
         "strategy": strategy,
@@ -218,6 +223,34 @@ def _with_8bit_states(candidates: list[dict], arch: Arch, budget: Budget) -> lis
     return exact + quantized + offloaded
 
 
+def _with_backward_step(candidates: list[dict], arch: Arch, budget: Budget, configured: Setup) -> list[dict]:
+    """`train.strategy: auto` of a full fine-tune: ZeRO-0 without and with checkpointing again with the optimizer
+    step in backward and 4-bit states (snaketune.train.backward_step), at the micro-batch that makes one per rank and
+    step (it cannot accumulate), ranked after the 8-bit ones and before offload (SPEED_IN_BACKWARD)."""
+    global_batch = configured.micro_batch * configured.world * configured.accumulation
+    if global_batch % configured.world:
+        return []
+    out = []
+    for c in candidates:
+        if c["estimate"]["offload"] or c["setup"]["zero_stage"] != 0 or c["setup"]["states_8bit"]:
+            continue
+        fields = {**c["setup"], "lora_targets": tuple(c["setup"]["lora_targets"])}
+        fields.update(in_backward=True, states_4bit=True, master_weights=False, accumulation=1,
+                      micro_batch=global_batch // configured.world)  # fmt: skip
+        s = Setup(**fields)
+        out.append(
+            plan_entry(
+                strategy_name(s, micro=configured.micro_batch),
+                c["deepspeed_config"],
+                s,
+                estimate(arch, s),
+                budget,
+                relative_speed=round(c["relative_speed"] * SPEED_IN_BACKWARD, 3),
+            )
+        )
+    return out
+
+
 def _largest_fitting_micro(arch: Arch, s: Setup, budget: Budget, speed: float) -> tuple[Setup, float]:
     """`train.strategy: auto`: a setup that does not fit at its micro-batch size, at the largest halving that fits
     with the same global batch (micro_batch x ranks x accumulation), and its relative speed (MICRO_SPEED or
@@ -243,7 +276,9 @@ def _by_speed(candidates: list[dict]) -> list[dict]:
     offload): the micro-batch halvings of `_largest_fitting_micro` run slower than their strategy's figure."""
 
     def group(c: dict) -> int:
-        return 2 if c["estimate"]["offload"] else int(bool(c["setup"]["states_8bit"]))
+        if c["estimate"]["offload"]:
+            return 3
+        return 2 if c["setup"].get("in_backward") else int(bool(c["setup"]["states_8bit"]))
 
     return sorted(candidates, key=lambda c: (group(c), -c["relative_speed"]))
 

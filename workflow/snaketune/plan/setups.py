@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from snaketune.config.deepspeed import uses_master_weights, zero_stage
+from snaketune.config.deepspeed import offloads, uses_master_weights, zero_stage
 from snaketune.config.schema import LoraConfig
 from snaketune.model import kernels
 from snaketune.plan.budget import Budget
@@ -28,7 +28,17 @@ def setup_for(
     come from the whole logits in fp32 (snaketune.preference.logprobs)."""
     lora = train.get("lora") or {}
     stage = zero_stage(ds)
-    master = uses_master_weights(ds, train.get("bf16_optimizer", "auto"), bf16=precision == "bf16")
+    # The step in backward runs at ZeRO-0 without offload only (snaketune.config.deepspeed.check_in_backward): another
+    # stage among the candidates is weighed with the usual step and fp32 or 8-bit states.
+    in_backward = (
+        train.get("optimizer_step", "after_backward") == "in_backward" and stage == 0 and not offloads(ds)
+    )
+    states = train.get("optimizer_states", "fp32")
+    if states == "4bit" and not in_backward:
+        states = "fp32"
+    master = not in_backward and uses_master_weights(
+        ds, train.get("bf16_optimizer", "auto"), bf16=precision == "bf16"
+    )
     world_micro = int(train["micro_batch_size"]) * world
     checkpointing = train.get("gradient_checkpointing")
     partial = None if isinstance(checkpointing, bool) or checkpointing is None else int(checkpointing)
@@ -50,7 +60,9 @@ def setup_for(
         lora_rank=int(lora.get("rank", 16)) if lora.get("enabled") else 0,
         lora_targets=tuple(lora.get("targets") or LORA_TARGETS),
         quantized=bool(lora.get("enabled")) and lora.get("quantize", "none") != "none",
-        states_8bit=train.get("optimizer_states", "fp32") == "8bit",
+        states_8bit=states == "8bit",
+        states_4bit=states == "4bit",
+        in_backward=in_backward,
     )
     if "gradient_checkpointing" in changes:
         fields["checkpoint_layers"] = None  # a candidate strategy (snaketune.plan.strategies): every layer

@@ -1,5 +1,5 @@
 """The training strategies the memory plan weighs (snaketune.plan.search): ZeRO stage, offload and gradient checkpointing,
-fastest first, and for full fine-tuning the same with 8-bit Adam states.
+fastest first, and for full fine-tuning the same with 8-bit Adam states, then with the step in backward.
 
 Speed order for `train.strategy: auto` (fastest first; STRATEGIES): relative throughputs are assumptions,
 except offload, which FACTS.md measured: ZeRO-0 1.0 and ZeRO-2 0.97 (the same communication volume:
@@ -9,7 +9,9 @@ compute: RECOMPUTE); ZeRO-3 + CPU optimizer offload 0.09 (FACTS.md: 928 tok/s fo
 8,632 for 5.70B under ZeRO-2). Full fine-tuning or LoRA stays as configured; LoRA is
 never planned with ZeRO-3 (the trainer refuses that combination). A full fine-tune with fp32 Adam states also
 gets each strategy without offload with 8-bit states (train.optimizer_states), ranked after the fp32 ones and
-before offload (snaketune.plan.search._with_8bit_states). A strategy that does not fit at the configured micro-batch is
+before offload (snaketune.plan.search._with_8bit_states); after those, ZeRO-0 with and without checkpointing with the
+optimizer step in backward and 4-bit states (train.optimizer_step: in_backward), at one micro-batch per step, still
+before offload (snaketune.plan.search._with_backward_step). A strategy that does not fit at the configured micro-batch is
 tried at its halvings (the same global batch, more accumulation steps; MICRO_SPEED, MICRO_SPEED_LORA per halving)
 and the candidates of each group are then ordered by speed (snaketune.plan.search._by_speed).
 
@@ -78,6 +80,8 @@ def strategy_name(s: Setup, micro: int | None = None) -> str:
         name += "+ckpt"
     if micro is not None and s.micro_batch != micro:
         name += f"+micro{s.micro_batch}"
+    if s.in_backward:
+        name += "+in_backward"
     return name
 
 
@@ -98,6 +102,11 @@ def candidate_strategies(lora: bool, states_8bit: bool = False) -> list[Strategy
         and not (states_8bit and "offload" in s.deepspeed_file)
     ]
 
+
+SPEED_IN_BACKWARD = 0.8
+"""Relative speed of the in-backward step with 4-bit states (snaketune.train.backward_step) against the same strategy
+with fp32 masters: an assumption (one hook and one compiled update per tensor inside backward, no separate step),
+placed between 8-bit states and CPU offload (0.09); it only orders the candidates."""
 
 SPEED_8BIT = 0.63
 """Relative speed of 8-bit Adam states against fp32 states, measured where the step weighs most: the full 7B at

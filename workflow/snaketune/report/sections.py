@@ -42,12 +42,15 @@ def _acc(x: float | None) -> str:
 
 
 def training_mode(e: dict) -> str:
-    """How an experiment trained: full fine-tuning, LoRA or QLoRA, and 8-bit Adam states where used."""
+    """How an experiment trained: full fine-tuning, LoRA or QLoRA, quantized Adam states and the in-backward step
+    where used."""
     mode = "full fine-tuning"
     if e["lora"]:
         mode = "QLoRA, 4-bit NF4 base" if e.get("lora_quantize", "none") != "none" else "LoRA"
-    if e.get("optimizer_states") == "8bit":
-        mode += ", 8-bit Adam states"
+    if e.get("optimizer_states") in ("8bit", "4bit"):
+        mode += f", {e['optimizer_states'][0]}-bit Adam states"
+    if e.get("optimizer_step") == "in_backward":
+        mode += ", step in backward"
     return mode
 
 
@@ -442,7 +445,7 @@ def comparison_section(experiments: list[Experiment], summary: dict) -> list[Blo
             [
                 f"**{exp.name}**",
                 f"`{e['model']}`"
-                + (f" ({training_mode(e)})" if e["lora"] or e.get("optimizer_states") == "8bit" else ""),
+                + (f" ({training_mode(e)})" if training_mode(e) != "full fine-tuning" else ""),
                 fmt(e["steps"]),
                 fmt(e["tuned_val_loss"]),
                 fmt_pct(e["val_loss_change_pct"], signed=True),

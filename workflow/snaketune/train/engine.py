@@ -38,6 +38,7 @@ from snaketune.model.build import (
     is_quantized,
     load_model,
 )
+from snaketune.train.backward_step import BackwardAdamW
 from snaketune.train.optim import MasterWeightAdamW, build_optimizer, check_placement, decays, resolve_triton
 
 log = logging.getLogger("snaketune.train")
@@ -85,6 +86,8 @@ class Built:
     @property
     def precision_summary(self) -> str:
         opt = self.engine.optimizer
+        if isinstance(opt, BackwardAdamW):
+            return f"none: the in-backward step updates the weights themselves ({opt.kernel})"
         if isinstance(opt, MasterWeightAdamW):
             acc = ", fp32 gradient accumulation" if self.accumulate_fp32 else ""
             return f"snaketune.train.optim.MasterWeightAdamW ({opt.kernel} kernel{acc})"
@@ -110,7 +113,9 @@ def build(
     import deepspeed
 
     bf16 = dtype == torch.bfloat16
-    master = uses_master_weights(file_cfg, cfg.bf16_optimizer, bf16=bf16)
+    in_backward = cfg.optimizer_step == "in_backward"
+    # The in-backward step updates the weights themselves: no fp32 masters (snaketune.train.backward_step).
+    master = not in_backward and uses_master_weights(file_cfg, cfg.bf16_optimizer, bf16=bf16)
     ds_config = build_ds_config(
         file_cfg, cfg, world_size=world, bf16=bf16, source=source, master_weights=master
     )
@@ -181,6 +186,7 @@ def build(
         offload=offloads(ds_config),
         accumulate_fp32=accumulate_fp32,
         states=cfg.optimizer_states,
+        in_backward=in_backward,
     )
     schedule = lr_lambda(cfg, total_steps)
     engine, _, _, _ = deepspeed.initialize(
@@ -189,9 +195,10 @@ def build(
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
         config=ds_config,
     )
-    if accumulate_fp32 or (world == 1 and stage == 0):
-        # The fp32 buffer is all-reduced by the optimizer itself. And one rank has nothing to all-reduce;
-        # DeepSpeed would still flatten every gradient into buckets and copy it back (two passes per step).
+    if accumulate_fp32 or in_backward or (world == 1 and stage == 0):
+        # The fp32 buffer is all-reduced by the optimizer itself, and the in-backward step's hooks all-reduce each
+        # gradient before they apply and free it. And one rank has nothing to all-reduce; DeepSpeed would still
+        # flatten every gradient into buckets and copy it back (two passes per step).
         engine.enable_backward_allreduce = False
     built = Built(
         engine=engine,
@@ -222,6 +229,10 @@ def check_optimizer(built: Built, device: torch.device) -> int:
     DeepSpeed's ZeRO / bf16 optimizers wrap (on the host with optimizer offload), or a plain torch AdamW.
     fp32 everywhere: bf16 training keeps fp32 masters and states."""
     opt = built.engine.optimizer
-    inner = opt if isinstance(opt, MasterWeightAdamW) else getattr(opt, "optimizer", opt)
+    inner = opt if isinstance(opt, MasterWeightAdamW | BackwardAdamW) else getattr(opt, "optimizer", opt)
     where = torch.device("cpu") if offloads(built.ds_config) else device
-    return check_placement(inner, device=where, dtype=torch.float32)
+    # The in-backward step's parameters are the model's (bf16 on a GPU) and m and v may be quantized: where
+    # they are is checked, not their dtype.
+    return check_placement(
+        inner, device=where, dtype=None if isinstance(opt, BackwardAdamW) else torch.float32
+    )

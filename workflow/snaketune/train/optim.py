@@ -380,10 +380,15 @@ def build_optimizer(
     kernel: str = "auto",
     accumulate_fp32: bool = False,
     states: str = "fp32",
+    in_backward: bool = False,
 ) -> torch.optim.Optimizer:
     """The optimizer the trainer hands to deepspeed.initialize, built from parameters that already live where
     they train (check_placement says so after DeepSpeed has wrapped it)."""
     groups = param_groups(net, weight_decay)
+    if in_backward:
+        from snaketune.train.backward_step import BackwardAdamW
+
+        return BackwardAdamW(groups, lr=lr, betas=betas, eps=1e-8, grad_clip=grad_clip, states=states)
     if master_weights:
         return MasterWeightAdamW(
             groups,
@@ -418,7 +423,7 @@ def check_placement(
     optimizer: torch.optim.Optimizer,
     *,
     device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
     model_params: list[torch.Tensor] | None = None,
 ) -> int:
     """RuntimeError unless every master weight and optimizer state is on `device` in `dtype` (fp32 for bf16
@@ -442,7 +447,7 @@ def check_placement(
         items.append((f"trained parameter {i}", p))
     for what, tensor in items:
         n += 1
-        want_dtype = None if what.startswith(("model parameter", "trained parameter")) else dtype
+        want_dtype = None if what.startswith(("model parameter", "trained parameter")) else dtype  # None: any
         if tensor.dtype == torch.uint8 and any(f"['{k}']" in what for k in adam8bit.STATE_KEYS):
             want_dtype = torch.uint8  # 8-bit m and v (train.optimizer_states)
         if tensor.device.type != device.type or (device.index is not None and tensor.device != device):

@@ -33,7 +33,7 @@ def log_start(trainer) -> None:
         f"{b.n_params:,}",
         f"{b.n_trainable:,}",
         "; base weights in 4-bit NF4 (QLoRA)" if cfg.lora.quantize == "nf4" else "",
-        "8-bit (bitsandbytes, block-wise)" if cfg.optimizer_states == "8bit" else "fp32",
+        states_summary(cfg),
     )
     log.info(
         "fp32 master weights: %s; %s; attention: %s; RMSNorm/RoPE/SwiGLU: %s; torch.compile: %s",
@@ -113,6 +113,7 @@ def run_summary(trainer, last: dict, wall: float) -> dict:
         "lora": trainer.cfg.lora.enabled,
         "lora_quantize": trainer.cfg.lora.quantize,
         "optimizer_states": trainer.cfg.optimizer_states,
+        "optimizer_step": trainer.cfg.optimizer_step,
         "fp32_master_weights": b.precision_summary,
         "fp32_gradient_accumulation": b.accumulate_fp32,
         "fused_cross_entropy": trainer.fused_ce,
@@ -146,3 +147,10 @@ def run_summary(trainer, last: dict, wall: float) -> dict:
         "seed": trainer.cfg.seed,
         "run_key": trainer.spec.run_key,
     }
+
+
+def states_summary(cfg) -> str:
+    """Adam's m and v and, for the in-backward step, where the update runs (snaketune.train.backward_step)."""
+    if cfg.optimizer_step == "in_backward":
+        return f"{cfg.optimizer_states} (torchao, block-wise where quantized), updated in backward"
+    return "8-bit (bitsandbytes, block-wise)" if cfg.optimizer_states == "8bit" else "fp32"

