@@ -47,6 +47,8 @@ PKGS=(
   trl==1.16.0
   # snaketune.model.gguf (model.base: a .gguf file)
   gguf==0.19.0
+  # train.optimizer_step: in_backward (snaketune.train.backward_step; 3.4 MB, its CUDA extensions unused)
+  torchao==0.18.0
 )
 
 PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
