@@ -26,7 +26,6 @@ CUDA when available (bf16), else CPU (fp32).
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import math
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 
-from snaketune import device_memory
+from snaketune import device_memory, provenance
 from snaketune.config.load import from_dict
 from snaketune.config.schema import ModelConfig
 from snaketune.data.builtin import eval_examples
@@ -157,16 +156,6 @@ def mean_interval(values: torch.Tensor, z: float = Z95) -> list[float]:
 
 
 # ---- the stage -----------------------------------------------------------------------------------
-
-
-def package_versions() -> dict[str, str]:
-    versions = {}
-    for name in VERSIONED_PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
 
 
 def evaluate(
@@ -364,7 +353,7 @@ def evaluate(
             ),
             "device": device_memory.record(sampler, dev, budget) or None,
         },
-        "versions": package_versions(),
+        "versions": provenance.package_versions(VERSIONED_PACKAGES),
         "time_s": {which: results[which]["time_s"] for which in models},
     }
     if "dpo" in models:

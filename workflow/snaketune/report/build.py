@@ -14,15 +14,14 @@ and metrics.csv, its evaluation (metrics.json, generations.jsonl) and the per-jo
 from __future__ import annotations
 
 import datetime as dt
-import importlib.metadata
 import json
 import logging
 import os
 import platform
-import subprocess
 from pathlib import Path
 from typing import Any
 
+from snaketune import provenance
 from snaketune.io import atomic_files, write_json
 from snaketune.report import plots
 from snaketune.report.export import export_section
@@ -58,24 +57,10 @@ PACKAGES = ("torch", "deepspeed", "transformers", "datasets", "peft", "snakemake
 
 def git_commit(directory: Path) -> str:
     """HEAD of the checkout holding `directory` (marked when tracked files have uncommitted changes)."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"unknown (git could not run: {e})"
-    if head.returncode != 0:
-        if "not a git repository" in head.stderr:
-            return "not a git checkout"
-        return f"unknown ({head.stderr.strip().splitlines()[-1] if head.stderr.strip() else 'git failed'})"
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
-        cwd=directory,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+    state = provenance.git_state(directory)
+    if state is None:
+        return "not a git checkout"
+    return state["commit"] + (" (with uncommitted changes)" if state["dirty"] else "")
 
 
 def hardware() -> dict[str, Any]:
@@ -104,16 +89,11 @@ def hardware() -> dict[str, Any]:
 def package_versions(recorded: dict[str, str]) -> dict[str, str]:
     """Versions of PACKAGES: those the evaluate job recorded (the environment that ran the models) first,
     then this process's (snakemake, and anything the evaluation did not record)."""
-    out = {}
-    for name in PACKAGES:
-        if recorded.get(name) and recorded[name] != "not installed":
-            out[name] = recorded[name]
-            continue
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
+    mine = provenance.package_versions(PACKAGES)
+    return {
+        name: recorded[name] if recorded.get(name) and recorded[name] != "not installed" else mine[name]
+        for name in PACKAGES
+    }
 
 
 # ---- summary.json --------------------------------------------------------------------------------
