@@ -293,3 +293,33 @@ def test_auto_prefers_the_step_in_backward_to_offload():
     assert (applied["optimizer_step"], applied["optimizer_states"], applied["gradient_checkpointing"]) == (
         "in_backward", "4bit", True,
     )  # fmt: skip
+
+
+def test_a_full_fine_tune_that_does_not_fit_names_the_step_in_backward():
+    """As configured (ZeRO-2, fp32 states) the 7B at 1 x 2,048 needs far more than 32 GiB; the plan's message names
+    the step in backward with 4-bit states among what would fit, with the settings to write."""
+    from snaketune.plan import search
+    from snaketune.plan.budget import Budget
+
+    deepspeed = {name: str(REPO / "config/deepspeed" / name) for name in
+                 ("zero0.json", "zero2.json", "zero3.json", "zero3_offload.json")}  # fmt: skip
+    train = TrainConfig(gpus=1, global_batch_size=1, micro_batch_size=1, kernels="liger",
+                        deepspeed=deepspeed["zero2.json"])  # fmt: skip
+    train = json.loads(json.dumps(train.__dict__, default=lambda o: o.__dict__))
+    with pytest.raises(search.PlanError) as err:
+        search.write_plan(
+            out=REPO / "never-written.json",
+            experiment="x",
+            model={"base": "arch:deepseek-llm-7b", "num_layers": None, "revision": "main"},
+            train=train,
+            max_length=2048,
+            deepspeed_config=deepspeed["zero2.json"],
+            gpu_memory_gib=32,
+            budget=Budget(31.5, "gpu_memory_gib: 32", 64.0),
+            candidate_files=deepspeed,
+        )
+    message = str(err.value)
+    assert (
+        "What would fit: the step in backward with 4-bit states (train.optimizer_step: in_backward" in message
+    )
+    assert "micro_batch_size 1: it cannot accumulate) with zero0+ckpt+in_backward needs" in message, message

@@ -1,5 +1,5 @@
 """What would fit, when a training does not: the plan's message names the fastest strategy that fits, LoRA,
-smaller micro-batches, 8-bit Adam states, more GPUs (snaketune.plan.search calls it)."""
+smaller micro-batches, 8-bit Adam states, the step in backward, more GPUs (snaketune.plan.search calls it)."""
 
 from __future__ import annotations
 
@@ -17,16 +17,20 @@ from snaketune.plan.strategies import STRATEGY_FILES, candidate_strategies
 def _fastest_fitting(
     arch: Arch, train: dict, files: dict[str, str], common: dict, budget: Budget
 ) -> tuple[str, Setup, Estimate] | None:
-    """The fastest strategy (STRATEGIES order) that fits `budget` with these train settings."""
+    """The fastest strategy (STRATEGIES order) that fits `budget` with these train settings (ZeRO-0 only for the
+    step in backward, which runs nowhere else)."""
     lora = bool((train.get("lora") or {}).get("enabled"))
+    in_backward = train.get("optimizer_step") == "in_backward"
     for strat in candidate_strategies(lora, train.get("optimizer_states", "fp32") == "8bit"):
-        if strat.deepspeed_file not in files:
+        if strat.deepspeed_file not in files or (
+            in_backward and not strat.deepspeed_file.startswith("zero0")
+        ):
             continue
         ds = json.loads(Path(files[strat.deepspeed_file]).read_text())
         s = setup_for(train, ds, gradient_checkpointing=strat.gradient_checkpointing, **common)
         e = estimate(arch, s)
         if budget.fits(e):
-            return strat.name, s, e
+            return strat.name + ("+in_backward" if s.in_backward else ""), s, e
     return None
 
 
@@ -42,8 +46,9 @@ def not_fitting_message(
     """'... zero2 needs 113.8 GiB per GPU as configured. What would fit: zero3_offload needs 9.6 GiB per GPU
     and 98 GiB host RAM (...); LoRA (train.lora.enabled: true) with zero2 needs 16.2 GiB per GPU.'
 
-    Tried in this order, each with the fastest strategy that fits, at most three kept: the configured
-    training with another strategy, with 8-bit Adam states, LoRA instead of full fine-tuning, micro_batch_size 1,
+    Tried in this order, each with the fastest strategy that fits, at most four kept: the configured
+    training with another strategy, with 8-bit Adam states, with the step in backward and 4-bit states (one
+    micro-batch per step), LoRA instead of full fine-tuning, micro_batch_size 1,
     LoRA and micro_batch_size 1, more GPUs.
     """
     configured = plan["configured"]
@@ -67,6 +72,21 @@ def not_fitting_message(
         variants.append(
             ("8-bit Adam states (train.optimizer_states: 8bit) with ", {**train, "optimizer_states": "8bit"})
         )
+    global_batch = int(train.get("global_batch_size", micro * world))
+    if full and train.get("optimizer_step") != "in_backward" and global_batch % world == 0:
+        one_micro = global_batch // world
+        variants.append(
+            (
+                "the step in backward with 4-bit states (train.optimizer_step: in_backward, optimizer_states: "
+                f"4bit, micro_batch_size {one_micro}: it cannot accumulate) with ",
+                {
+                    **train,
+                    "optimizer_step": "in_backward",
+                    "optimizer_states": "4bit",
+                    "micro_batch_size": one_micro,
+                },
+            )
+        )
     if full:
         variants.append(("LoRA (train.lora.enabled: true) with ", lora_train))
     if micro > 1:
@@ -89,7 +109,7 @@ def not_fitting_message(
                 + format_entry({"name": name, "setup": dataclasses.asdict(s), "estimate": e.as_dict()})
                 + hint
             )
-        if len(would) == 3:
+        if len(would) == 4:
             break
     if not would:
         for more in (2, 4, 8, 16, 32, 64):
