@@ -17,6 +17,9 @@ parameter (../shared/FACTS.md: 16 B/param for mixed-precision Adam):
   (train.optimizer_states: 8bit) m and v take snaketune.train.adam8bit.BYTES_PER_PARAM (2 B and a block's fp32
   absmax per 256) instead of 8; with snaketune's masters the step then casts one tensor's gradient to fp32 at a
   time (the largest: the embedding) instead of a chunk.
+- the optimizer step in backward (train.optimizer_step: in_backward): no gradients kept (each is applied and freed
+  by its hook; the largest one in flight is counted), no masters, m and v at 8, STATE_8BIT_BYTES or
+  STATE_4BIT_BYTES per trained parameter, no step phase.
 - buffers, while backward runs (DeepSpeed frees them at its end): ZeRO-1/2 gradient buckets
   (reduce_bucket_size x w, twice with overlap_comm); ZeRO-3 reduce and prefetch buckets, and with N > 1 the
   gathered weights of two layers or an embedding.
@@ -316,8 +319,9 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
     forward_backward = states + buffers + transient_grad + acts + logits
     if s.in_backward:
         # No step after backward; while backward runs, the gradient being applied (the largest: the embedding,
-        # in the weights' dtype) beside the activations not yet freed. The compiled update is one fused kernel per
-        # tensor: no fp32 copies of it.
+        # in the weights' dtype) beside the activations not yet freed. The update's fp32 temporaries (one row chunk of
+        # 2^25 elements at a time, snaketune.train.backward_step) are not counted: 21.48 GiB measured against 21.75
+        # planned for the 30-layer 7B at 1 x 2,048 on one H200 (bench/RESULTS.md, issue #26).
         forward_backward = weights + optim + transient_grad + acts + logits
     elif s.master_weights and stage == 0 and s.accumulation == 1:
         # The gradients are freed after every step (DeepSpeed's zero_grad) and, with one micro-batch per step,
