@@ -26,6 +26,7 @@ CUDA when available (bf16), else CPU (fp32).
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import math
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from snaketune import device_memory, provenance
+from snaketune import device_memory
 from snaketune.config.load import from_dict
 from snaketune.config.schema import ModelConfig
 from snaketune.data.builtin import eval_examples
@@ -156,6 +157,16 @@ def mean_interval(values: torch.Tensor, z: float = Z95) -> list[float]:
 
 
 # ---- the stage -----------------------------------------------------------------------------------
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
 
 
 def evaluate(
@@ -353,7 +364,7 @@ def evaluate(
             ),
             "device": device_memory.record(sampler, dev, budget) or None,
         },
-        "versions": provenance.package_versions(VERSIONED_PACKAGES),
+        "versions": package_versions(),
         "time_s": {which: results[which]["time_s"] for which in models},
     }
     if "dpo" in models:
