@@ -6,9 +6,12 @@
 #             .rm/c1/oasst_real.hf_rows.jsonl.xz: install, then the 7B cases
 #   part_a    carry .rm/c1/part_a (the first part of the GGUF file's xz)
 #   converge  carry .rm/c2 (the rest): join, check sha256, the real model, 50 SFT steps, three experiments side by side
+#   memory    carry .whl2 and .tao: full30_inbwd's device memory under the variants in $VARIANTS (default: the
+#             allocator's expandable segments, the update's row chunks halved to 2^24 elements, both); a variant
+#             of the chunk edits this machine's copy of snaketune/train/backward_step.py (restored at the end)
 #   bash bench/device_in_backward.sh PHASE
 set -uo pipefail
-PHASE=${1:?usage: bench/device_in_backward.sh bench|part_a|converge}
+PHASE=${1:?usage: bench/device_in_backward.sh bench|part_a|converge|memory}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; exec > >(tee -a "$OUT/device_$PHASE.log") 2>&1
 R=$PWD
 S=/tmp/smollm2
@@ -25,10 +28,33 @@ cases() {  # $CASES of bench/throughput_cases.py in the work dir $WORK
     echo "=== $(date -u +%T) exit $?"
     tar czf "$OUT/logs_$PHASE.tar.gz" -C "${WORK:-/tmp/snaketune-throughput}" logs results/plan 2>/dev/null
 }
-case $PHASE in
-bench)
+install() {
+    [ -f /tmp/site/.in_backward ] && return
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl2/*.whl .tao/*.whl .rm/c1/gguf-*.whl || exit 1
+        .whl2/*.whl .tao/*.whl ${1:-} || exit 1
+    touch /tmp/site/.in_backward
+}
+case $PHASE in
+memory)
+    install
+    BS=workflow/snaketune/train/backward_step.py
+    cp $BS /tmp/backward_step.py.orig
+    W=/tmp/snaketune-memory
+    for v in ${VARIANTS:-expandable chunk24 chunk24_expandable}; do
+        cp /tmp/backward_step.py.orig $BS
+        case $v in *chunk24*) sed -i 's/^CHUNK_ELEMENTS = 2\*\*25$/CHUNK_ELEMENTS = 2**24/' $BS ;; esac
+        grep -n '^CHUNK_ELEMENTS' $BS
+        alloc=; case $v in *expandable*) alloc=expandable_segments:True ;; esac
+        rm -rf $W/results/train/full30_inbwd $W/results/checkpoints/full30_inbwd $W/results/plan/full30_inbwd.json
+        echo "=== $(date -u +%T) variant $v (PYTORCH_CUDA_ALLOC_CONF=$alloc)"
+        env ${alloc:+PYTORCH_CUDA_ALLOC_CONF=$alloc} python3 bench/train_throughput.py --out "$OUT/$v" --work $W \
+            --budget-s "${BUDGET_S:-150}" --only full30_inbwd
+        python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["results"][0]; print(sys.argv[2], {k: r.get(k) for k in ("status", "real_per_s", "peak_gib", "device_peak_gib", "plan_peak_gib")})' "$OUT/$v/throughput.json" $v
+    done
+    cp /tmp/backward_step.py.orig $BS
+    ;;
+bench)
+    install .rm/c1/gguf-*.whl
     mkdir -p $S
     python3 -c 'import lzma, shutil; shutil.copyfileobj(lzma.open(".rm/c1/oasst_real.hf_rows.jsonl.xz"), open("/tmp/smollm2/oasst_real.hf_rows.jsonl", "wb"))'
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv

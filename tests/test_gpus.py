@@ -199,6 +199,21 @@ def test_gpu_memory_gib_is_a_card_and_the_allocator_gets_what_lies_outside_it_le
     assert dm.card_from_env({dm.ENV_MEMORY_CAP: "24"}) == 24.0 and dm.card_from_env({}) is None
 
 
+def test_the_step_in_backward_gets_expandable_segments_unless_the_user_configured_the_allocator():
+    """Only `train.optimizer_step: in_backward` changes PyTorch's allocator defaults, and a user's
+    PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF (even one that says nothing of segments) is left to rule."""
+    from snaketune import device_memory as dm
+
+    assert dm.allocator_settings(True, {}) == "expandable_segments:True"
+    assert dm.allocator_settings(False, {}) is None
+    for env in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        assert dm.allocator_settings(True, {env: "max_split_size_mb:512"}) is None
+    assert dm.allocator_settings(True, {"PYTORCH_CUDA_ALLOC_CONF": ""}) == "expandable_segments:True"
+    dm.set_allocator(
+        type("Cpu", (), {"type": "cpu"})(), "expandable_segments:True"
+    )  # a CPU rank: nothing to set
+
+
 # ---- the workflow ----------------------------------------------------------------------------------------------
 
 TWO_EXPERIMENTS = """

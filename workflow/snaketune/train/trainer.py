@@ -60,6 +60,8 @@ class Trainer:
         if torch.cuda.is_available():
             torch.cuda.set_device(self.local_rank)
             self.device = torch.device("cuda", self.local_rank)
+            settings = device_memory.allocator_settings(self.cfg.optimizer_step == "in_backward")
+            device_memory.set_allocator(self.device, settings)
             # gpu_memory_gib is the card's memory: what lies outside the allocator is started and measured
             # first, and the allocator gets the rest (snaketune.device_memory).
             nvml = device_memory.device_memory(self.device)
@@ -68,6 +70,13 @@ class Trainer:
             capped, self.device_budget = device_memory.cap_allocator(
                 self.device, device_memory.card_from_env(), nvml
             )
+            if settings:
+                self.device_budget["allocator_settings"] = settings
+                if self.rank == 0:
+                    log.info(
+                        "caching allocator: %s (the step in backward frees each gradient as it goes)",
+                        settings,
+                    )
             if capped and self.rank == 0:
                 log.info("%s", capped)
         else:
