@@ -308,6 +308,23 @@ CASES = [
         options=("--lora", "--cap", "24", "--micro", "2"),
     ),
     Case(
+        "b24_fp8",
+        "train",
+        24,
+        "(b) as b24_liger with FP8 matmuls in the decoder's linear layers (train.fp8: tensorwise, eager)",
+        {**BEST, "kernels": "liger", "fp8": "tensorwise"},
+        peer="trl24",
+    ),
+    Case(
+        "lora30_fp8",
+        "train",
+        30,
+        "(b) as lora30_liger with FP8 matmuls in the frozen base layers (train.fp8: tensorwise, eager)",
+        {**LORA_LIGER, "fp8": "tensorwise"},
+        estimate_s=100,
+        peer="trl_lora30",
+    ),
+    Case(
         "seed30",
         "seed",
         30,

@@ -75,6 +75,8 @@ OPTIMIZER_STATES = ("fp32", "8bit", "4bit")
 
 OPTIMIZER_STEPS = ("after_backward", "in_backward")
 
+FP8 = ("none", "tensorwise", "emulated")
+
 EXPERIMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 # ISO 639-1 codes plus the regional variants oasst1 uses (pt-BR, zh, ...): shape check only.

@@ -80,15 +80,20 @@ def _type_ok(value: Any, name: str) -> bool:
     return isinstance(value, dict)  # a nested section (LoraConfig)
 
 
-def _check_type(key: str, value: Any, annotation: str) -> None:
+def _check_type(key: str, value: Any, annotation: str, choices: tuple[str, ...] | None = None) -> None:
     """The value has the field's type (`int | None`, `tuple[str, ...]`, ...): a YAML or --config value of the
-    wrong type gets the key and the expected type, not a TypeError from a comparison in __post_init__."""
+    wrong type gets the key and the expected type (a field's `choices` where it has some), not a TypeError from a
+    comparison in __post_init__."""
     options = [part.strip().split("[")[0] for part in annotation.split("|")]
     if value is None and "None" in options:
         return
     if any(_type_ok(value, name) for name in options if name != "None"):
         return
-    allowed = " or ".join(_TYPE_NAMES.get(name, name) for name in options if name != "None")
+    allowed = (
+        ", ".join(choices)
+        if choices
+        else " or ".join(_TYPE_NAMES.get(name, name) for name in options if name != "None")
+    )
     if "None" in options:
         allowed += " or null"
     fail(key, f"{value!r} ({type(value).__name__}) is not allowed; allowed: {allowed}")
@@ -103,7 +108,7 @@ def from_dict(cls: type, values: dict | None, where: str) -> Any:
         if f.name not in values:
             continue
         v = values[f.name]
-        _check_type(f"{where}{f.name}", v, str(f.type))
+        _check_type(f"{where}{f.name}", v, str(f.type), getattr(cls, "CHOICES", {}).get(f.name))
         item = re.match(r"tuple\[(\w+)", str(f.type))  # tuple[str, ...], tuple[float, float]
         if item and isinstance(v, list | tuple):
             for x in v:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from snaketune.config.choices import (
     ATTENTIONS,
@@ -18,6 +18,7 @@ from snaketune.config.choices import (
     BUILTIN_EVAL_QUESTIONS,
     BUILTIN_MODELS,
     CHAT_TEMPLATES,
+    FP8,
     GGUF_SUFFIX,
     KERNELS,
     LANG_CODE,
@@ -194,6 +195,20 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "precision": PRECISIONS,
+        "strategy": STRATEGIES,
+        "bf16_optimizer": BF16_OPTIMIZERS,
+        "optimizer_kernel": OPTIMIZER_KERNELS,
+        "loss_kernel": LOSS_KERNELS,
+        "optimizer_states": OPTIMIZER_STATES,
+        "optimizer_step": OPTIMIZER_STEPS,
+        "fp8": FP8,
+        "attention": ATTENTIONS,
+        "kernels": KERNELS,
+    }
+    """The keys that take one of a few strings (config loading names them also for a value of the wrong type)."""
+
     gpus: int = 3
     """GPUs (ranks) to ask Snakemake for, per node; on a machine without CUDA, CPU ranks over gloo."""
     nodes: int = 1
@@ -247,6 +262,9 @@ class TrainConfig:
     masters (bf16 with stochastic rounding on a GPU): a full fine-tune of the 7B in 12.9 GiB of weights and 6.8 GiB
     of 4bit states. ZeRO stage 0, one micro-batch per rank per step (no accumulation), and clipping by the previous
     step's gradient norm (snaketune.train.backward_step says why)."""
+    fp8: str = "none"
+    """`tensorwise`: the decoder's linear layers multiply in FP8 (compute capability >= 8.9); `emulated`: the same
+    rounding on any device; `none` (snaketune.model.fp8)."""
     loss_kernel: str = "auto"
     """The cross-entropy on the logits (where fused_cross_entropy is false): `triton` (snaketune.model.losses: two passes
     over the bf16 logits, the gradient written over them: 2 B per token and vocabulary entry instead of 12; CUDA
@@ -301,35 +319,9 @@ class TrainConfig:
                 "train.global_batch_size",
                 f"{self.global_batch_size} is not a multiple of train.micro_batch_size {self.micro_batch_size}",
             )
-        if self.precision not in PRECISIONS:
-            fail("train.precision", f"{self.precision!r} is not allowed; allowed: {', '.join(PRECISIONS)}")
-        if self.strategy not in STRATEGIES:
-            fail("train.strategy", f"{self.strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
-        if self.bf16_optimizer not in BF16_OPTIMIZERS:
-            fail(
-                "train.bf16_optimizer",
-                f"{self.bf16_optimizer!r} is not allowed; allowed: {', '.join(BF16_OPTIMIZERS)}",
-            )
-        if self.optimizer_kernel not in OPTIMIZER_KERNELS:
-            fail(
-                "train.optimizer_kernel",
-                f"{self.optimizer_kernel!r} is not allowed; allowed: {', '.join(OPTIMIZER_KERNELS)}",
-            )
-        if self.loss_kernel not in LOSS_KERNELS:
-            fail(
-                "train.loss_kernel",
-                f"{self.loss_kernel!r} is not allowed; allowed: {', '.join(LOSS_KERNELS)}",
-            )
-        if self.optimizer_states not in OPTIMIZER_STATES:
-            fail(
-                "train.optimizer_states",
-                f"{self.optimizer_states!r} is not allowed; allowed: {', '.join(OPTIMIZER_STATES)}",
-            )
-        if self.optimizer_step not in OPTIMIZER_STEPS:
-            fail(
-                "train.optimizer_step",
-                f"{self.optimizer_step!r} is not allowed; allowed: {', '.join(OPTIMIZER_STEPS)}",
-            )
+        for key, allowed in self.CHOICES.items():
+            if getattr(self, key) not in allowed:
+                fail(f"train.{key}", f"{getattr(self, key)!r} is not allowed; allowed: {', '.join(allowed)}")
         if self.optimizer_states == "4bit" and self.optimizer_step != "in_backward":
             fail(
                 "train.optimizer_states",
@@ -342,10 +334,6 @@ class TrainConfig:
                 f"{self.bf16_optimizer!r} with train.optimizer_step: in_backward, whose weights are their own "
                 "masters; allowed: auto",
             )
-        if self.attention not in ATTENTIONS:
-            fail("train.attention", f"{self.attention!r} is not allowed; allowed: {', '.join(ATTENTIONS)}")
-        if self.kernels not in KERNELS:
-            fail("train.kernels", f"{self.kernels!r} is not allowed; allowed: {', '.join(KERNELS)}")
         if not isinstance(self.gradient_checkpointing, bool) and self.gradient_checkpointing < 0:
             fail(
                 "train.gradient_checkpointing",

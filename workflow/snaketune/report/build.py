@@ -119,6 +119,7 @@ def experiment_summary(exp: Experiment) -> dict[str, Any]:
         "lora_quantize": s.get("lora_quantize", "none"),
         "optimizer_states": s.get("optimizer_states", "fp32"),
         "optimizer_step": s.get("optimizer_step", "after_backward"),
+        "fp8": s.get("fp8", "none"),
         "data_key": exp.data_key,
         "tokens": {split: v["tokens"] for split, v in splits.items()},
         "loss_tokens": {split: v["loss_tokens"] for split, v in splits.items()},

@@ -51,6 +51,8 @@ def training_mode(e: dict) -> str:
         mode += f", {e['optimizer_states'][0]}-bit Adam states"
     if e.get("optimizer_step") == "in_backward":
         mode += ", step in backward"
+    if e.get("fp8", "none") != "none":
+        mode += f", FP8 matmuls ({e['fp8']})"
     return mode
 
 

@@ -28,7 +28,7 @@ import torch
 
 from snaketune.config.deepspeed import build_ds_config, offloads, uses_master_weights, zero_stage
 from snaketune.config.schema import ModelConfig, TrainConfig
-from snaketune.model import attention, kernels
+from snaketune.model import attention, fp8, kernels
 from snaketune.model.build import (
     apply_lora,
     checkpoint_layers,
@@ -129,6 +129,7 @@ def build(
             f"train.lora.enabled with ZeRO stage 3 ({source}) is not supported yet: "
             "use config/deepspeed/zero2.json or zero0.json for LoRA"
         )
+    fp8.check(cfg.fp8, device, stage=stage, quantize=cfg.lora.quantize)
     if cfg.optimizer_states == "8bit" and offloads(ds_config):
         raise ValueError(
             f"train.optimizer_states '8bit' with optimizer offload ({source}): DeepSpeed's CPU Adam keeps fp32 "
@@ -168,6 +169,9 @@ def build(
                     p.data = p.data.to(device)
     n_params, n_trainable = count_params(net)
     dense_flops, attention_coefficient = flop_counts(net, lora=cfg.lora.enabled)
+    converted, linear = fp8.apply(net, cfg.fp8)
+    if cfg.fp8 != "none" and rank == 0:
+        log.info("FP8 (%s, torchao Float8Linear): %d of %d linear layers", cfg.fp8, converted, linear)
     if cfg.compile:
         compile_layers(net)
     torch.manual_seed(cfg.seed + rank)  # dropout differs per rank, deterministic per run

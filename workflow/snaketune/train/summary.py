@@ -114,6 +114,7 @@ def run_summary(trainer, last: dict, wall: float) -> dict:
         "lora_quantize": trainer.cfg.lora.quantize,
         "optimizer_states": trainer.cfg.optimizer_states,
         "optimizer_step": trainer.cfg.optimizer_step,
+        "fp8": trainer.cfg.fp8,
         "fp32_master_weights": b.precision_summary,
         "fp32_gradient_accumulation": b.accumulate_fp32,
         "fused_cross_entropy": trainer.fused_ce,
