@@ -17,15 +17,17 @@ or fp32 masters), so everything else in training is unchanged: this is an arithm
 - Not with QLoRA (its base layers are 4-bit) nor ZeRO-3 (its partitioned weights were not tested with float8's
   weight casts): both refused by `check`.
 
-The matmuls run in eager mode unless `train.compile` compiles the decoder layers, which fuses the scaling and casts;
-without it each cast is its own kernel (bench/RESULTS.md measures both against bf16).
+The matmuls run in eager mode unless `train.compile` compiles the decoder layers, which should fuse the scaling and
+casts (torchtitan's setting; not measured here); eagerly each cast is its own kernel, and on an H200 the 7B's full
+fine-tune ran 2.3x slower than in bf16 with losses within 0.4% of it (bench/RESULTS.md, "FP8 matmuls").
 """
 
 from __future__ import annotations
 
 import torch
 
-SETTINGS = ("none", "tensorwise", "emulated")
+from snaketune.config.choices import FP8 as SETTINGS
+
 MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (8.9), Hopper (9.0) and newer."""
 ALIGN = 16
