@@ -40,7 +40,7 @@ smk() {  # smk DIR LOG TARGET... : Snakemake in DIR with the example, the device
 collect() {  # collect NAME DIR: the run's small files (no weights) into $OUT
     (cd "$2" && tar czf "$OUT/$1.tar.gz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.arrow' \
         results/eval results/train/*/summary.json results/train/*/metrics.csv results/dpo/*/summary.json \
-        results/dpo/*/metrics.csv results/preference/*/reference.json results/report results/plan benchmarks logs config/examples 2>/dev/null)
+        results/dpo/*/metrics.csv results/preference/*/reference-*/reference.json results/report results/plan benchmarks logs config/examples 2>/dev/null)
 }
 unxz() { python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)'; }
 sample_gpu() {

@@ -180,8 +180,11 @@ KILLS = (
     ),
     Kill(
         ("reference",),
-        (f"results/preference/{EXPERIMENT}/reference.json",),
-        tuple(f"results/preference/{EXPERIMENT}/{n}" for n in ("reference.parquet", "reference.json")),
+        (f"results/preference/{EXPERIMENT}/reference-*/reference.json",),
+        tuple(
+            f"results/preference/{EXPERIMENT}/reference-*/{n}"
+            for n in ("reference.parquet", "reference.json")
+        ),
     ),
     Kill(
         ("dpo",),

@@ -17,8 +17,18 @@ def pairs_dir(exp):
     return f"results/tokenized_pairs/{keys.pairs_key(exp)}"
 
 
+def reference_dir(exp):
+    """Named by the reference's run key: a reference whose settings or pairs changed is a missing file, which
+    Snakemake always makes. Its params alone did not suffice: when plan_dpo (an ancient() input) reruns,
+    Snakemake 9.27 checks the reference job no further, and a changed reference was not rerun.
+    """
+    return (
+        f"results/preference/{exp.name}/reference-{reference_params_of(exp)['run_key']}"
+    )
+
+
 def reference_path(exp):
-    return f"results/preference/{exp.name}/reference.parquet"
+    return f"{reference_dir(exp)}/reference.parquet"
 
 
 def dpo_dir(exp):
@@ -103,11 +113,14 @@ REFERENCE_UNUSED_TRAIN = (
 
 
 def reference_params(wildcards):
+    return reference_params_of(experiment(wildcards))
+
+
+def reference_params_of(exp):
     """What the reference log-probabilities depend on: which model (the SFT model is an input; the base is named
     here), the DPO stage's model construction (LoRA and its quantization, kernels, attention, precision, ZeRO,
-    micro-batch, seed) and the pairs (an input). Not beta, nor the optimizer's or the schedule's settings.
+    micro-batch, seed) and the pairs (by their key). Not beta, nor the optimizer's or the schedule's settings.
     """
-    exp = experiment(wildcards)
     train = {
         k: v
         for k, v in to_dict(exp.dpo_train).items()
@@ -121,6 +134,7 @@ def reference_params(wildcards):
             "max_length": exp.preference.max_length,
         },
         "max_length": exp.preference.max_length,
+        "pairs_key": keys.pairs_key(exp),
         "deepspeed_sha256": sha256_file(exp.dpo_train.deepspeed),
         "gpu_memory_gib": CFG.gpu_memory_gib,  # with train.strategy auto the plan's choice depends on it
         "code": keys.code_hash("reference"),

@@ -143,7 +143,8 @@ def manifest_input(wildcards):
         ),
         "pairs": [pairs_dir(e) for e in PREFERENCE_EXPERIMENTS.values()],
         "references": [
-            f"results/preference/{n}/reference.json" for n in PREFERENCE_EXPERIMENTS
+            f"{reference_dir(e)}/reference.json"
+            for e in PREFERENCE_EXPERIMENTS.values()
         ],
         "dpo_summaries": [
             f"{dpo_dir(e)}/summary.json" for e in PREFERENCE_EXPERIMENTS.values()

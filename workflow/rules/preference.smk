@@ -50,12 +50,12 @@ rule reference:
     input:
         unpack(reference_input),
     output:
-        logprobs="results/preference/{experiment}/reference.parquet",
-        record="results/preference/{experiment}/reference.json",
+        logprobs="results/preference/{experiment}/reference-{key}/reference.parquet",
+        record="results/preference/{experiment}/reference-{key}/reference.json",
     log:
-        "logs/reference/{experiment}.log",
+        "logs/reference/{experiment}-{key}.log",
     benchmark:
-        "benchmarks/reference/{experiment}.tsv"
+        "benchmarks/reference/{experiment}-{key}.tsv"
     conda:
         "../../envs/train.yaml"
     threads: train_threads
