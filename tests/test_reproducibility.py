@@ -249,6 +249,9 @@ def _jobs(workdir: Path) -> list[str]:
     """The records a run of the fast config leaves (the report's aside), by rule[/wildcards]."""
     key = next((workdir / "results/tokenized").iterdir()).name
     pairs_key = next((workdir / "results/tokenized_pairs").iterdir()).name
+    reference = next((workdir / "results/preference/default").glob("reference-*")).name.removeprefix(
+        "reference-"
+    )
     return [
         "download",
         "conversations",
@@ -259,7 +262,7 @@ def _jobs(workdir: Path) -> list[str]:
         "preferences/best_vs_rest",
         f"tokenize_pairs/{pairs_key}",
         "plan_dpo/default",
-        "reference/default",
+        f"reference/default_{reference}",
         "dpo/default",
         "evaluate/default",
         "export/default_dpo",

@@ -22,9 +22,7 @@ def reference_dir(exp):
     Snakemake always makes. Its params alone did not suffice: when plan_dpo (an ancient() input) reruns,
     Snakemake 9.27 checks the reference job no further, and a changed reference was not rerun.
     """
-    return (
-        f"results/preference/{exp.name}/reference-{reference_params_of(exp)['run_key']}"
-    )
+    return f"results/preference/{exp.name}/reference-{reference_params(None, exp)['run_key']}"
 
 
 def reference_path(exp):
@@ -112,15 +110,13 @@ REFERENCE_UNUSED_TRAIN = (
 )
 
 
-def reference_params(wildcards):
-    return reference_params_of(experiment(wildcards))
-
-
-def reference_params_of(exp):
+def reference_params(wildcards, exp=None):
     """What the reference log-probabilities depend on: which model (the SFT model is an input; the base is named
     here), the DPO stage's model construction (LoRA and its quantization, kernels, attention, precision, ZeRO,
     micro-batch, seed) and the pairs (by their key). Not beta, nor the optimizer's or the schedule's settings.
+    `exp` instead of wildcards: reference_dir names the outputs by this run key.
     """
+    exp = exp or experiment(wildcards)
     train = {
         k: v
         for k, v in to_dict(exp.dpo_train).items()
