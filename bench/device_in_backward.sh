@@ -9,9 +9,11 @@
 #   memory    carry .whl2 and .tao: full30_inbwd's device memory under the variants in $VARIANTS (default: the
 #             allocator's expandable segments, the update's row chunks halved to 2^24 elements, both); a variant
 #             of the chunk edits this machine's copy of snaketune/train/backward_step.py (restored at the end)
+#   profile   carry .whl2 and .tao: full30_inbwd alone with SNAKETUNE_PROFILE (snaketune.train.profiling: the kernels,
+#             how busy the GPU was, the host's operators), into profile.tar.gz
 #   bash bench/device_in_backward.sh PHASE
 set -uo pipefail
-PHASE=${1:?usage: bench/device_in_backward.sh bench|part_a|converge|memory}
+PHASE=${1:?usage: bench/device_in_backward.sh bench|part_a|converge|memory|profile}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; exec > >(tee -a "$OUT/device_$PHASE.log") 2>&1
 R=$PWD
 S=/tmp/smollm2
@@ -35,6 +37,14 @@ install() {
     touch /tmp/site/.in_backward
 }
 case $PHASE in
+profile)
+    install
+    rm -rf /tmp/snaketune-profile
+    SNAKETUNE_PROFILE=/tmp/profile python3 bench/train_throughput.py --out "$OUT/profile" --work /tmp/snaketune-profile \
+        --budget-s "${BUDGET_S:-200}" --only "${CASES:-full30_inbwd}"
+    cat /tmp/profile/top_rank0.md
+    tar czf "$OUT/profile.tar.gz" -C /tmp profile snaketune-profile/logs 2>/dev/null
+    ;;
 memory)
     install
     BS=workflow/snaketune/train/backward_step.py

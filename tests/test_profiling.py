@@ -49,3 +49,22 @@ def test_kernel_table_groups_gpu_kernels_into_families():
     assert "| matmul (cuBLAS/CUTLASS) | 0.30 | 65.2% |" in table
     assert "| optimizer step (AdamW, gradient norm) | 0.12 | 26.1% |" in table
     assert "fused Triton (Liger RMSNorm/RoPE/SwiGLU, losses) | 0.03 | 6.5% |" in table
+
+
+def test_gpu_busy_is_the_union_of_kernel_intervals_against_the_steps_wall_time():
+    """Overlapping kernels (two streams) count once; a gap (the GPU waiting for the host) does not count."""
+    steps = [
+        {"name": f"ProfilerStep#{i}", "cat": "user_annotation", "ts": 1000.0 * i, "dur": 1000.0}
+        for i in (3, 4, 5)
+    ]
+    # the same markers on the GPU's timeline are not more steps
+    steps += [{**e, "cat": "gpu_user_annotation", "ts": e["ts"] + 50} for e in steps]
+    kernels = [
+        {"cat": "kernel", "name": "a", "ts": 3000.0, "dur": 400.0},
+        {"cat": "kernel", "name": "b", "ts": 3200.0, "dur": 400.0},  # overlaps a: 3000-3600 busy
+        {"cat": "gpu_memcpy", "name": "copy", "ts": 4000.0, "dur": 300.0},
+        {"cat": "kernel", "name": "c", "ts": 5500.0, "dur": 100.0},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 3000.0, "dur": 3000.0},  # host time is not GPU time
+    ]
+    line = profiling.gpu_busy_line({"traceEvents": steps + kernels})
+    assert line == "GPU busy (kernels, copies) 0.3 of 1.0 ms of wall time per step: 33%"

@@ -249,7 +249,8 @@ class TrainConfig:
     optimizer_kernel: str = "auto"
     """The step of bf16_optimizer `snaketune`: `triton` (one fused pass per tensor: bf16 gradient in, fp32 master,
     m, v and bf16 weight out; CUDA with triton), `torch` (fp32 gradient copies + torch's fused AdamW); `auto`: triton
-    where it runs."""
+    where it runs. With `optimizer_step: in_backward` and 4-bit states, `triton` is one pass over the weight, the
+    gradient and the 4-bit m and v (snaketune.train.adam4bit), `torch` torchao's update."""
     optimizer_states: str = "fp32"
     """Adam's m and v: `fp32` (8 B per trained parameter), `8bit` (block-wise 8-bit states, 2 B: bitsandbytes', the
     fp32 master weights stay fp32; torchao's with `optimizer_step: in_backward`) or `4bit` (torchao's 4-bit states,

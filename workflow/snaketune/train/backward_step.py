@@ -11,7 +11,8 @@ still move the weight on average; Zamirai et al. 2020, torchao's `bf16_stochasti
 4-bit, ~1.06 B: Li et al. 2023, "Memory Efficient Optimizers with 4-bit States"). The 7B then needs 12.9 GiB of
 weights and 6.8 GiB of 4-bit states. The arithmetic of one parameter's update is torchao's `single_param_adam`
 (AdamW: decoupled weight decay, bias correction), compiled on CUDA (one fused kernel per tensor shape) and eager
-on the CPU.
+on the CPU; on CUDA with 4-bit states and `train.optimizer_kernel` triton (auto), the same arithmetic on torchao's
+states in one Triton pass per tensor (snaketune.train.adam4bit: 1.7x the tokens/s of the 7B on an H200).
 
 What changes against the plain path (state it wherever this is chosen):
 - Gradient accumulation is impossible: a micro-batch's gradient is applied before the next one exists. The config
@@ -110,6 +111,7 @@ class BackwardAdamW(torch.optim.Optimizer):
         grad_clip: float = 0.0,
         states: str = "fp32",
         compile: bool | None = None,
+        kernel: str = "torch",
     ):
         if states not in STATES:
             raise ValueError(f"config key 'train.optimizer_states': {states!r}; allowed: {', '.join(STATES)}")
@@ -121,9 +123,17 @@ class BackwardAdamW(torch.optim.Optimizer):
         self.grad_clip = grad_clip
         device = next(p.device for g in self.param_groups for p in g["params"])
         self.compile = device.type == "cuda" if compile is None else compile
+        # `triton` (train.optimizer_kernel, resolved by the caller): the 4-bit tensors' update in one Triton pass
+        # (snaketune.train.adam4bit); the rest (fp32 or 8-bit states, small tensors) keeps torchao's update.
+        self.triton = kernel == "triton" and states == "4bit"
         self.kernel = (
-            "torchao single_param_adam, compiled" if self.compile else "torchao single_param_adam"
-        ) + (f", {states} states")
+            "snaketune Triton 4-bit AdamW (torchao's states)"
+            if self.triton
+            else ("torchao single_param_adam, compiled" if self.compile else "torchao single_param_adam")
+            + f", {states} states"
+        )
+        self._seed = torch.initial_seed() % 2**31
+        self._index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         # Running sum of squared gradient norms of this step, and the divisor this step's gradients get (the
         # previous step's clipping). Device tensors: no host sync inside backward.
         self._sq_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -147,7 +157,6 @@ class BackwardAdamW(torch.optim.Optimizer):
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(grad)  # SUM: gloo (CPU ranks) has no AVG
             grad.div_(dist.get_world_size())
-        self._sq_sum += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         group = self.param_groups[index]
         state = self.state[p]
         if not state:
@@ -155,6 +164,18 @@ class BackwardAdamW(torch.optim.Optimizer):
             state["exp_avg"] = _zeros(p, self.states, signed=True)
             state["exp_avg_sq"] = _zeros(p, self.states, signed=False)
         state["step"] += 1
+        if self.triton and _adam4bit().supports(p, state["exp_avg"]):
+            step = int(state["step"])
+            _adam4bit().update(
+                p.detach(), grad if grad.is_contiguous() else grad.contiguous(), state["exp_avg"],
+                state["exp_avg_sq"], sq_sum=self._sq_sum, divisor=self._divisor, step=step, lr=float(group["lr"]),
+                betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                # a stream per (step, tensor): the same rounding after a resume as without one
+                seed=(self._seed + step * 65_537 + self._index[p]) % 2**31,
+            )  # fmt: skip
+            p.grad = None
+            return
+        self._sq_sum += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         lr = self._lr[index]
         lr.fill_(float(group["lr"]))  # the scheduler writes floats; the compiled update takes a tensor
         beta1, beta2 = group["betas"]
@@ -211,6 +232,13 @@ class BackwardAdamW(torch.optim.Optimizer):
             }
         if divisor is not None:
             self._divisor = divisor.to(self._divisor.device, torch.float32)
+
+
+def _adam4bit():
+    """snaketune.train.adam4bit, imported on first use: it imports Triton, which CPU builds of torch lack."""
+    from snaketune.train import adam4bit
+
+    return adam4bit
 
 
 def _plain(value):

@@ -388,7 +388,10 @@ def build_optimizer(
     if in_backward:
         from snaketune.train.backward_step import BackwardAdamW
 
-        return BackwardAdamW(groups, lr=lr, betas=betas, eps=1e-8, grad_clip=grad_clip, states=states)
+        return BackwardAdamW(
+            groups, lr=lr, betas=betas, eps=1e-8, grad_clip=grad_clip, states=states,
+            kernel=resolve_triton("train.optimizer_kernel", kernel, device),
+        )  # fmt: skip
     if master_weights:
         return MasterWeightAdamW(
             groups,

@@ -71,13 +71,18 @@ class StepProfiler:
             shutil.copyfileobj(src, dst)
         raw.unlink()
         times = kernel_times(events)
-        where = "GPU kernel"
+        host = {e.key: (e.count, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total}
         if not times:  # CPU ranks: the operators' own host time
-            where = "host operator"
-            times = {
-                e.key: (e.count, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total
-            }
-        (self.out / f"top_rank{self.rank}.md").write_text(top_table(times, where))
+            table = top_table(host, "host operator")
+        else:  # GPU ranks: the kernels, whether the GPU waited on the host, and where the host's time went
+            table = (
+                top_table(times)
+                + "\n"
+                + gpu_busy_line(events)
+                + "\n\n"
+                + top_table(host, "host operator", 15)
+            )
+        (self.out / f"top_rank{self.rank}.md").write_text(table)
 
 
 def kernel_times(trace: dict | list) -> dict[str, tuple[int, float]]:
@@ -90,6 +95,37 @@ def kernel_times(trace: dict | list) -> dict[str, tuple[int, float]]:
             entry[0] += 1
             entry[1] += float(e.get("dur", 0))
     return {name: (n, us) for name, (n, us) in out.items()}
+
+
+def gpu_busy_line(trace: dict | list) -> str:
+    """How much of the profiled steps' wall time the GPU ran kernels (the union of their intervals): well under
+    100% means the GPU waited for the host (launch overhead, Python in hooks, synchronizations)."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    # The host's step markers (the trace repeats them on the GPU's timeline as gpu_user_annotation).
+    steps = [
+        e
+        for e in events
+        if str(e.get("name", "")).startswith("ProfilerStep#")
+        and "dur" in e
+        and e.get("cat") != "gpu_user_annotation"
+    ]
+    wall = sum(float(e["dur"]) for e in steps)
+    spans = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    if not wall:
+        return f"GPU busy {busy / 1e3 / ACTIVE:,.1f} ms per step (no step markers in the trace)"
+    return (
+        f"GPU busy (kernels, copies) {busy / 1e3 / len(steps):,.1f} of {wall / 1e3 / len(steps):,.1f} ms of wall "
+        f"time per step: {busy / wall:.0%}"
+    )
 
 
 def top_table(times: dict[str, tuple[int, float]], where: str = "GPU kernel", rows: int = 25) -> str:

@@ -1,0 +1,158 @@
+"""The 4-bit AdamW update in one Triton pass (snaketune.train.adam4bit) against torchao's update, whose states it
+reads and writes: the same codes and scales, the same weights in fp32, unbiased stochastic rounding into bf16, the
+squared gradient norm; and the step in backward with it against the step with torchao's update.
+
+On a CUDA GPU; on a machine without one the kernel tests also run under Triton's interpreter
+(`TRITON_INTERPRET=1` with triton installed), which CI's CPU build of torch does not bring.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("torchao")
+pytest.importorskip("triton")
+
+from torchao.optim.adam import single_param_adam  # noqa: E402
+from torchao.optim.subclass_4bit import OptimState4bit  # noqa: E402
+
+from snaketune.train import adam4bit  # noqa: E402
+
+if torch.cuda.is_available():
+    DEVICE = "cuda"
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    DEVICE = "cpu"
+else:
+    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+LR, BETAS, EPS, DECAY = 1e-2, (0.9, 0.95), 1e-8, 0.1
+SHAPE = (96, 256)  # 192 blocks of 128: 12 programs, the last one partly masked
+
+
+def _states():
+    return OptimState4bit.zeros(SHAPE, True, 128, DEVICE), OptimState4bit.zeros(SHAPE, False, 128, DEVICE)
+
+
+def _grad(step: int, dtype) -> torch.Tensor:
+    gen = torch.Generator(device=DEVICE).manual_seed(step)
+    return (torch.randn(SHAPE, device=DEVICE, generator=gen) * (1 + step)).to(dtype)
+
+
+def _torchao_step(p, g, m, v, step, divisor, lr=LR):
+    single_param_adam(
+        p, g / divisor, torch.tensor(float(step)), m, v, None, torch.tensor(lr, device=DEVICE), *BETAS, DECAY, EPS,
+        True, False,
+    )  # fmt: skip
+
+
+def _kernel_step(p, g, m, v, step, divisor, sq, seed=0, lr=LR):
+    adam4bit.update(
+        p,
+        g,
+        m,
+        v,
+        sq_sum=sq,
+        divisor=divisor,
+        step=step,
+        lr=lr,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=DECAY,
+        seed=seed,
+    )
+
+
+def test_fp32_weights_and_states_follow_torchaos_update():
+    """Six steps, clipped by a divisor: the same 4-bit codes (the quantizer's choices), the same scales and weights up
+    to fp32 rounding, and the squared norm of the unclipped gradient added to sq_sum."""
+    torch.manual_seed(0)
+    start = torch.randn(SHAPE, device=DEVICE)
+    ref, mine = start.clone(), start.clone()
+    (m_ref, v_ref), (m, v) = _states(), _states()
+    divisor = torch.tensor(1.7, device=DEVICE)
+    for step in range(1, 7):
+        g = _grad(step, torch.float32)
+        _torchao_step(ref, g, m_ref, v_ref, step, divisor)
+        sq = torch.zeros((), device=DEVICE)
+        _kernel_step(mine, g, m, v, step, divisor, sq)
+        torch.testing.assert_close(sq, g.square().sum(), rtol=1e-5, atol=0)
+        assert (m.codes == m_ref.codes).float().mean() > 0.999 and (
+            v.codes == v_ref.codes
+        ).float().mean() > 0.999
+        torch.testing.assert_close(m.scale, m_ref.scale, rtol=1e-5, atol=1e-12)
+        torch.testing.assert_close(v.scale, v_ref.scale, rtol=1e-5, atol=1e-12)
+        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
+    assert (ref - start).abs().mean() > LR  # the weights did move (random gradients: a random walk)
+
+
+def test_bf16_weights_round_stochastically_without_bias():
+    """One step of bf16 weights whose update is far below a bf16 ulp (lr 1e-3, weights in [1.25, 1.75): ulp 2^-7):
+    round to nearest would leave every weight where it was; stochastic rounding moves each to one of the two bf16
+    neighbours of its fp32 result, up with the probability of the dropped bits, so the weights carry no bias.
+    Another seed draws other roundings."""
+    lr, ulp = 1e-3, 2.0**-7
+    torch.manual_seed(1)
+    start = (torch.rand(SHAPE, device=DEVICE) * 0.5 + 1.25).bfloat16()
+    exact = start.float()
+    m_ref, v_ref = _states()
+    g = _grad(1, torch.bfloat16)
+    one = torch.tensor(1.0, device=DEVICE)
+    _torchao_step(exact, g.float(), m_ref, v_ref, 1, one, lr=lr)
+    p, p2 = start.clone(), start.clone()
+    (m, v), (m2, v2) = _states(), _states()
+    sq = torch.zeros((), device=DEVICE)
+    _kernel_step(p, g, m, v, 1, one, sq, seed=11, lr=lr)
+    _kernel_step(p2, g, m2, v2, 1, one, sq, seed=12, lr=lr)
+    below = torch.floor(exact / ulp) * ulp
+    assert ((p.float() == below) | (p.float() == below + ulp)).all()
+    moved = (p != start).float().mean()
+    assert 0.05 < moved < 0.3, moved  # |update| ~ lr = ulp / 7.8
+    bias = (
+        p.float() - exact
+    ).mean() / ulp  # each draw's error is within an ulp: the mean's sd < 0.004 ulp here
+    assert abs(bias) < 0.02, bias
+    assert (p != p2).any() and ((p != start) & (p2 != start)).float().mean() < moved
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="BackwardAdamW picks the kernel for CUDA tensors")
+def test_the_step_in_backward_with_the_kernel_follows_torchaos_update():
+    """A small MLP trained 8 steps with the update in backward, 4-bit states, clipping: the Triton kernel's weights
+    follow torchao's compiled update's (stochastic rounding differs draw by draw, so not equal), and the norm the
+    step reports is the same."""
+    from snaketune.train.backward_step import BackwardAdamW
+    from snaketune.train.optim import param_groups
+
+    def run(kernel):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+        net = net.to(DEVICE, torch.bfloat16)
+        opt = BackwardAdamW(
+            param_groups(net, 0.1), lr=1e-3, betas=BETAS, grad_clip=1.0, states="4bit", kernel=kernel
+        )
+        norms = []
+        for step in range(8):
+            gen = torch.Generator(device=DEVICE).manual_seed(step)
+            x = torch.randn(64, 256, device=DEVICE, generator=gen).bfloat16()
+            (net(x).float() - x.float()).pow(2).mean().backward()
+            opt.step()
+            norms.append(float(opt._global_grad_norm))
+        return net, opt, norms
+
+    (ref, ref_opt, ref_norms), (mine, opt, norms) = run("torch"), run("triton")
+    assert opt.kernel.startswith("snaketune Triton") and not ref_opt.kernel.startswith("snaketune Triton")
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=2e-2, atol=0)
+    torch.manual_seed(0)
+    init = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    for a, b, p0 in zip(
+        mine.parameters(), ref.parameters(), init.to(DEVICE, torch.bfloat16).parameters(), strict=True
+    ):
+        moved_ref, moved = b.float() - p0.float(), a.float() - p0.float()
+        assert moved_ref.norm() > 0
+        assert (moved - moved_ref).norm() < 0.15 * moved_ref.norm(), (
+            (moved - moved_ref).norm(),
+            moved_ref.norm(),
+        )

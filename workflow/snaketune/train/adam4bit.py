@@ -1,0 +1,165 @@
+"""AdamW with 4-bit states in one Triton pass per parameter: the update of `train.optimizer_step: in_backward` with
+`train.optimizer_states: 4bit` on a CUDA GPU (`train.optimizer_kernel: auto | triton`; snaketune.train.backward_step).
+
+The states stay torchao's (`OptimState4bit`: codes packed two per byte, element 2i in the high nibble, one fp32
+absmax scale per block of 128 elements, a 16-entry code map), so checkpoints do not change; this kernel reads and
+writes their `codes` and `scale` buffers. The arithmetic is torchao's `single_param_adam` (decoupled weight decay,
+lerp of m and v, bias correction, stochastic rounding into bf16 weights) and its `quantize_4bit_with_qmap` (the
+nearest entry of the sorted code map, a tie rounded up).
+
+Why not torchao's compiled update: measured on one H200 (bench/RESULTS.md, issue #26), its kernels per tensor
+(chunked to bound the fp32 temporaries) took 122 ms of GPU time per step of the 30-layer 7B, and the host's work per
+hook (a compiled-function guard check, tensor-subclass slicing, the norm's three launches) took 449 of an 816 ms
+profiled step: the GPU was idle most of it. Here a tensor costs one launch and one pass over its bytes (the bf16
+weight and gradient read, the weight written, the 4-bit m and v and their scales read and written, ~8 B per
+parameter), nothing materialized in fp32: 92.5 ms of GPU time for the 7B's 6.9B parameters (598 GB/s: far from the
+H200's 4.8 TB/s, so bound by its arithmetic, not profiled further), and the step went from 3,425 to 5,861 tokens/s. The squared gradient norm (for the next step's clipping and the log)
+comes from the same pass: each program's sum, added up in a fixed order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 128
+"""Elements per quantization block (torchao's AdamW4bit default; snaketune.train.backward_step.BLOCK["4bit"])."""
+ROWS = 4
+"""Quantization blocks per Triton program: 512 elements, 4 per thread of 4 warps (more per program spills registers)."""
+
+
+@triton.jit
+def _quantize(x, qmap_ptr):
+    """torchao's quantize_4bit_with_qmap: the code of the nearest entry of the sorted 16-entry map, as the number of
+    midpoints between neighbouring entries at or below x (torchao rounds a tie up too). Compares against the map's
+    values as scalars: no per-element gathers."""
+    codes = tl.zeros(x.shape, dtype=tl.int32)
+    for k in tl.static_range(15):
+        codes += (x >= (tl.load(qmap_ptr + k) + tl.load(qmap_ptr + k + 1)) * 0.5).to(tl.int32)
+    return codes
+
+
+@triton.jit
+def _round_bf16(x, offsets, seed, STOCHASTIC: tl.constexpr):
+    """fp32 -> the value a bf16 store keeps: rounded away from zero with the probability of the 16 bits a bf16
+    drops (torchao's _fp32_to_bf16_sr), else unchanged (the store rounds to nearest)."""
+    if STOCHASTIC:
+        bits = x.to(tl.int32, bitcast=True)
+        dropped = bits & 0xFFFF
+        kept = bits & -65536
+        rand = (tl.randint(seed, offsets) & 0xFFFF).to(tl.int32)
+        x = tl.where(rand < dropped, kept + 0x10000, kept).to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _adamw4bit(
+    p_ptr, g_ptr, m_codes, m_scale, v_codes, v_scale, m_qmap, v_qmap, partial_ptr, divisor_ptr, n_blocks,
+    lr, beta1, beta2, eps, decay, step_size, bc2_sqrt, seed,
+    STOCHASTIC: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)  # int32 offsets: update() refuses tensors of 2^31 elements or more
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_blocks
+    byte = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [ROWS, HALF]: one byte, two elements
+    mask = row_mask[:, None] & (byte >= 0)
+    even = byte * 2
+    odd = even + 1
+    g0 = tl.load(g_ptr + even, mask=mask, other=0.0).to(tl.float32)
+    g1 = tl.load(g_ptr + odd, mask=mask, other=0.0).to(tl.float32)
+    tl.store(partial_ptr + pid, tl.sum(tl.sum(g0 * g0 + g1 * g1, axis=1), axis=0))
+    divisor = tl.load(divisor_ptr)
+    g0 = g0 / divisor
+    g1 = g1 / divisor
+    p0 = tl.load(p_ptr + even, mask=mask, other=0.0).to(tl.float32)
+    p1 = tl.load(p_ptr + odd, mask=mask, other=0.0).to(tl.float32)
+    mc = tl.load(m_codes + byte, mask=mask, other=0).to(tl.int32)
+    vc = tl.load(v_codes + byte, mask=mask, other=0).to(tl.int32)
+    ms = tl.load(m_scale + rows, mask=row_mask, other=0.0)[:, None]
+    vs = tl.load(v_scale + rows, mask=row_mask, other=0.0)[:, None]
+    m0 = tl.load(m_qmap + (mc >> 4)) * ms
+    m1 = tl.load(m_qmap + (mc & 15)) * ms
+    v0 = tl.load(v_qmap + (vc >> 4)) * vs
+    v1 = tl.load(v_qmap + (vc & 15)) * vs
+    p0 = p0 - lr * decay * p0
+    p1 = p1 - lr * decay * p1
+    m0 = m0 + (1.0 - beta1) * (g0 - m0)
+    m1 = m1 + (1.0 - beta1) * (g1 - m1)
+    v0 = v0 + (1.0 - beta2) * (g0 * g0 - v0)
+    v1 = v1 + (1.0 - beta2) * (g1 * g1 - v1)
+    p0 = p0 - step_size * m0 / (tl.sqrt(v0) / bc2_sqrt + eps)
+    p1 = p1 - step_size * m1 / (tl.sqrt(v1) / bc2_sqrt + eps)
+    m_abs = tl.maximum(tl.maximum(tl.max(tl.abs(m0), axis=1), tl.max(tl.abs(m1), axis=1)), 1e-12)
+    v_abs = tl.maximum(tl.maximum(tl.max(tl.abs(v0), axis=1), tl.max(tl.abs(v1), axis=1)), 1e-12)
+    mq = (_quantize(m0 / m_abs[:, None], m_qmap) << 4) | _quantize(m1 / m_abs[:, None], m_qmap)
+    vq = (_quantize(v0 / v_abs[:, None], v_qmap) << 4) | _quantize(v1 / v_abs[:, None], v_qmap)
+    tl.store(m_codes + byte, mq.to(tl.uint8), mask=mask)
+    tl.store(v_codes + byte, vq.to(tl.uint8), mask=mask)
+    tl.store(m_scale + rows, m_abs, mask=row_mask)
+    tl.store(v_scale + rows, v_abs, mask=row_mask)
+    p0 = _round_bf16(p0, even, seed, STOCHASTIC)
+    p1 = _round_bf16(p1, odd, seed, STOCHASTIC)
+    tl.store(p_ptr + even, p0.to(p_ptr.dtype.element_ty), mask=mask)
+    tl.store(p_ptr + odd, p1.to(p_ptr.dtype.element_ty), mask=mask)
+
+
+def supports(p: torch.Tensor, exp_avg: torch.Tensor) -> bool:
+    """Whether this kernel updates `p`: a CUDA tensor whose m is torchao's 4-bit state in blocks of BLOCK (the small
+    and odd-sized tensors keep fp32 states and torchao's update)."""
+    return (
+        p.is_cuda
+        and type(exp_avg).__name__ == "OptimState4bit"
+        and exp_avg.block_size == BLOCK
+        and p.numel() % BLOCK == 0
+    )
+
+
+def update(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    sq_sum: torch.Tensor,
+    divisor: torch.Tensor,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    seed: int,
+) -> None:
+    """One AdamW step of `p` (in place, with its 4-bit m and v): `grad` divided by `divisor` (a device scalar: the
+    clipping), its squared norm (before that division) added to `sq_sum`; bf16 weights rounded stochastically with
+    `seed`."""
+    if not (p.is_contiguous() and grad.is_contiguous()):
+        raise ValueError("adam4bit.update needs contiguous weights and gradients")
+    if p.numel() >= 2**31:
+        raise ValueError(
+            f"adam4bit.update takes tensors of fewer than 2^31 elements (this one: {p.numel():,})"
+        )
+    beta1, beta2 = betas
+    n_blocks = p.numel() // BLOCK
+    programs = (n_blocks + ROWS - 1) // ROWS
+    partial = _scratch(programs, p.device)
+    _adamw4bit[(programs,)](
+        p, grad, exp_avg.codes, exp_avg.scale, exp_avg_sq.codes, exp_avg_sq.scale, exp_avg.qmap, exp_avg_sq.qmap,
+        partial, divisor, n_blocks,
+        lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, seed,
+        STOCHASTIC=p.dtype == torch.bfloat16, ROWS=ROWS, HALF=BLOCK // 2,
+    )  # fmt: skip
+    sq_sum += partial[:programs].sum()
+
+
+_SCRATCH: dict[torch.device, torch.Tensor] = {}
+
+
+def _scratch(size: int, device: torch.device) -> torch.Tensor:
+    """Each program's sum of squared gradients, summed in a fixed order afterwards (atomics on one address
+    serialize and their order varies). One buffer per device, grown to the largest tensor's programs (0.8M fp32 for
+    the 7B's embedding); kernels on the same stream use it one after the other."""
+    buf = _SCRATCH.get(device)
+    if buf is None or buf.numel() < size:
+        _SCRATCH[device] = buf = torch.empty(size, dtype=torch.float32, device=device)
+    return buf
