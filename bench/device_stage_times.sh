@@ -44,7 +44,7 @@ timeout -k 10 420 python3 -m snakemake results/dpo/default/summary.json --schedu
     > "$OUT/workflow.log" 2>&1
 echo "=== $(date -u +%T) workflow exit $?"
 for f in $(find benchmarks -name '*.tsv' | sort); do echo "  $f $(tail -1 "$f" | cut -f1) s"; done
-grep -h "GPUs assigned\|launching\|first\|done:" logs/train/default.log logs/reference/default.log logs/dpo/default.log | cut -c1-160
+grep -h "GPUs assigned\|launching\|first\|done:" logs/train/default.log logs/reference/default-*.log logs/dpo/default.log | cut -c1-160
 # bench/real_model_trl.py reads the base model where rule import_gguf would have left it
 mkdir -p results/models && ln -sfn /tmp/smollm2/smol-rand results/models/smol-rand
 echo "=== $(date -u +%T) TRL padded (SFT, DPO)"

@@ -43,7 +43,8 @@ parameter (../shared/FACTS.md: 16 B/param for mixed-precision Adam):
   block-diagonal attention mask, micro_batch x seq^2 x (w + 1).
 The peak is the larger of forward/backward and the optimizer step; it is what torch's
 max_memory_allocated reports (summary.json peak_memory_gib_per_rank). A GPU must hold that plus
-FRAGMENTATION of it and CUDA_OVERHEAD_GIB (CUDA context, NCCL and cuBLAS workspaces outside the allocator).
+FRAGMENTATION of it (none for the step in backward: expandable segments) and CUDA_OVERHEAD_GIB (CUDA context, NCCL
+and cuBLAS workspaces outside the allocator).
 Host memory: HOST_PER_RANK_GIB per rank (a CUDA PyTorch + DeepSpeed process), plus with optimizer offload
 18 B per trained parameter (fp32 master 4, Adam 8, fp32 gradients 4, bf16 staging 2); it must stay within
 HOST_USABLE of the machine's RAM.
@@ -91,7 +92,12 @@ CUDA_OVERHEAD_GIB = 1.25 + LAZY_MODULES_GIB
 training step's kernels 1.28, 1.22 at a 7B LoRA step's OOM under the cap; 1.25, and the room the ranks leave for
 kernel modules loaded after their warm-up."""
 FRAGMENTATION = 0.05
-"""Allocator blocks reserved but not allocated at the peak, as a share of the peak."""
+"""Allocator blocks reserved but not allocated at the peak, as a share of the peak. None for the step in backward,
+whose ranks turn on the allocator's expandable segments (snaketune.device_memory.allocator_settings): their free
+pages go back to the driver before an allocation over the cap fails, so the allocated peak is what must fit.
+Measured (bench/RESULTS.md, issue #26): the 7B's step in backward under the allocator cap of gpu_memory_gib 24
+(21.55 GiB) peaked at 21.46 GiB allocated without one allocation retry. A user's own PYTORCH_CUDA_ALLOC_CONF
+without expandable segments keeps PyTorch's fixed segments: then the plan is up to 5% short (the rank logs which)."""
 HOST_PER_RANK_GIB = 5.0
 """Host memory of one rank: CUDA PyTorch + DeepSpeed + transformers, pinned buffers, the tokenized data."""
 HOST_OFFLOAD_BYTES = 18
@@ -347,7 +353,7 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
         step_extra_gib=step_extra / GIB,
         peak_allocated_gib=peak / GIB,
         peak_phase="optimizer step" if step > forward_backward else "forward/backward",
-        gpu_gib=peak / GIB * (1 + FRAGMENTATION) + CUDA_OVERHEAD_GIB,
+        gpu_gib=peak / GIB * (1 + (0.0 if s.in_backward else FRAGMENTATION)) + CUDA_OVERHEAD_GIB,
         host_gib=host / GIB,
         offload=s.offload_optimizer or s.offload_params,
     )
