@@ -254,29 +254,43 @@ def test_bad_step_settings_name_the_key(train, key, says):
 
 # ---- the memory plan ------------------------------------------------------------------------------------------
 
+DEEPSPEED = {name: str(REPO / "config/deepspeed" / name) for name in
+             ("zero0.json", "zero2.json", "zero3.json", "zero3_offload.json")}  # fmt: skip
+"""The plan's candidate DeepSpeed files."""
+
+
+def _train_7b(deepspeed: str, **overrides) -> dict:
+    """The train section the plan rule gets: one rank, one row per step, Liger's kernels."""
+    train = TrainConfig(gpus=1, global_batch_size=1, micro_batch_size=1, kernels="liger", deepspeed=deepspeed,
+                        **overrides)  # fmt: skip
+    return json.loads(json.dumps(train.__dict__, default=lambda o: o.__dict__))
+
+
+def _plan_7b(train: dict, max_length: int, gpu_memory_gib: int, host_gib: float) -> dict:
+    """The plan of the full deepseek-llm-7b at ZeRO-0 under gpu_memory_gib (its usable 0.5 GiB less)."""
+    from snaketune.plan import search
+    from snaketune.plan.budget import Budget
+
+    return search.make_plan(
+        experiment="x",
+        model={"base": "arch:deepseek-llm-7b", "num_layers": None, "revision": "main"},
+        train=train,
+        max_length=max_length,
+        deepspeed_config=DEEPSPEED["zero0.json"],
+        gpu_memory_gib=gpu_memory_gib,
+        budget=Budget(gpu_memory_gib - 0.5, f"gpu_memory_gib: {gpu_memory_gib}", host_gib),
+        candidate_files=DEEPSPEED,
+    )
+
 
 def test_auto_prefers_the_step_in_backward_to_offload():
     """The 7B full fine-tune, one rank, 1 x 2,048 tokens per step, under 32 GiB: fp32 masters (16 B per parameter)
     and 8-bit states (10 B) do not fit; ZeRO-3 with CPU offload would; `auto` picks the step in backward with 4-bit
     states (12.9 GiB of weights, 6.8 of states, no gradients kept) and the run takes it."""
-    from snaketune.plan import apply, search
-    from snaketune.plan.budget import Budget
+    from snaketune.plan import apply
 
-    deepspeed = {name: str(REPO / "config/deepspeed" / name) for name in
-                 ("zero0.json", "zero2.json", "zero3.json", "zero3_offload.json")}  # fmt: skip
-    train = json.loads(json.dumps(TrainConfig(gpus=1, global_batch_size=1, micro_batch_size=1, strategy="auto",
-                                              kernels="liger", deepspeed=deepspeed["zero0.json"]).__dict__,
-                                  default=lambda o: o.__dict__))  # fmt: skip
-    plan = search.make_plan(
-        experiment="x",
-        model={"base": "arch:deepseek-llm-7b", "num_layers": None, "revision": "main"},
-        train=train,
-        max_length=2048,
-        deepspeed_config=deepspeed["zero0.json"],
-        gpu_memory_gib=32,
-        budget=Budget(31.5, "gpu_memory_gib: 32", 256.0),
-        candidate_files=deepspeed,
-    )
+    train = _train_7b(DEEPSPEED["zero0.json"], strategy="auto")
+    plan = _plan_7b(train, max_length=2048, gpu_memory_gib=32, host_gib=256.0)
     chosen = plan["chosen"]
     assert chosen["name"] == "zero0+ckpt+in_backward", [(c["name"], c["fits"]) for c in plan["candidates"]]
     assert (chosen["optimizer_step"], chosen["optimizer_states"]) == ("in_backward", "4bit")
@@ -288,7 +302,7 @@ def test_auto_prefers_the_step_in_backward_to_offload():
     assert est["gradients_gib"] == 0.0
     assert est["weights_gib"] == pytest.approx(2 * 6_910_365_696 / 2**30, abs=1e-3)
     assert est["optimizer_gib"] == pytest.approx(BYTES_PER_PARAM["4bit"] * 6_910_365_696 / 2**30, abs=1e-3)
-    spec = {"train": train, "deepspeed_config": deepspeed["zero0.json"], "run_key": "abc"}
+    spec = {"train": train, "deepspeed_config": DEEPSPEED["zero0.json"], "run_key": "abc"}
     applied = apply.apply_plan(spec, plan)["train"]
     assert (applied["optimizer_step"], applied["optimizer_states"], applied["gradient_checkpointing"]) == (
         "in_backward", "4bit", True,
@@ -302,25 +316,8 @@ def test_on_a_24_gb_card_the_plan_takes_the_step_in_backward_for_the_rows_it_can
     fragmentation is counted, only what lies outside the allocator); 2,048 do not fit the plan. The plan stays above
     what the 2,048-token run measured on an H200, numbers it was not fitted to (bench/RESULTS.md, issue #26): 21.46
     GiB allocated, 23.18-23.45 GiB of device memory."""
-    from snaketune.plan import search
-    from snaketune.plan.budget import Budget
-
-    deepspeed = {name: str(REPO / "config/deepspeed" / name) for name in
-                 ("zero0.json", "zero2.json", "zero3.json", "zero3_offload.json")}  # fmt: skip
-    train = json.loads(json.dumps(TrainConfig(gpus=1, global_batch_size=1, micro_batch_size=1, strategy="auto",
-                                              kernels="liger", loss_kernel="triton",
-                                              deepspeed=deepspeed["zero0.json"]).__dict__,
-                                  default=lambda o: o.__dict__))  # fmt: skip
-    plan = search.make_plan(
-        experiment="x",
-        model={"base": "arch:deepseek-llm-7b", "num_layers": None, "revision": "main"},
-        train=train,
-        max_length=max_length,
-        deepspeed_config=deepspeed["zero0.json"],
-        gpu_memory_gib=24,
-        budget=Budget(23.5, "gpu_memory_gib: 24", 64.0),
-        candidate_files=deepspeed,
-    )
+    train = _train_7b(DEEPSPEED["zero0.json"], strategy="auto", loss_kernel="triton")
+    plan = _plan_7b(train, max_length=max_length, gpu_memory_gib=24, host_gib=64.0)
     step = next(c for c in plan["candidates"] if c["name"] == "zero0+ckpt+in_backward")
     assert step["fits"] is fits and (plan["chosen"]["name"] == "zero0+ckpt+in_backward") is fits
     if max_length == 2048:
@@ -333,11 +330,7 @@ def test_a_full_fine_tune_that_does_not_fit_names_the_step_in_backward():
     from snaketune.plan import search
     from snaketune.plan.budget import Budget
 
-    deepspeed = {name: str(REPO / "config/deepspeed" / name) for name in
-                 ("zero0.json", "zero2.json", "zero3.json", "zero3_offload.json")}  # fmt: skip
-    train = TrainConfig(gpus=1, global_batch_size=1, micro_batch_size=1, kernels="liger",
-                        deepspeed=deepspeed["zero2.json"])  # fmt: skip
-    train = json.loads(json.dumps(train.__dict__, default=lambda o: o.__dict__))
+    train = _train_7b(DEEPSPEED["zero2.json"])
     with pytest.raises(search.PlanError) as err:
         search.write_plan(
             out=REPO / "never-written.json",
@@ -345,10 +338,10 @@ def test_a_full_fine_tune_that_does_not_fit_names_the_step_in_backward():
             model={"base": "arch:deepseek-llm-7b", "num_layers": None, "revision": "main"},
             train=train,
             max_length=2048,
-            deepspeed_config=deepspeed["zero2.json"],
+            deepspeed_config=DEEPSPEED["zero2.json"],
             gpu_memory_gib=32,
             budget=Budget(31.5, "gpu_memory_gib: 32", 64.0),
-            candidate_files=deepspeed,
+            candidate_files=DEEPSPEED,
         )
     message = str(err.value)
     assert (

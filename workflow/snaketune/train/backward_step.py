@@ -126,6 +126,10 @@ class BackwardAdamW(torch.optim.Optimizer):
         # `triton` (train.optimizer_kernel, resolved by the caller): the 4-bit tensors' update in one Triton pass
         # (snaketune.train.adam4bit); the rest (fp32 or 8-bit states, small tensors) keeps torchao's update.
         self.triton = kernel == "triton" and states == "4bit"
+        if self.triton:  # imported here, not at the top: it imports Triton, which CPU builds of torch lack
+            from snaketune.train import adam4bit
+
+            self._adam4bit = adam4bit
         self.kernel = (
             "snaketune Triton 4-bit AdamW (torchao's states)"
             if self.triton
@@ -164,9 +168,9 @@ class BackwardAdamW(torch.optim.Optimizer):
             state["exp_avg"] = _zeros(p, self.states, signed=True)
             state["exp_avg_sq"] = _zeros(p, self.states, signed=False)
         state["step"] += 1
-        if self.triton and _adam4bit().supports(p, state["exp_avg"]):
+        if self.triton and self._adam4bit.supports(p, state["exp_avg"]):
             step = int(state["step"])
-            _adam4bit().update(
+            self._adam4bit.update(
                 p.detach(), grad if grad.is_contiguous() else grad.contiguous(), state["exp_avg"],
                 state["exp_avg_sq"], sq_sum=self._sq_sum, divisor=self._divisor, step=step, lr=float(group["lr"]),
                 betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
@@ -232,13 +236,6 @@ class BackwardAdamW(torch.optim.Optimizer):
             }
         if divisor is not None:
             self._divisor = divisor.to(self._divisor.device, torch.float32)
-
-
-def _adam4bit():
-    """snaketune.train.adam4bit, imported on first use: it imports Triton, which CPU builds of torch lack."""
-    from snaketune.train import adam4bit
-
-    return adam4bit
 
 
 def _plain(value):
