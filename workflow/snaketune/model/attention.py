@@ -5,8 +5,12 @@ The plain path (`train.attention: sdpa`) gives SDPA a (batch, 1, L, L) block-dia
 (snaketune.model.batching.packed_attention_mask), which keeps PyTorch off its FlashAttention kernel. This module
 registers an attention function with transformers (`AttentionInterface`, name `IMPLEMENTATION`) that takes
 the conversations' boundaries as cumulative lengths over the flattened batch (`cu_seqlens`, as
-FlashAttention's varlen API does) and, on CUDA in bf16/fp16, calls PyTorch's FlashAttention varlen kernel
-(`torch.nn.attention.varlen.varlen_attn`, torch >= 2.10) with causal masking inside each conversation.
+FlashAttention's varlen API does) and, on CUDA in bf16/fp16, calls PyTorch's FlashAttention varlen kernel with
+causal masking inside each conversation: `aten::_flash_attention_forward` directly, whose backward is autograd's own
+(FlashAttentionBackward0), the op that `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10) wraps in a Python
+custom op. The wrapper (torch.library dispatch, a Python autograd function, one more kernel per call for a dropout
+state it never uses) cost the host as much as a layer's seven matmuls: a py-spy sample of the 7B's step in backward
+on an H200, where the host bounds the step (bench/RESULTS.md, issue #26).
 Elsewhere (CPU ranks, fp32) it runs SDPA with the equivalent block mask, so the same model code runs on the
 embedded default and its result is the plain path's.
 
@@ -16,7 +20,6 @@ Pads are position 0 each, hence one-token conversations of their own: real token
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from collections.abc import Sequence
 
@@ -31,12 +34,14 @@ IMPLEMENTATION = "snaketune_packed"
 ATTENTION_MODES = ("auto", "varlen", "sdpa")
 
 
-def _varlen():
+@functools.cache
+def _torch_has_varlen() -> bool:
+    """torch >= 2.10 (torch.nn.attention.varlen): the release whose _flash_attention_forward this module calls."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
     except ImportError:
-        return None
-    return varlen_attn
+        return False
+    return True
 
 
 def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -45,7 +50,7 @@ def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
         device.type == "cuda"
         and torch.cuda.is_available()
         and dtype in (torch.bfloat16, torch.float16)
-        and _varlen() is not None
+        and _torch_has_varlen()
     )
 
 
@@ -81,13 +86,6 @@ def _segment_ids(cu_seqlens: torch.Tensor, shape: tuple[int, int], device: torch
     return ids.view(shape)
 
 
-@functools.cache
-def _causal_kwargs(fn) -> dict:
-    # torch 2.10+: causal as a window of (-1, 0); the first release (2.9) took is_causal.
-    params = inspect.signature(fn).parameters
-    return {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-
-
 def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -108,17 +106,20 @@ def packed_attention(
         )
     b, heads, length, dim = query.shape
     kv_heads = key.shape[1]
-    varlen = _varlen()
-    if varlen is not None and kernel_available(query.device, query.dtype) and dropout == 0.0:
+    if kernel_available(query.device, query.dtype) and dropout == 0.0:
         if kv_heads != heads:  # grouped-query attention: one copy of each KV head per query head
             key = key.repeat_interleave(heads // kv_heads, dim=1)
             value = value.repeat_interleave(heads // kv_heads, dim=1)
         q = query.transpose(1, 2).reshape(b * length, heads, dim)
         k = key.transpose(1, 2).reshape(b * length, heads, dim)
         v = value.transpose(1, 2).reshape(b * length, heads, dim)
-        cu = cu_seqlens.to(query.device, non_blocking=True)
+        cu = cu_seqlens.to(query.device, torch.int32, non_blocking=True)
         longest = int(max_seqlen or length)
-        out = varlen(q, k, v, cu, cu, longest, longest, scale=scaling, **_causal_kwargs(varlen))
+        # (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask): what
+        # varlen_attn passes for causal attention without dropout; its first output is the attention.
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scaling
+        )[0]
         return out.view(b, length, heads, dim), None
     ids = _segment_ids(cu_seqlens, (b, length), query.device)
     causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
