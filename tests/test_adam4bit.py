@@ -55,7 +55,7 @@ def _kernel_step(p, g, m, v, step, divisor, sq, seed=0, lr=LR):
         g,
         m,
         v,
-        sq_sum=sq,
+        sq_out=sq,
         divisor=divisor,
         step=step,
         lr=lr,
@@ -68,7 +68,7 @@ def _kernel_step(p, g, m, v, step, divisor, sq, seed=0, lr=LR):
 
 def test_fp32_weights_and_states_follow_torchaos_update():
     """Six steps, clipped by a divisor: the same 4-bit codes (the quantizer's choices), the same scales and weights up
-    to fp32 rounding, and the squared norm of the unclipped gradient added to sq_sum."""
+    to fp32 rounding, and the squared norm of the unclipped gradient written to sq_out."""
     torch.manual_seed(0)
     start = torch.randn(SHAPE, device=DEVICE)
     ref, mine = start.clone(), start.clone()

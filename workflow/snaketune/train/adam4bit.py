@@ -122,7 +122,7 @@ def update(
     exp_avg,
     exp_avg_sq,
     *,
-    sq_sum: torch.Tensor,
+    sq_out: torch.Tensor,
     divisor: torch.Tensor,
     step: int,
     lr: float,
@@ -132,8 +132,8 @@ def update(
     seed: int,
 ) -> None:
     """One AdamW step of `p` (in place, with its 4-bit m and v): `grad` divided by `divisor` (a device scalar: the
-    clipping), its squared norm (before that division) added to `sq_sum`; bf16 weights rounded stochastically with
-    `seed`."""
+    clipping), its squared norm (before that division) written to `sq_out` (a 0-d fp32 tensor, e.g. this tensor's slot
+    of a step's vector of norms); bf16 weights rounded stochastically with `seed`."""
     if not (p.is_contiguous() and grad.is_contiguous()):
         raise ValueError("adam4bit.update needs contiguous weights and gradients")
     if p.numel() >= 2**31:
@@ -150,17 +150,25 @@ def update(
         lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, seed,
         STOCHASTIC=p.dtype == torch.bfloat16, ROWS=ROWS, HALF=BLOCK // 2,
     )  # fmt: skip
-    sq_sum += partial[:programs].sum()
+    # One launch, no read-modify-write: the host's time per tensor bounds the 7B's step (module docstring).
+    torch.sum(partial, dim=0, out=sq_out)
 
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
+_VIEWS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _scratch(size: int, device: torch.device) -> torch.Tensor:
-    """Each program's sum of squared gradients, summed in a fixed order afterwards (atomics on one address
-    serialize and their order varies). One buffer per device, grown to the largest tensor's programs (0.8M fp32 for
-    the 7B's embedding); kernels on the same stream use it one after the other."""
+    """`size` fp32 slots for each program's sum of squared gradients, summed in a fixed order afterwards (atomics on
+    one address serialize and their order varies): the first `size` of one buffer per device, grown to the largest
+    tensor's programs (0.8M for the 7B's embedding); kernels on the same stream use it one after the other. The
+    views are kept per size (a decoder has a handful), so that a call costs no slicing."""
     buf = _SCRATCH.get(device)
     if buf is None or buf.numel() < size:
         _SCRATCH[device] = buf = torch.empty(size, dtype=torch.float32, device=device)
-    return buf
+        for key in [k for k in _VIEWS if k[0] == device]:
+            del _VIEWS[key]  # views of the smaller buffer
+    view = _VIEWS.get((device, size))
+    if view is None:
+        _VIEWS[(device, size)] = view = buf[:size]
+    return view

@@ -138,8 +138,13 @@ class BackwardAdamW(torch.optim.Optimizer):
         )
         self._seed = torch.initial_seed() % 2**31
         self._index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        # Running sum of squared gradient norms of this step, and the divisor this step's gradients get (the
-        # previous step's clipping). Device tensors: no host sync inside backward.
+        self._fast: dict[torch.Tensor, bool] = {}  # whether the Triton kernel updates this tensor
+        self._world: int | None = None  # ranks, read at the first hook (after the process group exists)
+        # This step's squared gradient norms: one slot per tensor that the Triton kernel updates (it writes them in
+        # one launch, no read-modify-write) and a running sum for the others; and the divisor this step's gradients
+        # get (the previous step's clipping). Device tensors: no host sync inside backward.
+        self._sq_parts = torch.zeros(len(self._index), dtype=torch.float32, device=device)
+        self._sq_slots = self._sq_parts.unbind()  # 0-d views, made once
         self._sq_sum = torch.zeros((), dtype=torch.float32, device=device)
         self._divisor = torch.ones((), dtype=torch.float32, device=device)
         self._lr = [torch.tensor(float(g["lr"]), dtype=torch.float32) for g in self.param_groups]
@@ -158,9 +163,11 @@ class BackwardAdamW(torch.optim.Optimizer):
         grad = p.grad
         if grad is None:
             return
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if self._world is None:
+            self._world = dist.get_world_size() if dist.is_initialized() else 1
+        if self._world > 1:
             dist.all_reduce(grad)  # SUM: gloo (CPU ranks) has no AVG
-            grad.div_(dist.get_world_size())
+            grad.div_(self._world)
         group = self.param_groups[index]
         state = self.state[p]
         if not state:
@@ -168,14 +175,20 @@ class BackwardAdamW(torch.optim.Optimizer):
             state["exp_avg"] = _zeros(p, self.states, signed=True)
             state["exp_avg_sq"] = _zeros(p, self.states, signed=False)
         state["step"] += 1
-        if self.triton and self._adam4bit.supports(p, state["exp_avg"]):
+        fast = self._fast.get(p)
+        if fast is None:
+            fast = self._fast[p] = self.triton and self._adam4bit.supports(p, state["exp_avg"])
+        if fast:
             step = int(state["step"])
+            i = self._index[p]
+            # The hook's host time bounds the 7B's step (273 hooks): no detach, no slicing, one launch besides the
+            # kernel's (its norm into this tensor's slot).
             self._adam4bit.update(
-                p.detach(), grad if grad.is_contiguous() else grad.contiguous(), state["exp_avg"],
-                state["exp_avg_sq"], sq_sum=self._sq_sum, divisor=self._divisor, step=step, lr=float(group["lr"]),
-                betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                p, grad if grad.is_contiguous() else grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
+                sq_out=self._sq_slots[i], divisor=self._divisor, step=step, lr=float(group["lr"]), betas=group["betas"],
+                eps=group["eps"], weight_decay=group["weight_decay"],
                 # a stream per (step, tensor): the same rounding after a resume as without one
-                seed=(self._seed + step * 65_537 + self._index[p]) % 2**31,
+                seed=(self._seed + step * 65_537 + i) % 2**31,
             )  # fmt: skip
             p.grad = None
             return
@@ -201,10 +214,11 @@ class BackwardAdamW(torch.optim.Optimizer):
         clipping divisor (clip_grad_norm_'s coefficient max_norm / (norm + 1e-6), at most 1, as a divisor)."""
         if closure is not None:
             raise ValueError("BackwardAdamW.step takes no closure")
-        norm = self._sq_sum.sqrt()
+        norm = (self._sq_parts.sum() + self._sq_sum).sqrt()
         self._global_grad_norm = norm
         if self.grad_clip > 0:
             self._divisor = torch.clamp((norm + 1e-6) / self.grad_clip, min=1.0)
+        self._sq_parts.zero_()  # after the sum above, in stream order; a tensor without a gradient adds nothing
         self._sq_sum = torch.zeros_like(self._sq_sum)
         return None
 
