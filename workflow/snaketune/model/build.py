@@ -321,12 +321,26 @@ class LossModel(torch.nn.Module):
             causal_lm(self.net).set_attn_implementation("sdpa")
 
 
-def compile_layers(net: torch.nn.Module) -> int:
+def compile_layers(net: torch.nn.Module, backend: str = "inductor") -> int:
     """torch.compile each decoder layer (torchtitan's per-block compile: every layer reuses one compiled
-    graph, so compile time does not grow with depth); returns how many layers were compiled."""
-    layers = causal_lm(net).model.layers
+    graph, so compile time does not grow with depth); returns how many layers were compiled.
+
+    The packed rows' `cu_seqlens` has one entry per conversation plus one, a length that changes every step: it is
+    marked dynamic before each forward, so the layers compile once for every count. Left to torch.compile, the
+    second step's new length recompiled every layer (3.9 s on an H200, in the first timed step: it read as
+    7,257 tokens/s for the 24-layer 7B whose other steps ran at 15,860)."""
+    body = causal_lm(net).model
+    layers = body.layers
     for layer in layers:
-        layer.compile()
+        layer.compile(backend=backend)
+
+    def dynamic_segments(_module, args, kwargs):
+        segments = kwargs.get("cu_seqlens")
+        if segments is not None:
+            torch._dynamo.mark_dynamic(segments, 0)
+        return args, kwargs
+
+    body.register_forward_pre_hook(dynamic_segments, with_kwargs=True)
     return len(layers)
 
 
