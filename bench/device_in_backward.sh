@@ -11,9 +11,12 @@
 #             of the chunk edits this machine's copy of snaketune/train/backward_step.py (restored at the end)
 #   profile   carry .whl2 and .tao: full30_inbwd alone with SNAKETUNE_PROFILE (snaketune.train.profiling: the kernels,
 #             how busy the GPU was, the host's operators), into profile.tar.gz
+#   spy       carry .whl2, .tao and py-spy's wheel in .x26: full30_inbwd under py-spy (native frames, every thread of
+#             every process, $RATE samples/s), its collapsed stacks into spy_raw.txt.gz: where the host's time goes
+#             when the GPU waits on it
 #   bash bench/device_in_backward.sh PHASE
 set -uo pipefail
-PHASE=${1:?usage: bench/device_in_backward.sh bench|part_a|converge|memory|profile}
+PHASE=${1:?usage: bench/device_in_backward.sh bench|part_a|converge|memory|profile|spy}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; exec > >(tee -a "$OUT/device_$PHASE.log") 2>&1
 R=$PWD
 S=/tmp/smollm2
@@ -44,6 +47,15 @@ profile)
         --budget-s "${BUDGET_S:-200}" --only "${CASES:-full30_inbwd}"
     cat /tmp/profile/top_rank0.md
     tar czf "$OUT/profile.tar.gz" -C /tmp profile snaketune-profile/logs 2>/dev/null
+    ;;
+spy)
+    install
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/spy .x26/py_spy-*.whl || exit 1
+    rm -rf /tmp/snaketune-spy
+    /tmp/spy/bin/py-spy record --native --subprocesses --threads -r "${RATE:-50}" -f raw -o /tmp/spy_raw.txt -- \
+        python3 bench/train_throughput.py --out "$OUT/spy" --work /tmp/snaketune-spy --budget-s "${BUDGET_S:-200}" \
+        --only "${CASES:-full30_inbwd}"
+    gzip -c /tmp/spy_raw.txt > "$OUT/spy_raw.txt.gz"
     ;;
 memory)
     install
