@@ -185,8 +185,8 @@ class BackwardAdamW(torch.optim.Optimizer):
             # kernel's (its norm into this tensor's slot).
             self._adam4bit.update(
                 p, grad if grad.is_contiguous() else grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
-                sq_out=self._sq_slots[i], divisor=self._divisor, step=step, lr=float(group["lr"]), betas=group["betas"],
-                eps=group["eps"], weight_decay=group["weight_decay"],
+                sq_out=self._sq_slots[i], divisor=self._divisor, step=step, lr=float(group["lr"]),
+                betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                 # a stream per (step, tensor): the same rounding after a resume as without one
                 seed=(self._seed + step * 65_537 + i) % 2**31,
             )  # fmt: skip

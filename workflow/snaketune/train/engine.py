@@ -175,7 +175,7 @@ def build(
         if cfg.fp8 == "tensorwise" and not cfg.compile:
             log.warning(
                 "train.fp8: tensorwise without train.compile: true runs its casts as separate kernels (2.3x slower "
-                "than bf16 on an H200; compiled, 18%% faster: bench/RESULTS.md)"
+                "than bf16 on an H200; compiled, 18% faster: bench/RESULTS.md)"
             )
     if cfg.compile:
         compile_layers(net)
