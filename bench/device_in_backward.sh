@@ -13,7 +13,7 @@
 #             how busy the GPU was, the host's operators), into profile.tar.gz
 #   spy       carry .whl2, .tao and py-spy's wheel in .x26: full30_inbwd under py-spy (native frames, every thread of
 #             every process, $RATE samples/s), its collapsed stacks into spy_raw.txt.gz: where the host's time goes
-#             when the GPU waits on it
+#             when the GPU waits on it (python3 bench/spy_summary.py spy_raw.txt.gz reads them)
 #   bash bench/device_in_backward.sh PHASE
 set -uo pipefail
 PHASE=${1:?usage: bench/device_in_backward.sh bench|part_a|converge|memory|profile|spy}

@@ -376,7 +376,7 @@ class Trainer:
         if self.attention == "sdpa":
             return "SDPA with a block-diagonal mask"
         if attention.kernel_available(self.device, self.dtype):
-            return "FlashAttention varlen (torch.nn.attention.varlen)"
+            return "FlashAttention varlen (aten::_flash_attention_forward)"
         return "varlen boundaries, block-masked SDPA (no varlen kernel on this device)"
 
     @property
