@@ -63,6 +63,15 @@ def resolve(mode: str, device: torch.device, dtype: torch.dtype) -> str:
     return mode
 
 
+def describe(mode: str, device: torch.device, dtype: torch.dtype) -> str:
+    """What computes the attention of a run with the resolved `mode` here, as its log and summary say it."""
+    if mode == "sdpa":
+        return "SDPA with a block-diagonal mask"
+    if kernel_available(device, dtype):
+        return "FlashAttention varlen (aten::_flash_attention_forward)"
+    return "varlen boundaries, block-masked SDPA (no varlen kernel on this device)"
+
+
 def segments(position_ids: torch.Tensor, lengths: Sequence[int] | None = None) -> torch.Tensor:
     """int32 cumulative lengths (n + 1,) of the conversations in a (batch, seq) block of position ids,
     flattened row after row: a conversation starts at each row's start and wherever a position id does not

@@ -116,7 +116,8 @@ def assign_gpus(
 
 def single_rank_env() -> dict[str, str]:
     """What `torchrun --standalone --nproc_per_node=1` gives its one rank: rank and world, and a free local port
-    for the process group's rendezvous."""
+    for a rendezvous (a CPU rank uses an in-process store instead: snaketune.train.ranks.run; the address
+    stays for libraries that read it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -92,7 +92,14 @@ def run(argv: list[str], trainer_cls: type) -> int:
     import deepspeed
 
     t0 = time.perf_counter()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if os.environ.get("WORLD_SIZE") == "1" and backend == "gloo":
+        # One CPU rank: an in-process store, no TCP rendezvous. The free port the launcher picked (single_rank_env)
+        # and this process bound seconds later, after its imports, was taken in between by another process once (a
+        # CI run with trainings in parallel: EADDRINUSE). DeepSpeed then adopts the initialized group. Not yet for
+        # NCCL: a GPU rank with this store has not been run (on a GPU the port stays, as measured so far).
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend=backend)
     try:
         trainer = trainer_cls(spec)
         trainer.setup()

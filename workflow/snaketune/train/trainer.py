@@ -267,11 +267,8 @@ class Trainer:
         # of the last logged step come from its marker.
         last = dict(self.resumed_meta.get("metrics") or {})
         profiler = profiling.from_env(self.rank, self.device)  # SNAKETUNE_PROFILE=DIR: a trace of a few steps
-        # Everything alive now (imported modules, the model's Python objects) goes to the permanent generation, which
-        # the cyclic garbage collector never walks again (torchtitan does the same): a full collection in the loop
-        # otherwise walks millions of objects while the GPU waits (the host bounds the 7B's step in backward).
-        gc.collect()
-        gc.freeze()
+        gc.collect()  # then freeze: a full collection never walks the imports and model objects again (torchtitan
+        gc.freeze()  # does so too): the host bounds the step in backward of the 7B (bench/RESULTS.md)
         for step in range(self.start_step, self.total_steps):
             batch_ids = self.order.global_batch(step, cfg.global_batch_size)
             normalizer = self.step_normalizer(batch_ids)
@@ -373,11 +370,7 @@ class Trainer:
 
     @property
     def attention_summary(self) -> str:
-        if self.attention == "sdpa":
-            return "SDPA with a block-diagonal mask"
-        if attention.kernel_available(self.device, self.dtype):
-            return "FlashAttention varlen (aten::_flash_attention_forward)"
-        return "varlen boundaries, block-masked SDPA (no varlen kernel on this device)"
+        return attention.describe(self.attention, self.device, self.dtype)
 
     @property
     def pad_id(self) -> int:
