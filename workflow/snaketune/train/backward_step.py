@@ -140,12 +140,11 @@ class BackwardAdamW(torch.optim.Optimizer):
         self._index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         self._fast: dict[torch.Tensor, bool] = {}  # whether the Triton kernel updates this tensor
         self._world: int | None = None  # ranks, read at the first hook (after the process group exists)
-        # This step's squared gradient norms: one slot per tensor that the Triton kernel updates (it writes them in
-        # one launch, no read-modify-write) and a running sum for the others; and the divisor this step's gradients
-        # get (the previous step's clipping). Device tensors: no host sync inside backward.
+        # This step's squared gradient norms, one slot per tensor (each hook writes its own: no read-modify-write),
+        # and the divisor this step's gradients get (the previous step's clipping). Device tensors: no host sync
+        # inside backward.
         self._sq_parts = torch.zeros(len(self._index), dtype=torch.float32, device=device)
         self._sq_slots = self._sq_parts.unbind()  # 0-d views, made once
-        self._sq_sum = torch.zeros((), dtype=torch.float32, device=device)
         self._divisor = torch.ones((), dtype=torch.float32, device=device)
         self._lr = [torch.tensor(float(g["lr"]), dtype=torch.float32) for g in self.param_groups]
         self._global_grad_norm: torch.Tensor | None = None  # where DeepSpeed's engine looks for it
@@ -192,7 +191,7 @@ class BackwardAdamW(torch.optim.Optimizer):
             )  # fmt: skip
             p.grad = None
             return
-        self._sq_sum += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        self._sq_slots[self._index[p]].copy_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
         lr = self._lr[index]
         lr.fill_(float(group["lr"]))  # the scheduler writes floats; the compiled update takes a tensor
         beta1, beta2 = group["betas"]
@@ -214,12 +213,11 @@ class BackwardAdamW(torch.optim.Optimizer):
         clipping divisor (clip_grad_norm_'s coefficient max_norm / (norm + 1e-6), at most 1, as a divisor)."""
         if closure is not None:
             raise ValueError("BackwardAdamW.step takes no closure")
-        norm = (self._sq_parts.sum() + self._sq_sum).sqrt()
+        norm = self._sq_parts.sum().sqrt()
         self._global_grad_norm = norm
         if self.grad_clip > 0:
             self._divisor = torch.clamp((norm + 1e-6) / self.grad_clip, min=1.0)
         self._sq_parts.zero_()  # after the sum above, in stream order; a tensor without a gradient adds nothing
-        self._sq_sum = torch.zeros_like(self._sq_sum)
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
