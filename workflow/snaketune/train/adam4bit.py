@@ -27,31 +27,48 @@ import triton.language as tl
 
 BLOCK = 128
 """Elements per quantization block (torchao's AdamW4bit default; snaketune.train.backward_step.BLOCK["4bit"])."""
+STATES_ROUNDING = "stochastic"
+"""How the new m and v round to their 4-bit codes: `stochastic` (unbiased; see _quantize) or `nearest` (torchao's)."""
 ROWS = 4
 """Quantization blocks per Triton program: 512 elements, 4 per thread of 4 warps (more per program spills registers)."""
 
 
 @triton.jit
-def _quantize(x, qmap_ptr):
-    """torchao's quantize_4bit_with_qmap: the code of the nearest entry of the sorted 16-entry map, as the number of
-    midpoints between neighbouring entries at or below x (torchao rounds a tie up too). Compares against the map's
-    values as scalars: no per-element gathers."""
+def _quantize(x, qmap_ptr, rand, STATES_SR: tl.constexpr):
+    """The 4-bit code of x (normalized by its block's absmax) in the sorted 16-entry map. STATES_SR (the default,
+    snaketune's choice): rounded stochastically between the two entries around x, up with probability (x - below) /
+    (above - below) from 8 random bits, so the dequantized state is x in expectation (x beyond the map's ends takes
+    the end). Else torchao's quantize_4bit_with_qmap: the nearest entry (a tie rounded up). Compares against the
+    map's values as scalars: no per-element gathers."""
     codes = tl.zeros(x.shape, dtype=tl.int32)
-    for k in tl.static_range(15):
-        codes += (x >= (tl.load(qmap_ptr + k) + tl.load(qmap_ptr + k + 1)) * 0.5).to(tl.int32)
+    if STATES_SR:
+        below = tl.zeros(x.shape, dtype=tl.float32) + tl.load(qmap_ptr)
+        above = tl.zeros(x.shape, dtype=tl.float32) + tl.load(qmap_ptr + 1)
+        for k in tl.static_range(1, 16):  # the map is sorted: the last entry at or below x wins
+            at_or_above = x >= tl.load(qmap_ptr + k)
+            codes += at_or_above.to(tl.int32)
+            below = tl.where(at_or_above, tl.load(qmap_ptr + k), below)
+            if k < 15:
+                above = tl.where(at_or_above, tl.load(qmap_ptr + k + 1), above)
+            else:
+                above = tl.where(at_or_above, below, above)
+        # x below the first entry: x - below < 0, never up; at or above the last: above == below
+        codes += ((x - below) > ((rand & 255).to(tl.float32) + 0.5) * (1.0 / 256.0) * (above - below)).to(tl.int32)
+    else:
+        for k in tl.static_range(15):
+            codes += (x >= (tl.load(qmap_ptr + k) + tl.load(qmap_ptr + k + 1)) * 0.5).to(tl.int32)
     return codes
 
 
 @triton.jit
-def _round_bf16(x, offsets, seed, STOCHASTIC: tl.constexpr):
+def _round_bf16(x, rand, STOCHASTIC: tl.constexpr):
     """fp32 -> the value a bf16 store keeps: rounded away from zero with the probability of the 16 bits a bf16
-    drops (torchao's _fp32_to_bf16_sr), else unchanged (the store rounds to nearest)."""
+    drops (torchao's _fp32_to_bf16_sr, from the low 16 random bits), else unchanged (the store rounds to nearest)."""
     if STOCHASTIC:
         bits = x.to(tl.int32, bitcast=True)
         dropped = bits & 0xFFFF
         kept = bits & -65536
-        rand = (tl.randint(seed, offsets) & 0xFFFF).to(tl.int32)
-        x = tl.where(rand < dropped, kept + 0x10000, kept).to(tl.float32, bitcast=True)
+        x = tl.where((rand & 0xFFFF).to(tl.int32) < dropped, kept + 0x10000, kept).to(tl.float32, bitcast=True)
     return x
 
 
@@ -59,7 +76,7 @@ def _round_bf16(x, offsets, seed, STOCHASTIC: tl.constexpr):
 def _adamw4bit(
     p_ptr, g_ptr, m_codes, m_scale, v_codes, v_scale, m_qmap, v_qmap, partial_ptr, divisor_ptr, n_blocks,
     lr, beta1, beta2, eps, decay, step_size, bc2_sqrt, seed,
-    STOCHASTIC: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
+    STOCHASTIC: tl.constexpr, STATES_SR: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # int32 offsets: update() refuses tensors of 2^31 elements or more
     rows = pid * ROWS + tl.arange(0, ROWS)
@@ -94,14 +111,21 @@ def _adamw4bit(
     p1 = p1 - step_size * m1 / (tl.sqrt(v1) / bc2_sqrt + eps)
     m_abs = tl.maximum(tl.maximum(tl.max(tl.abs(m0), axis=1), tl.max(tl.abs(m1), axis=1)), 1e-12)
     v_abs = tl.maximum(tl.maximum(tl.max(tl.abs(v0), axis=1), tl.max(tl.abs(v1), axis=1)), 1e-12)
-    mq = (_quantize(m0 / m_abs[:, None], m_qmap) << 4) | _quantize(m1 / m_abs[:, None], m_qmap)
-    vq = (_quantize(v0 / v_abs[:, None], v_qmap) << 4) | _quantize(v1 / v_abs[:, None], v_qmap)
+    # one 32-bit draw per element: bits 0-15 round the weight, 16-23 its m, 24-31 its v
+    r0 = tl.randint(seed, even).to(tl.uint32)
+    r1 = tl.randint(seed, odd).to(tl.uint32)
+    mq = (_quantize(m0 / m_abs[:, None], m_qmap, r0 >> 16, STATES_SR) << 4) | _quantize(
+        m1 / m_abs[:, None], m_qmap, r1 >> 16, STATES_SR
+    )
+    vq = (_quantize(v0 / v_abs[:, None], v_qmap, r0 >> 24, STATES_SR) << 4) | _quantize(
+        v1 / v_abs[:, None], v_qmap, r1 >> 24, STATES_SR
+    )
     tl.store(m_codes + byte, mq.to(tl.uint8), mask=mask)
     tl.store(v_codes + byte, vq.to(tl.uint8), mask=mask)
     tl.store(m_scale + rows, m_abs, mask=row_mask)
     tl.store(v_scale + rows, v_abs, mask=row_mask)
-    p0 = _round_bf16(p0, even, seed, STOCHASTIC)
-    p1 = _round_bf16(p1, odd, seed, STOCHASTIC)
+    p0 = _round_bf16(p0, r0, STOCHASTIC)
+    p1 = _round_bf16(p1, r1, STOCHASTIC)
     tl.store(p_ptr + even, p0.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(p_ptr + odd, p1.to(p_ptr.dtype.element_ty), mask=mask)
 
@@ -149,7 +173,7 @@ def update(
         p, grad, exp_avg.codes, exp_avg.scale, exp_avg_sq.codes, exp_avg_sq.scale, exp_avg.qmap, exp_avg_sq.qmap,
         partial, divisor, n_blocks,
         lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, seed,
-        STOCHASTIC=p.dtype == torch.bfloat16, ROWS=ROWS, HALF=BLOCK // 2,
+        STOCHASTIC=p.dtype == torch.bfloat16, STATES_SR=STATES_ROUNDING == "stochastic", ROWS=ROWS, HALF=BLOCK // 2,
     )  # fmt: skip
     # One launch, no read-modify-write: the host's time per tensor bounds the 7B's step (module docstring).
     torch.sum(partial, dim=0, out=sq_out)
