@@ -53,7 +53,8 @@ def _quantize(x, qmap_ptr, rand, STATES_SR: tl.constexpr):
             else:
                 above = tl.where(at_or_above, below, above)
         # x below the first entry: x - below < 0, never up; at or above the last: above == below
-        codes += ((x - below) > ((rand & 255).to(tl.float32) + 0.5) * (1.0 / 256.0) * (above - below)).to(tl.int32)
+        u = ((rand & 255).to(tl.float32) + 0.5) * (1.0 / 256.0)
+        codes += ((x - below) > u * (above - below)).to(tl.int32)
     else:
         for k in tl.static_range(15):
             codes += (x >= (tl.load(qmap_ptr + k) + tl.load(qmap_ptr + k + 1)) * 0.5).to(tl.int32)
@@ -68,7 +69,8 @@ def _round_bf16(x, rand, STOCHASTIC: tl.constexpr):
         bits = x.to(tl.int32, bitcast=True)
         dropped = bits & 0xFFFF
         kept = bits & -65536
-        x = tl.where((rand & 0xFFFF).to(tl.int32) < dropped, kept + 0x10000, kept).to(tl.float32, bitcast=True)
+        up = (rand & 0xFFFF).to(tl.int32) < dropped
+        x = tl.where(up, kept + 0x10000, kept).to(tl.float32, bitcast=True)
     return x
 
 
