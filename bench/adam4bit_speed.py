@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torchao.optim.subclass_4bit import OptimState4bit
 
-from snaketune.train import adam4bit
+from snaketune.train import adam4bit, states4bit
 
 HIDDEN, INTER, VOCAB, LAYERS = 4096, 11008, 102400, 30
 SHAPES = {  # shape: tensors of it in the model
@@ -25,7 +25,14 @@ SHAPES = {  # shape: tensors of it in the model
 
 
 def main() -> None:
-    dev = torch.device("cuda")
+    for rounding in states4bit.ROUNDINGS:  # the states' rounding to their codes (snaketune.train.states4bit)
+        states4bit.ROUNDING = rounding
+        print(f"m and v rounded to their codes: {rounding}")
+        gpu_times(torch.device("cuda"))
+    host_times(torch.device("cuda"))
+
+
+def gpu_times(dev: torch.device) -> None:
     total_ms, params = 0.0, 0
     sq, divisor = torch.zeros((), device=dev), torch.ones((), device=dev)
     for shape, count in SHAPES.items():
@@ -54,7 +61,6 @@ def main() -> None:
     print(
         f"7B ({params:,} parameters): {total_ms:.1f} ms of GPU time per step, {8 * params / total_ms / 1e6:.0f} GB/s"
     )
-    host_times(dev)
 
 
 def host_times(dev: torch.device, calls: int = 2000) -> None:
@@ -76,7 +82,8 @@ def host_times(dev: torch.device, calls: int = 2000) -> None:
     def launch(i):
         adam4bit._adamw4bit[(8,)](
             p, g, m.codes, m.scale, v.codes, v.scale, m.qmap, v.qmap, partial, divisor, 32,
-            1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, ROWS=adam4bit.ROWS, HALF=adam4bit.BLOCK // 2,
+            1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, STATES_SR=True, ROWS=adam4bit.ROWS,
+            HALF=adam4bit.BLOCK // 2,
         )  # fmt: skip
 
     parts = {

@@ -12,6 +12,8 @@
 #   memory    carry .whl2 and .tao: full30_inbwd's device memory under the variants in $VARIANTS (default: the
 #             allocator's expandable segments, the update's row chunks halved to 2^24 elements, both); a variant
 #             of the chunk edits this machine's copy of snaketune/train/backward_step.py (restored at the end)
+#   speed     carry .whl2 and .tao: bench/adam4bit_speed.py (the update kernel's GPU time over the 7B's tensors, each
+#             rounding of the states; host time per call)
 #   profile   carry .whl2 and .tao: full30_inbwd alone with SNAKETUNE_PROFILE (snaketune.train.profiling: the kernels,
 #             how busy the GPU was, the host's operators), into profile.tar.gz
 #   spy       carry .whl2, .tao and py-spy's wheel in .x26: full30_inbwd under py-spy (native frames, every thread of
@@ -19,7 +21,7 @@
 #             when the GPU waits on it (python3 bench/spy_summary.py spy_raw.txt.gz reads them)
 #   bash bench/device_in_backward.sh PHASE
 set -uo pipefail
-PHASE=${1:?usage: bench/device_in_backward.sh bench|converge|memory|profile|spy}
+PHASE=${1:?usage: bench/device_in_backward.sh bench|speed|converge|memory|profile|spy}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; exec > >(tee -a "$OUT/device_$PHASE.log") 2>&1
 R=$PWD
 S=/tmp/smollm2
@@ -44,6 +46,10 @@ install() {
     touch /tmp/site/.in_backward
 }
 case $PHASE in
+speed)
+    install
+    python3 bench/adam4bit_speed.py
+    ;;
 profile)
     install
     rm -rf /tmp/snaketune-profile
@@ -97,8 +103,8 @@ converge)
         d=/tmp/wf_$e; rm -rf $d; mkdir -p $d/.realdata
         cp -r Snakefile workflow config envs $d/
         case $e in
-        in_backward_4bit_nearest) sed -i 's/^STATES_ROUNDING = "stochastic"$/STATES_ROUNDING = "nearest"/' $d/workflow/snaketune/train/adam4bit.py
-            grep -n '^STATES_ROUNDING' $d/workflow/snaketune/train/adam4bit.py ;;
+        in_backward_4bit_nearest) sed -i 's/^ROUNDING = "stochastic"$/ROUNDING = "nearest"/' $d/workflow/snaketune/train/states4bit.py
+            grep -n '^ROUNDING' $d/workflow/snaketune/train/states4bit.py ;;
         in_backward_4bit_square) sed -i 's/^V_MAP_4BIT = "linear"$/V_MAP_4BIT = "square"/' $d/workflow/snaketune/train/backward_step.py
             grep -n '^V_MAP_4BIT' $d/workflow/snaketune/train/backward_step.py ;;
         esac

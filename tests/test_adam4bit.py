@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 from torchao.optim.adam import single_param_adam  # noqa: E402
 from torchao.optim.subclass_4bit import OptimState4bit  # noqa: E402
 
-from snaketune.train import adam4bit  # noqa: E402
+from snaketune.train import adam4bit, states4bit  # noqa: E402
+from test_backward_step import check_exact_averages, decaying_block  # noqa: E402
 
 if torch.cuda.is_available():
     DEVICE = "cuda"
@@ -66,9 +67,11 @@ def _kernel_step(p, g, m, v, step, divisor, sq, seed=0, lr=LR):
     )
 
 
-def test_fp32_weights_and_states_follow_torchaos_update():
-    """Six steps, clipped by a divisor: the same 4-bit codes (the quantizer's choices), the same scales and weights up
-    to fp32 rounding, and the squared norm of the unclipped gradient written to sq_out."""
+def test_fp32_weights_and_states_follow_torchaos_update(monkeypatch):
+    """Rounded to nearest as torchao does, six steps clipped by a divisor: the same 4-bit codes (the quantizer's
+    choices), the same scales and weights up to fp32 rounding, and the squared norm of the unclipped gradient written
+    to sq_out."""
+    monkeypatch.setattr(states4bit, "ROUNDING", "nearest")
     torch.manual_seed(0)
     start = torch.randn(SHAPE, device=DEVICE)
     ref, mine = start.clone(), start.clone()
@@ -159,30 +162,12 @@ def test_the_step_in_backward_with_the_kernel_follows_torchaos_update():
 
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 def test_4bit_states_follow_their_exact_averages_when_the_block_max_holds(rounding, monkeypatch):
-    """The states' rounding (adam4bit.STATES_ROUNDING). One element per block of 128 keeps its gradient (so its v,
-    the block's scale, stays put); the others get one gradient, then none for 8 steps, so their exact m and v decay
-    by beta1 and beta2 a step. Rounded to the nearest code, a v that decays by 5% a step rounds back to the code it
-    had (codes 1/16 apart): the lower 10 codes never move and v stays far above its average, which shrinks those
-    weights' steps. Rounded stochastically, m and v follow their exact averages."""
-    monkeypatch.setattr(adam4bit, "STATES_ROUNDING", rounding)
-    torch.manual_seed(3)
-    p = torch.zeros(SHAPE, device=DEVICE)
-    m, v = _states()
-    exact_m, exact_v = torch.zeros(SHAPE, device=DEVICE), torch.zeros(SHAPE, device=DEVICE)
-    first = 2 * (0.3 + 0.7 * torch.rand(SHAPE, device=DEVICE)).sqrt()  # v in [0.3, 1) of the block's max
-    held = torch.zeros(SHAPE, device=DEVICE).view(-1, 128)
-    held[:, 0] = 1
-    held = held.view(SHAPE).bool()
-    one = torch.tensor(1.0, device=DEVICE)
-    for step in range(1, 10):
-        g = torch.where(held, 2.0 if step == 1 else 0.2**0.5, first if step == 1 else 0.0)
-        _kernel_step(p, g, m, v, step, one, torch.zeros((), device=DEVICE), seed=step, lr=0.0)
-        exact_m.lerp_(g, 1 - BETAS[0])
-        exact_v.lerp_(g * g, 1 - BETAS[1])
-    others = ~held
-    ratio_m = (m.dequantize().view(SHAPE)[others].mean() / exact_m[others].mean()).item()
-    ratio_v = (v.dequantize().view(SHAPE)[others].mean() / exact_v[others].mean()).item()
-    if rounding == "stochastic":
-        assert abs(ratio_m - 1) < 0.03 and abs(ratio_v - 1) < 0.03, (ratio_m, ratio_v)
-    else:  # the bias stochastic rounding removes (this test fails without it)
-        assert ratio_m > 1.5 and ratio_v > 1.2, (ratio_m, ratio_v)  # measured 2.35 and 1.27
+    """tests/test_backward_step.py's test of the same name, with the kernel."""
+    monkeypatch.setattr(states4bit, "ROUNDING", rounding)
+
+    def step(p, g, m, v, step):
+        _kernel_step(
+            p, g, m, v, step, torch.tensor(1.0, device=DEVICE), torch.zeros((), device=DEVICE), step, 0.0
+        )
+
+    check_exact_averages(rounding, *decaying_block(step, DEVICE))

@@ -25,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from snaketune.train import states4bit
+
 BLOCK = 128
 """Elements per quantization block (torchao's AdamW4bit default; snaketune.train.backward_step.BLOCK["4bit"])."""
-STATES_ROUNDING = "stochastic"
-"""How the new m and v round to their 4-bit codes: `stochastic` (unbiased; see _quantize) or `nearest` (torchao's)."""
 ROWS = 4
 """Quantization blocks per Triton program: 512 elements, 4 per thread of 4 warps (more per program spills registers)."""
 
@@ -42,18 +42,12 @@ def _quantize(x, qmap_ptr, rand, STATES_SR: tl.constexpr):
     map's values as scalars: no per-element gathers."""
     codes = tl.zeros(x.shape, dtype=tl.int32)
     if STATES_SR:
-        below = tl.zeros(x.shape, dtype=tl.float32) + tl.load(qmap_ptr)
-        above = tl.zeros(x.shape, dtype=tl.float32) + tl.load(qmap_ptr + 1)
-        for k in tl.static_range(1, 16):  # the map is sorted: the last entry at or below x wins
-            at_or_above = x >= tl.load(qmap_ptr + k)
-            codes += at_or_above.to(tl.int32)
-            below = tl.where(at_or_above, tl.load(qmap_ptr + k), below)
-            if k < 15:
-                above = tl.where(at_or_above, tl.load(qmap_ptr + k + 1), above)
-            else:
-                above = tl.where(at_or_above, below, above)
-        # x below the first entry: x - below < 0, never up; at or above the last: above == below
+        for k in tl.static_range(1, 16):  # the last entry at or below x (the first where x is below it)
+            codes += (x >= tl.load(qmap_ptr + k)).to(tl.int32)
+        below = tl.load(qmap_ptr + codes)  # 16 entries: gathers from L1
+        above = tl.load(qmap_ptr + tl.minimum(codes + 1, 15))
         u = ((rand & 255).to(tl.float32) + 0.5) * (1.0 / 256.0)
+        # x below the first entry: x - below < 0, never up; at or above the last: above == below
         codes += ((x - below) > u * (above - below)).to(tl.int32)
     else:
         for k in tl.static_range(15):
@@ -175,7 +169,7 @@ def update(
         p, grad, exp_avg.codes, exp_avg.scale, exp_avg_sq.codes, exp_avg_sq.scale, exp_avg.qmap, exp_avg_sq.qmap,
         partial, divisor, n_blocks,
         lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, seed,
-        STOCHASTIC=p.dtype == torch.bfloat16, STATES_SR=STATES_ROUNDING == "stochastic", ROWS=ROWS, HALF=BLOCK // 2,
+        STOCHASTIC=p.dtype == torch.bfloat16, STATES_SR=states4bit.ROUNDING == "stochastic", ROWS=ROWS, HALF=BLOCK // 2,
     )  # fmt: skip
     # One launch, no read-modify-write: the host's time per tensor bounds the 7B's step (module docstring).
     torch.sum(partial, dim=0, out=sq_out)

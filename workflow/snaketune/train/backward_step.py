@@ -32,6 +32,8 @@ import math
 
 import torch
 
+from snaketune.train import states4bit
+
 STATES = ("fp32", "8bit", "4bit")
 BLOCK = {"8bit": 256, "4bit": 128}
 """Elements per quantization block: torchao's defaults for AdamW8bit and AdamW4bit."""
@@ -197,6 +199,17 @@ class BackwardAdamW(torch.optim.Optimizer):
             p.grad = None
             return
         self._sq_slots[self._index[p]].copy_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+        if (
+            type(state["exp_avg"]).__name__ == "OptimState4bit"
+        ):  # the kernel's arithmetic and rounding, in torch
+            step = int(state["step"])
+            states4bit.update(
+                p, grad, state["exp_avg"], state["exp_avg_sq"], divisor=self._divisor, step=step,
+                lr=float(group["lr"]), betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                seed=(self._seed + step * 65_537 + self._index[p]) % 2**31,
+            )  # fmt: skip
+            p.grad = None
+            return
         lr = self._lr[index]
         lr.fill_(float(group["lr"]))  # the scheduler writes floats; the compiled update takes a tensor
         beta1, beta2 = group["betas"]

@@ -1,0 +1,36 @@
+"""The real oasst rows the device runs train on (.rm/c1/oasst_real.hf_rows.jsonl.xz, carried by
+bench/device_in_backward.sh, device_real_model.sh and device_stage_times.sh): ../shared/realdata's 100 English
+oasst1 trees and 520 oasst2 trees as flat rows, one copy of each tree. One tree (250e1d51-..., 12 messages) is in
+both files; the download stage refuses a duplicate message_id (it did on 2026-12-04), so its second copy is left
+out here.
+
+    python3 bench/real_rows.py ../shared/realdata/oasst .rm/c1/oasst_real.hf_rows.jsonl.xz
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import sys
+from pathlib import Path
+
+FILES = ("en_100.hf_rows.jsonl", "openpaws_oasst2.hf_rows.jsonl")
+
+
+def main(src: Path, out: Path) -> None:
+    seen_trees: set[str] = set()
+    kept = 0
+    with lzma.open(out, "wt", encoding="utf-8", preset=6) as w:
+        for name in FILES:
+            rows = [json.loads(line) for line in (src / name).open(encoding="utf-8") if line.strip()]
+            trees = {r["message_tree_id"] for r in rows}
+            for row in rows:
+                if row["message_tree_id"] not in seen_trees:
+                    w.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    kept += 1
+            seen_trees |= trees
+    print(f"{out}: {kept} rows, {len(seen_trees)} trees")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))

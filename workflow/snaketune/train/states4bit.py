@@ -1,0 +1,115 @@
+"""The 4-bit AdamW update in torch: the arithmetic and the rounding of snaketune.train.adam4bit's Triton kernel, for
+the tensors with 4-bit states that the kernel does not update (CPU ranks, `train.optimizer_kernel: torch`, a GPU
+without Triton). The states are torchao's (`OptimState4bit`: codes packed two per byte, element 2i in the high
+nibble, one fp32 absmax scale per block of 128, a sorted 16-entry code map), read and written in place.
+
+The rounding of the new m and v to their codes is snaketune's, not torchao's (ROUNDING):
+stochastic, between the two code values around each element, up with probability (x - below) / (above - below).
+torchao rounds to the nearest code; with codes 1/16 of the block's max apart, a v that decays by 1 - beta2 = 5% a
+step rounds back to the code it had, so below ~10/16 of the block's max v stops decaying (m likewise), and the
+weights' steps shrink: on the real SmolLM2-135M, 50 steps, the training loss of the step in backward with 4-bit
+states rounded to nearest ran 7.9% above fp32 states' (bench/RESULTS.md, issue #26). Rounded stochastically, m and v
+are their exact averages in expectation (tests/test_backward_step.py, tests/test_adam4bit.py).
+
+Random bits: one 32-bit draw per element from a generator seeded with the update's seed (a stream per step and
+tensor): bits 0-15 round a bf16 weight, 16-23 its m, 24-31 its v, as the kernel does with Triton's Philox (another
+generator: the same distribution, not the same draws).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROUNDINGS = ("stochastic", "nearest")
+ROUNDING = "stochastic"
+"""How the new m and v round to their codes here and in adam4bit's kernel: `stochastic` (module docstring) or
+`nearest` (torchao's; bench/device_in_backward.sh's A/B edits this line)."""
+CHUNK_ELEMENTS = 2**24
+"""Elements one pass handles at once: its fp32 and int64 temporaries stay near 0.5 GiB (the 7B's embedding whole
+would need ~16 GiB)."""
+
+
+def quantize(x: torch.Tensor, qmap: torch.Tensor, rand: torch.Tensor | None) -> torch.Tensor:
+    """Codes (int64) of `x` (normalized by its block's absmax) in the sorted 16-entry `qmap`: with `rand` (int64
+    random bits, the low 8 used) rounded stochastically between its neighbouring entries, x beyond the map's ends
+    taking the end; without, the nearest entry, a tie rounded up (torchao's quantize_4bit_with_qmap)."""
+    if rand is None:
+        return torch.bucketize(x, (qmap[:-1] + qmap[1:]) * 0.5, right=True)
+    below = (torch.bucketize(x, qmap[1:], right=True)).clamp_(
+        max=15
+    )  # the last entry at or below x (0 below it)
+    above = (below + 1).clamp_(max=15)
+    low, high = qmap[below], qmap[above]
+    u = ((rand & 255).to(torch.float32) + 0.5) * (1.0 / 256.0)
+    return below + ((x - low) > u * (high - low)).long()
+
+
+def _unpack(codes: torch.Tensor) -> torch.Tensor:
+    codes = codes.long()
+    return torch.stack([codes >> 4, codes & 15], dim=-1).flatten()
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    pairs = codes.view(-1, 2)
+    return ((pairs[:, 0] << 4) | pairs[:, 1]).to(torch.uint8)
+
+
+def round_bf16(x: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 rounded stochastically: away from zero with the probability of the 16 bits a bf16 drops (the low
+    16 bits of `rand`), as the kernel's _round_bf16 and torchao's _fp32_to_bf16_sr."""
+    bits = x.view(torch.int32)
+    dropped = bits & 0xFFFF
+    kept = bits & -65536
+    up = (rand & 0xFFFF).to(torch.int32) < dropped
+    return torch.where(up, kept + 0x10000, kept).view(torch.float32).to(torch.bfloat16)
+
+
+@torch.no_grad()
+def update(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    divisor: torch.Tensor,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    seed: int,
+) -> None:
+    """One AdamW step of `p` in place with its 4-bit m and v (adam4bit.update's arithmetic: decoupled weight decay,
+    lerp of m and v, bias correction; `grad` divided by `divisor`), bf16 weights rounded stochastically. In passes of
+    CHUNK_ELEMENTS over whole blocks."""
+    if ROUNDING not in ROUNDINGS:
+        raise ValueError(f"snaketune.train.states4bit.ROUNDING {ROUNDING!r}; allowed: {', '.join(ROUNDINGS)}")
+    beta1, beta2 = betas
+    block = exp_avg.block_size
+    step_size = lr / (1 - beta1**step)
+    bc2_sqrt = (1 - beta2**step) ** 0.5
+    weights, grads = p.view(-1), grad.reshape(-1)
+    gen = torch.Generator(device=p.device).manual_seed(seed)
+    for start in range(0, p.numel(), CHUNK_ELEMENTS // block * block):
+        end = min(start + CHUNK_ELEMENTS // block * block, p.numel())
+        blocks = slice(start // block, end // block)
+        codes = slice(start // 2, end // 2)
+        g = (grads[start:end].float() / divisor).view(-1, block)
+        w = weights[start:end].float().view(-1, block)
+        m = exp_avg.qmap[_unpack(exp_avg.codes[codes])].view(-1, block) * exp_avg.scale[blocks, None]
+        v = exp_avg_sq.qmap[_unpack(exp_avg_sq.codes[codes])].view(-1, block) * exp_avg_sq.scale[blocks, None]
+        w = w - lr * weight_decay * w
+        m = m + (1 - beta1) * (g - m)
+        v = v + (1 - beta2) * (g * g - v)
+        w = w - step_size * m / (v.sqrt() / bc2_sqrt + eps)
+        rand = torch.randint(0, 2**32, (end - start,), generator=gen, device=p.device).view(-1, block)
+        stochastic = ROUNDING == "stochastic"
+        for state, new, shift in ((exp_avg, m, 16), (exp_avg_sq, v, 24)):
+            absmax = new.abs().amax(dim=1).clamp_(min=1e-12)
+            q = quantize(new / absmax[:, None], state.qmap, rand >> shift if stochastic else None)
+            state.codes[codes] = _pack(q.flatten())
+            state.scale[blocks] = absmax
+        if p.dtype == torch.bfloat16:
+            weights[start:end] = round_bf16(w, rand).flatten()
+        else:
+            weights[start:end] = w.flatten().to(p.dtype)
