@@ -232,7 +232,11 @@ def test_in_backward_with_4bit_states_trains_near_fp32_states(fp32_states_run, i
     assert len(quantized) == STATE_STEPS and np.abs(quantized - reference).max() > 1e-4
     assert quantized[-5:].mean() < quantized[0] - 1.5
     assert run.summary["final_val_loss"] == pytest.approx(exact.summary["final_val_loss"], rel=FOUR_BIT_RTOL)
-    assert "4bit (torchao, block-wise where quantized), updated in backward" in run.log_file.read_text()
+    log = run.log_file.read_text()
+    assert (
+        "4bit (torchao's format, block-wise where quantized, rounded stochastically), updated in backward"
+        in log
+    )
 
 
 def test_in_backward_resumes_the_uninterrupted_run(in_backward_4bit_run, tiny_data, tmp_path):

@@ -4,8 +4,9 @@
 The states stay torchao's (`OptimState4bit`: codes packed two per byte, element 2i in the high nibble, one fp32
 absmax scale per block of 128 elements, a 16-entry code map), so checkpoints do not change; this kernel reads and
 writes their `codes` and `scale` buffers. The arithmetic is torchao's `single_param_adam` (decoupled weight decay,
-lerp of m and v, bias correction, stochastic rounding into bf16 weights) and its `quantize_4bit_with_qmap` (the
-nearest entry of the sorted code map, a tie rounded up).
+lerp of m and v, bias correction, stochastic rounding into bf16 weights); the new m and v round to their codes
+stochastically (snaketune.train.states4bit: why, and the same update in torch for the CPU), or to the nearest code
+as torchao's `quantize_4bit_with_qmap` does where states4bit.ROUNDING says `nearest`.
 
 Why not torchao's compiled update: measured on one H200 (bench/RESULTS.md, issue #26), its kernels per tensor
 (chunked to bound the fp32 temporaries) took 122 ms of GPU time per step of the 30-layer 7B, and the host's work per
@@ -38,8 +39,8 @@ def _quantize(x, qmap_ptr, rand, STATES_SR: tl.constexpr):
     """The 4-bit code of x (normalized by its block's absmax) in the sorted 16-entry map. STATES_SR (the default,
     snaketune's choice): rounded stochastically between the two entries around x, up with probability (x - below) /
     (above - below) from 8 random bits, so the dequantized state is x in expectation (x beyond the map's ends takes
-    the end). Else torchao's quantize_4bit_with_qmap: the nearest entry (a tie rounded up). Compares against the
-    map's values as scalars: no per-element gathers."""
+    the end). Else torchao's quantize_4bit_with_qmap: the nearest entry (a tie rounded up), by compares against the
+    midpoints as scalars."""
     codes = tl.zeros(x.shape, dtype=tl.int32)
     if STATES_SR:
         for k in tl.static_range(1, 16):  # the last entry at or below x (the first where x is below it)

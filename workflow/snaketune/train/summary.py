@@ -153,5 +153,6 @@ def run_summary(trainer, last: dict, wall: float) -> dict:
 def states_summary(cfg) -> str:
     """Adam's m and v and, for the in-backward step, where the update runs (snaketune.train.backward_step)."""
     if cfg.optimizer_step == "in_backward":
-        return f"{cfg.optimizer_states} (torchao, block-wise where quantized), updated in backward"
+        rounded = ", rounded stochastically" if cfg.optimizer_states == "4bit" else ""
+        return f"{cfg.optimizer_states} (torchao's format, block-wise where quantized{rounded}), updated in backward"
     return "8-bit (bitsandbytes, block-wise)" if cfg.optimizer_states == "8bit" else "fp32"
