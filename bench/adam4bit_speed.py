@@ -26,9 +26,12 @@ SHAPES = {  # shape: tensors of it in the model
 
 def main() -> None:
     for rounding in states4bit.ROUNDINGS:  # the states' rounding to their codes (snaketune.train.states4bit)
-        states4bit.ROUNDING = rounding
-        print(f"m and v rounded to their codes: {rounding}")
-        gpu_times(torch.device("cuda"))
+        for formula in (True, False):  # v's codes by formula or by compares (adam4bit.LINEAR_V_FORMULA)
+            states4bit.ROUNDING, adam4bit.LINEAR_V_FORMULA = rounding, formula
+            print(
+                f"m and v rounded to their codes: {rounding}; v's codes by {'formula' if formula else 'compares'}"
+            )
+            gpu_times(torch.device("cuda"))
     host_times(torch.device("cuda"))
 
 
@@ -82,7 +85,7 @@ def host_times(dev: torch.device, calls: int = 2000) -> None:
     def launch(i):
         adam4bit._adamw4bit[(8,)](
             p, g, m.codes, m.scale, v.codes, v.scale, m.qmap, v.qmap, partial, divisor, 32,
-            1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, STATES_SR=True, ROWS=adam4bit.ROWS,
+            1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, STATES_SR=True, V_LINEAR=True, ROWS=adam4bit.ROWS,
             HALF=adam4bit.BLOCK // 2,
         )  # fmt: skip
 

@@ -160,10 +160,13 @@ def test_the_step_in_backward_with_the_kernel_follows_torchaos_update():
         )
 
 
+@pytest.mark.parametrize("formula", [True, False], ids=["v-by-formula", "v-by-compares"])
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-def test_4bit_states_follow_their_exact_averages_when_the_block_max_holds(rounding, monkeypatch):
-    """tests/test_backward_step.py's test of the same name, with the kernel."""
+def test_4bit_states_follow_their_exact_averages_when_the_block_max_holds(rounding, formula, monkeypatch):
+    """tests/test_backward_step.py's test of the same name, with the kernel: v's codes in torchao's linear map by
+    formula (adam4bit.LINEAR_V_FORMULA) and by the general compares."""
     monkeypatch.setattr(states4bit, "ROUNDING", rounding)
+    monkeypatch.setattr(adam4bit, "LINEAR_V_FORMULA", formula)
 
     def step(p, g, m, v, step):
         _kernel_step(

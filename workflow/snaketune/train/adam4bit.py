@@ -35,14 +35,23 @@ ROWS = 4
 
 
 @triton.jit
-def _quantize(x, qmap_ptr, rand, STATES_SR: tl.constexpr):
+def _quantize(x, qmap_ptr, rand, STATES_SR: tl.constexpr, LINEAR: tl.constexpr):
     """The 4-bit code of x (normalized by its block's absmax) in the sorted 16-entry map. STATES_SR (the default,
     snaketune's choice): rounded stochastically between the two entries around x, up with probability (x - below) /
     (above - below) from 8 random bits, so the dequantized state is x in expectation (x beyond the map's ends takes
     the end). Else torchao's quantize_4bit_with_qmap: the nearest entry (a tie rounded up), by compares against the
     midpoints as scalars."""
     codes = tl.zeros(x.shape, dtype=tl.int32)
-    if STATES_SR:
+    if (
+        LINEAR
+    ):  # the map is torchao's unsigned one, k/16 for k = 1..16: the code in closed form, same rounding
+        t = x * 16.0 - 1.0
+        if STATES_SR:
+            t += ((rand & 255).to(tl.float32) + 0.5) * (1.0 / 256.0)
+        else:
+            t += 0.5
+        codes = tl.minimum(tl.maximum(tl.floor(t), 0.0), 15.0).to(tl.int32)
+    elif STATES_SR:
         for k in tl.static_range(1, 16):  # the last entry at or below x (the first where x is below it)
             codes += (x >= tl.load(qmap_ptr + k)).to(tl.int32)
         below = tl.load(qmap_ptr + codes)  # 16 entries: gathers from L1
@@ -73,7 +82,8 @@ def _round_bf16(x, rand, STOCHASTIC: tl.constexpr):
 def _adamw4bit(
     p_ptr, g_ptr, m_codes, m_scale, v_codes, v_scale, m_qmap, v_qmap, partial_ptr, divisor_ptr, n_blocks,
     lr, beta1, beta2, eps, decay, step_size, bc2_sqrt, seed,
-    STOCHASTIC: tl.constexpr, STATES_SR: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
+    STOCHASTIC: tl.constexpr, STATES_SR: tl.constexpr, V_LINEAR: tl.constexpr, ROWS: tl.constexpr,
+    HALF: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # int32 offsets: update() refuses tensors of 2^31 elements or more
     rows = pid * ROWS + tl.arange(0, ROWS)
@@ -111,11 +121,11 @@ def _adamw4bit(
     # one 32-bit draw per element: bits 0-15 round the weight, 16-23 its m, 24-31 its v
     r0 = tl.randint(seed, even).to(tl.uint32)
     r1 = tl.randint(seed, odd).to(tl.uint32)
-    mq = (_quantize(m0 / m_abs[:, None], m_qmap, r0 >> 16, STATES_SR) << 4) | _quantize(
-        m1 / m_abs[:, None], m_qmap, r1 >> 16, STATES_SR
+    mq = (_quantize(m0 / m_abs[:, None], m_qmap, r0 >> 16, STATES_SR, False) << 4) | _quantize(
+        m1 / m_abs[:, None], m_qmap, r1 >> 16, STATES_SR, False
     )
-    vq = (_quantize(v0 / v_abs[:, None], v_qmap, r0 >> 24, STATES_SR) << 4) | _quantize(
-        v1 / v_abs[:, None], v_qmap, r1 >> 24, STATES_SR
+    vq = (_quantize(v0 / v_abs[:, None], v_qmap, r0 >> 24, STATES_SR, V_LINEAR) << 4) | _quantize(
+        v1 / v_abs[:, None], v_qmap, r1 >> 24, STATES_SR, V_LINEAR
     )
     tl.store(m_codes + byte, mq.to(tl.uint8), mask=mask)
     tl.store(v_codes + byte, vq.to(tl.uint8), mask=mask)
@@ -138,6 +148,18 @@ def supports(p: torch.Tensor, exp_avg: torch.Tensor) -> bool:
     )
 
 
+LINEAR_V_FORMULA = True
+"""Whether v's codes in torchao's linear map come from a formula instead of the compares (bench/adam4bit_speed.py
+times both)."""
+
+
+def linear_v(exp_avg_sq) -> bool:
+    """Whether the kernel finds v's codes by formula: its map is torchao's k/16 (k = 1..16). Reads the map (a host
+    sync): the step in backward asks once per tensor."""
+    expected = torch.linspace(0, 1, 17, device=exp_avg_sq.qmap.device)[1:]
+    return LINEAR_V_FORMULA and bool(torch.equal(exp_avg_sq.qmap, expected))
+
+
 def update(
     p: torch.Tensor,
     grad: torch.Tensor,
@@ -152,6 +174,7 @@ def update(
     eps: float,
     weight_decay: float,
     seed: int,
+    v_linear: bool | None = None,
 ) -> None:
     """One AdamW step of `p` (in place, with its 4-bit m and v): `grad` divided by `divisor` (a device scalar: the
     clipping), its squared norm (before that division) written to `sq_out` (a 0-d fp32 tensor, e.g. this tensor's slot
@@ -170,7 +193,8 @@ def update(
         p, grad, exp_avg.codes, exp_avg.scale, exp_avg_sq.codes, exp_avg_sq.scale, exp_avg.qmap, exp_avg_sq.qmap,
         partial, divisor, n_blocks,
         lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, seed,
-        STOCHASTIC=p.dtype == torch.bfloat16, STATES_SR=states4bit.ROUNDING == "stochastic", ROWS=ROWS, HALF=BLOCK // 2,
+        STOCHASTIC=p.dtype == torch.bfloat16, STATES_SR=states4bit.ROUNDING == "stochastic",
+        V_LINEAR=linear_v(exp_avg_sq) if v_linear is None else v_linear, ROWS=ROWS, HALF=BLOCK // 2,
     )  # fmt: skip
     # One launch, no read-modify-write: the host's time per tensor bounds the 7B's step (module docstring).
     torch.sum(partial, dim=0, out=sq_out)

@@ -147,7 +147,9 @@ class BackwardAdamW(torch.optim.Optimizer):
         )
         self._seed = torch.initial_seed() % 2**31
         self._index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        self._fast: dict[torch.Tensor, bool] = {}  # whether the Triton kernel updates this tensor
+        self._fast: dict[
+            torch.Tensor, tuple[bool, bool]
+        ] = {}  # whether the Triton kernel updates this tensor
         self._world: int | None = None  # ranks, read at the first hook (after the process group exists)
         # This step's squared gradient norms, one slot per tensor (each hook writes its own: no read-modify-write),
         # and the divisor this step's gradients get (the previous step's clipping). Device tensors: no host sync
@@ -184,9 +186,10 @@ class BackwardAdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = _zeros(p, self.states, signed=False)
         state["step"] += 1
         fast = self._fast.get(p)
-        if fast is None:
-            fast = self._fast[p] = self.triton and self._adam4bit.supports(p, state["exp_avg"])
-        if fast:
+        if fast is None:  # (kernel updates it, v's codes by formula): asked once per tensor
+            kernel = self.triton and self._adam4bit.supports(p, state["exp_avg"])
+            fast = self._fast[p] = (kernel, kernel and self._adam4bit.linear_v(state["exp_avg_sq"]))
+        if fast[0]:
             step = int(state["step"])
             i = self._index[p]
             # The hook's host time bounds the 7B's step (273 hooks): no detach, no slicing, one launch besides the
@@ -196,7 +199,7 @@ class BackwardAdamW(torch.optim.Optimizer):
                 sq_out=self._sq_slots[i], divisor=self._divisor, step=step, lr=float(group["lr"]),
                 betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                 # a stream per (step, tensor): the same rounding after a resume as without one
-                seed=(self._seed + step * 65_537 + i) % 2**31,
+                seed=(self._seed + step * 65_537 + i) % 2**31, v_linear=fast[1],
             )  # fmt: skip
             p.grad = None
             return
