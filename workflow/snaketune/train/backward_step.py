@@ -43,8 +43,6 @@ MIN_QUANTIZED = 4096
 """Smaller tensors (and those not a multiple of the block) keep fp32 m and v, as torchao and bitsandbytes do."""
 CHUNK_ELEMENTS = 2**25
 """Most elements one update handles at once (`_row_chunks`): its fp32 temporaries stay near 0.5 GiB."""
-V_MAP_4BIT = "linear"
-"""The 16 values of 4-bit v (times its block's absmax): torchao's `linear` (k/16, k = 1..16) or `square` ((k/16)^2)."""
 BYTES_PER_PARAM = {"fp32": 8.0, "8bit": 2 + 2 * 4 / BLOCK["8bit"], "4bit": 1 + 2 * 4 / BLOCK["4bit"]}
 """m and v per trained parameter, with one fp32 scale per block for each (the memory plan uses these)."""
 
@@ -68,10 +66,7 @@ def _zeros(p: torch.Tensor, states: str, signed: bool) -> torch.Tensor:
         from torchao.optim.subclass_4bit import OptimState4bit as State
     else:
         from torchao.optim.subclass_8bit import OptimState8bit as State
-    state = State.zeros(p.shape, signed, BLOCK[states], p.device, dtype=torch.float32)
-    if states == "4bit" and not signed and V_MAP_4BIT == "square":
-        state.qmap.copy_(torch.linspace(0, 1, 17)[1:].square())
-    return state
+    return State.zeros(p.shape, signed, BLOCK[states], p.device, dtype=torch.float32)
 
 
 def _row_chunks(p: torch.Tensor, states: str) -> list[slice | None]:

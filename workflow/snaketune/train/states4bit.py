@@ -24,7 +24,6 @@ ROUNDINGS = ("stochastic", "nearest")
 ROUNDING = "stochastic"
 """How the new m and v round to their codes here and in adam4bit's kernel: `stochastic` (module docstring) or
 `nearest` (torchao's; bench/device_in_backward.sh's A/B edits this line)."""
-V_DOMAIN = "v"
 CHUNK_ELEMENTS = 2**24
 """Elements one pass handles at once: its fp32 and int64 temporaries stay near 0.5 GiB (the 7B's embedding whole
 would need ~16 GiB)."""
@@ -107,10 +106,7 @@ def update(
         stochastic = ROUNDING == "stochastic"
         for state, new, shift in ((exp_avg, m, 16), (exp_avg_sq, v, 24)):
             absmax = new.abs().amax(dim=1).clamp_(min=1e-12)
-            if V_DOMAIN == "sqrt" and state is exp_avg_sq and stochastic:  # experiment: unbiased in sqrt(v)
-                q = quantize((new / absmax[:, None]).sqrt(), state.qmap.sqrt(), rand >> shift)
-            else:
-                q = quantize(new / absmax[:, None], state.qmap, rand >> shift if stochastic else None)
+            q = quantize(new / absmax[:, None], state.qmap, rand >> shift if stochastic else None)
             state.codes[codes] = _pack(q.flatten())
             state.scale[blocks] = absmax
         if p.dtype == torch.bfloat16:
