@@ -24,28 +24,28 @@ ROUNDINGS = ("stochastic", "nearest")
 ROUNDING = "stochastic"
 """How the new m and v round to their codes here and in adam4bit's kernel: `stochastic` (module docstring) or
 `nearest` (torchao's; bench/device_in_backward.sh's A/B edits this line)."""
-CHUNK_ELEMENTS = 2**24
-"""Elements one pass handles at once: its fp32 and int64 temporaries stay near 0.5 GiB (the 7B's embedding whole
-would need ~16 GiB)."""
+CHUNK_ELEMENTS = 2**23
+"""Elements one pass handles at once: its temporaries (~50 B per element) stay near 0.4 GiB (the 7B's embedding
+whole would need ~20 GiB)."""
 
 
 def quantize(x: torch.Tensor, qmap: torch.Tensor, rand: torch.Tensor | None) -> torch.Tensor:
-    """Codes (int64) of `x` (normalized by its block's absmax) in the sorted 16-entry `qmap`: with `rand` (int64
+    """Codes (int32) of `x` (normalized by its block's absmax) in the sorted 16-entry `qmap`: with `rand` (int32
     random bits, the low 8 used) rounded stochastically between its neighbouring entries, x beyond the map's ends
     taking the end; without, the nearest entry, a tie rounded up (torchao's quantize_4bit_with_qmap)."""
     if rand is None:
-        return torch.bucketize(x, (qmap[:-1] + qmap[1:]) * 0.5, right=True)
-    below = (torch.bucketize(x, qmap[1:], right=True)).clamp_(
-        max=15
+        return torch.bucketize(x, (qmap[:-1] + qmap[1:]) * 0.5, right=True, out_int32=True)
+    below = torch.bucketize(
+        x, qmap[1:], right=True, out_int32=True
     )  # the last entry at or below x (0 below it)
     above = (below + 1).clamp_(max=15)
     low, high = qmap[below], qmap[above]
     u = ((rand & 255).to(torch.float32) + 0.5) * (1.0 / 256.0)
-    return below + ((x - low) > u * (high - low)).long()
+    return below + ((x - low) > u * (high - low))
 
 
 def _unpack(codes: torch.Tensor) -> torch.Tensor:
-    codes = codes.long()
+    codes = codes.int()
     return torch.stack([codes >> 4, codes & 15], dim=-1).flatten()
 
 
@@ -102,7 +102,10 @@ def update(
         m = m + (1 - beta1) * (g - m)
         v = v + (1 - beta2) * (g * g - v)
         w = w - step_size * m / (v.sqrt() / bc2_sqrt + eps)
-        rand = torch.randint(0, 2**32, (end - start,), generator=gen, device=p.device).view(-1, block)
+        rand = torch.randint(
+            -(2**31), 2**31, (end - start,), generator=gen, device=p.device, dtype=torch.int32
+        )
+        rand = rand.view(-1, block)  # 32 random bits (an arithmetic shift keeps the bits it moves down)
         stochastic = ROUNDING == "stochastic"
         for state, new, shift in ((exp_avg, m, 16), (exp_avg_sq, v, 24)):
             absmax = new.abs().amax(dim=1).clamp_(min=1e-12)
