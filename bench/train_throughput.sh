@@ -12,7 +12,7 @@ source bench/device_env.sh
 nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu,clocks.sm,power.draw --format=csv,noheader -lms 1000 \
   >"$OUT/gpu_samples.csv" 2>&1 &
 SMI=$!
-GPU_TESTS=${GPU_TESTS-tests/test_fast_path.py}  # GPU_TESTS= (empty) skips them
+GPU_TESTS=${GPU_TESTS-tests/test_kernels.py tests/test_fast_path.py tests/test_adam4bit.py}  # GPU_TESTS= (empty) skips them
 if [ -n "$GPU_TESTS" ]; then
   echo "=== [$(date -u +%H:%M:%S)] GPU tests: $GPU_TESTS"
   timeout 120 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS -m gpu -rA 2>&1 | tail -5

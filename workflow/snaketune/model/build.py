@@ -272,7 +272,7 @@ class LossModel(torch.nn.Module):
       lm_head weight, never materializing the logits; otherwise the logits and their cross-entropy by
       `loss_kernel`: `triton` (snaketune.model.losses.logits_cross_entropy, the gradient over the logits) or `torch`
       (snaketune.model.batching.token_loss_sum).
-    The switches change memory and speed, not the result (tests/test_fast_path.py).
+    The switches change memory and speed, not the result (tests/test_kernels.py, tests/test_fast_path.py).
     """
 
     def __init__(

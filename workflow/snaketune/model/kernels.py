@@ -4,7 +4,7 @@ The matmuls of a step are cuBLAS/FlashAttention already; what runs unfused is th
 RMSNorms (fp32 upcast, mean of squares, scale), the rotary embedding of q and k (cat/neg/mul/add), and
 SiLU(gate) x up, each a few elementwise kernels that read and write activations from HBM. Liger's kernels do
 each in one pass and save less for backward. The math is the same (Liger's `llama` casting mode is
-transformers' LlamaRMSNorm); tests/test_fast_path.py checks losses and gradients against the plain path on a
+transformers' LlamaRMSNorm); tests/test_kernels.py checks losses and gradients against the plain path on a
 GPU, and bench/train_throughput.py measures the switch (bench/RESULTS.md).
 
 `train.kernels`: `torch` (transformers' modules as they are), `liger`, `auto` (liger where it runs: a CUDA

@@ -14,7 +14,7 @@ Two implementations of the same number:
   bf16 logits, without their fp32 upcast, log-softmax or fp32 gradient: the forward keeps one logsumexp per token,
   the backward writes the gradient over the logits themselves (2 bytes per token and vocabulary entry in all,
   against 12; 0.8 against 4.7 GiB at 4,096 tokens) and reads and writes them once each. The same fp32 arithmetic
-  as F.cross_entropy on the upcast logits; tests/test_fast_path.py compares both on a GPU.
+  as F.cross_entropy on the upcast logits; tests/test_kernels.py compares both on a GPU.
 """
 
 from __future__ import annotations
