@@ -42,9 +42,8 @@ def _quantize(x, qmap_ptr, rand, STATES_SR: tl.constexpr, LINEAR: tl.constexpr):
     the end). Else torchao's quantize_4bit_with_qmap: the nearest entry (a tie rounded up), by compares against the
     midpoints as scalars."""
     codes = tl.zeros(x.shape, dtype=tl.int32)
-    if (
-        LINEAR
-    ):  # the map is torchao's unsigned one, k/16 for k = 1..16: the code in closed form, same rounding
+    if LINEAR:
+        # the map is torchao's unsigned one, k/16 for k = 1..16: the code in closed form, the same rounding
         t = x * 16.0 - 1.0
         if STATES_SR:
             t += ((rand & 255).to(tl.float32) + 0.5) * (1.0 / 256.0)

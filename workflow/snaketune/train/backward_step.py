@@ -142,9 +142,8 @@ class BackwardAdamW(torch.optim.Optimizer):
         )
         self._seed = torch.initial_seed() % 2**31
         self._index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        self._fast: dict[
-            torch.Tensor, tuple[bool, bool]
-        ] = {}  # whether the Triton kernel updates this tensor
+        # per tensor: (whether the Triton kernel updates it, whether v's codes come by formula)
+        self._fast: dict[torch.Tensor, tuple[bool, bool]] = {}
         self._world: int | None = None  # ranks, read at the first hook (after the process group exists)
         # This step's squared gradient norms, one slot per tensor (each hook writes its own: no read-modify-write),
         # and the divisor this step's gradients get (the previous step's clipping). Device tensors: no host sync
@@ -181,7 +180,7 @@ class BackwardAdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = _zeros(p, self.states, signed=False)
         state["step"] += 1
         fast = self._fast.get(p)
-        if fast is None:  # (kernel updates it, v's codes by formula): asked once per tensor
+        if fast is None:  # asked once per tensor
             kernel = self.triton and self._adam4bit.supports(p, state["exp_avg"])
             fast = self._fast[p] = (kernel, kernel and self._adam4bit.linear_v(state["exp_avg_sq"]))
         if fast[0]:
@@ -199,9 +198,8 @@ class BackwardAdamW(torch.optim.Optimizer):
             p.grad = None
             return
         self._sq_slots[self._index[p]].copy_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
-        if (
-            type(state["exp_avg"]).__name__ == "OptimState4bit"
-        ):  # the kernel's arithmetic and rounding, in torch
+        if type(state["exp_avg"]).__name__ == "OptimState4bit":
+            # the kernel's arithmetic and rounding, in torch (CPU ranks, optimizer_kernel torch)
             step = int(state["step"])
             states4bit.update(
                 p, grad, state["exp_avg"], state["exp_avg_sq"], divisor=self._divisor, step=step,

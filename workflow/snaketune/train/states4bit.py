@@ -35,9 +35,8 @@ def quantize(x: torch.Tensor, qmap: torch.Tensor, rand: torch.Tensor | None) -> 
     taking the end; without, the nearest entry, a tie rounded up (torchao's quantize_4bit_with_qmap)."""
     if rand is None:
         return torch.bucketize(x, (qmap[:-1] + qmap[1:]) * 0.5, right=True, out_int32=True)
-    below = torch.bucketize(
-        x, qmap[1:], right=True, out_int32=True
-    )  # the last entry at or below x (0 below it)
+    # the last entry at or below x (0 below the first)
+    below = torch.bucketize(x, qmap[1:], right=True, out_int32=True)
     above = (below + 1).clamp_(max=15)
     low, high = qmap[below], qmap[above]
     u = ((rand & 255).to(torch.float32) + 0.5) * (1.0 / 256.0)
@@ -89,6 +88,7 @@ def update(
     step_size = lr / (1 - beta1**step)
     bc2_sqrt = (1 - beta2**step) ** 0.5
     weights, grads = p.view(-1), grad.reshape(-1)
+    stochastic = ROUNDING == "stochastic"
     gen = torch.Generator(device=p.device).manual_seed(seed)
     for start in range(0, p.numel(), CHUNK_ELEMENTS // block * block):
         end = min(start + CHUNK_ELEMENTS // block * block, p.numel())
@@ -102,11 +102,8 @@ def update(
         m = m + (1 - beta1) * (g - m)
         v = v + (1 - beta2) * (g * g - v)
         w = w - step_size * m / (v.sqrt() / bc2_sqrt + eps)
-        rand = torch.randint(
-            -(2**31), 2**31, (end - start,), generator=gen, device=p.device, dtype=torch.int32
-        )
-        rand = rand.view(-1, block)  # 32 random bits (an arithmetic shift keeps the bits it moves down)
-        stochastic = ROUNDING == "stochastic"
+        # 32 random bits per element (an arithmetic shift keeps the bits it moves down)
+        rand = torch.randint(-(2**31), 2**31, g.shape, generator=gen, device=p.device, dtype=torch.int32)
         for state, new, shift in ((exp_avg, m, 16), (exp_avg_sq, v, 24)):
             absmax = new.abs().amax(dim=1).clamp_(min=1e-12)
             q = quantize(new / absmax[:, None], state.qmap, rand >> shift if stochastic else None)
