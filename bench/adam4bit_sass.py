@@ -65,8 +65,7 @@ def main() -> None:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         params = module._adamw4bit.arg_names
-        extra = {name: True for name in ("STATES_SR",) if name in params}
-        extra |= {name: True for name in ("V_LINEAR",) if name in params}
+        extra = {name: True for name in ("STATES_SR", "V_LINEAR") if name in params}
         n, regs = cost(module._adamw4bit, {**shape, **extra}, args.arch)
         print(f"| {path} ({', '.join(f'{k}={v}' for k, v in extra.items()) or 'nearest'}) | {n} | {regs} |")
 

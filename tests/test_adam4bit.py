@@ -1,6 +1,8 @@
 """The 4-bit AdamW update in one Triton pass (snaketune.train.adam4bit) against torchao's update, whose states it
-reads and writes: the same codes and scales, the same weights in fp32, unbiased stochastic rounding into bf16, the
-squared gradient norm; and the step in backward with it against the step with torchao's update.
+reads and writes: rounding the states to nearest as torchao does, the same codes and scales and the same weights in
+fp32; rounding them stochastically (snaketune's default), m and v that follow their exact averages where nearest
+rounding leaves them far above; unbiased stochastic rounding into bf16, the squared gradient norm; and the step in
+backward with the kernel against the step with the same update in torch (snaketune.train.states4bit).
 
 On a CUDA GPU; on a machine without one the kernel tests also run under Triton's interpreter
 (`TRITON_INTERPRET=1` with triton installed), which CI's CPU build of torch does not bring.
@@ -121,10 +123,10 @@ def test_bf16_weights_round_stochastically_without_bias():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="BackwardAdamW picks the kernel for CUDA tensors")
-def test_the_step_in_backward_with_the_kernel_follows_torchaos_update():
+def test_the_step_in_backward_with_the_kernel_follows_the_torch_update():
     """A small MLP trained 8 steps with the update in backward, 4-bit states, clipping: the Triton kernel's weights
-    follow torchao's compiled update's (stochastic rounding differs draw by draw, so not equal), and the norm the
-    step reports is the same."""
+    follow those of the same update in torch (states4bit; stochastic rounding differs draw by draw, so not equal),
+    and the norm the step reports is the same."""
     from snaketune.train.backward_step import BackwardAdamW
     from snaketune.train.optim import param_groups
 
