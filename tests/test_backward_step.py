@@ -125,48 +125,51 @@ def test_4bit_states_follow_their_exact_averages_when_the_block_max_holds(roundi
     check_exact_averages(rounding, *decaying_block(step, "cpu"))
 
 
-def test_the_4bit_update_rounded_to_nearest_is_torchaos():
-    """states4bit.update with torchao's rounding: torchao's single_param_adam's codes, scales and weights (fp32
-    weights, six steps clipped by a divisor, weight decay), in passes of fewer elements than the tensor."""
+def check_nearest_is_torchaos(step_fn, device: str) -> None:
+    """With torchao's rounding (states4bit.ROUNDING nearest, set by the caller), six steps of fp32 weights clipped by
+    a divisor, with weight decay: `step_fn(p, g, m, v, step, divisor, lr)` gives torchao's single_param_adam's 4-bit
+    codes (the quantizer's choices), scales and weights up to fp32 rounding."""
     from torchao.optim.adam import single_param_adam
     from torchao.optim.subclass_4bit import OptimState4bit
 
-    shape, divisor, lr = (96, 256), torch.tensor(1.7), 1e-2
+    shape, lr, decay = (96, 256), 1e-2, 0.1
+    divisor = torch.tensor(1.7, device=device)
     torch.manual_seed(0)
-    ref = torch.randn(shape)
-    mine = ref.clone()
+    start = torch.randn(shape, device=device)
+    ref, mine = start.clone(), start.clone()
     (m_ref, v_ref), (m, v) = [
-        (OptimState4bit.zeros(shape, True, 128, "cpu"), OptimState4bit.zeros(shape, False, 128, "cpu"))
+        (OptimState4bit.zeros(shape, True, 128, device), OptimState4bit.zeros(shape, False, 128, device))
         for _ in range(2)
     ]
     for step in range(1, 7):
-        g = torch.randn(shape, generator=torch.Generator().manual_seed(step)) * step
+        gen = torch.Generator(device=device).manual_seed(step)
+        g = torch.randn(shape, device=device, generator=gen) * step
         single_param_adam(
-            ref, g / divisor, torch.tensor(float(step)), m_ref, v_ref, None, torch.tensor(lr), *BETAS, 0.1, 1e-8,
-            True, False,
+            ref, g / divisor, torch.tensor(float(step)), m_ref, v_ref, None, torch.tensor(lr, device=device), *BETAS,
+            decay, 1e-8, True, False,
         )  # fmt: skip
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(states4bit, "ROUNDING", "nearest")
-            mp.setattr(states4bit, "CHUNK_ELEMENTS", 128 * 50)  # four passes, the last a part
-            states4bit.update(
-                mine,
-                g,
-                m,
-                v,
-                divisor=divisor,
-                step=step,
-                lr=lr,
-                betas=BETAS,
-                eps=1e-8,
-                weight_decay=0.1,
-                seed=0,
-            )
+        step_fn(mine, g, m, v, step, divisor, lr)
         assert (m.codes == m_ref.codes).float().mean() > 0.999 and (
             v.codes == v_ref.codes
         ).float().mean() > 0.999
         torch.testing.assert_close(m.scale, m_ref.scale, rtol=1e-5, atol=1e-12)
         torch.testing.assert_close(v.scale, v_ref.scale, rtol=1e-5, atol=1e-12)
         torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
+    assert (ref - start).abs().mean() > lr  # the weights did move (random gradients: a random walk)
+
+
+def test_the_4bit_update_rounded_to_nearest_is_torchaos(monkeypatch):
+    """states4bit.update with torchao's rounding is torchao's update (check_nearest_is_torchaos), in passes of fewer
+    elements than the tensor."""
+    monkeypatch.setattr(states4bit, "ROUNDING", "nearest")
+    monkeypatch.setattr(states4bit, "CHUNK_ELEMENTS", 128 * 50)  # four passes, the last a part
+
+    def step_fn(p, g, m, v, step, divisor, lr):
+        states4bit.update(
+            p, g, m, v, divisor=divisor, step=step, lr=lr, betas=BETAS, eps=1e-8, weight_decay=0.1, seed=0
+        )
+
+    check_nearest_is_torchaos(step_fn, "cpu")
 
 
 def test_clipping_uses_the_previous_steps_norm():
