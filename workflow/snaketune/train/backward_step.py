@@ -183,29 +183,28 @@ class BackwardAdamW(torch.optim.Optimizer):
         if fast is None:  # asked once per tensor
             kernel = self.triton and self._adam4bit.supports(p, state["exp_avg"])
             fast = self._fast[p] = (kernel, kernel and self._adam4bit.linear_v(state["exp_avg_sq"]))
-        if fast[0]:
+        i = self._index[p]
+        if not fast[0]:  # the kernel writes its norm itself
+            self._sq_slots[i].copy_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+        if fast[0] or type(state["exp_avg"]).__name__ == "OptimState4bit":
             step = int(state["step"])
-            i = self._index[p]
-            # The hook's host time bounds the 7B's step (273 hooks): no detach, no slicing, one launch besides the
-            # kernel's (its norm into this tensor's slot).
-            self._adam4bit.update(
-                p, grad if grad.is_contiguous() else grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
-                sq_out=self._sq_slots[i], divisor=self._divisor, step=step, lr=float(group["lr"]),
-                betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                # a stream per (step, tensor): the same rounding after a resume as without one
-                seed=(self._seed + step * 65_537 + i) % 2**31, v_linear=fast[1],
-            )  # fmt: skip
-            p.grad = None
-            return
-        self._sq_slots[self._index[p]].copy_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
-        if type(state["exp_avg"]).__name__ == "OptimState4bit":
-            # the kernel's arithmetic and rounding, in torch (CPU ranks, optimizer_kernel torch)
-            step = int(state["step"])
-            states4bit.update(
-                p, grad, state["exp_avg"], state["exp_avg_sq"], divisor=self._divisor, step=step,
-                lr=float(group["lr"]), betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                seed=(self._seed + step * 65_537 + self._index[p]) % 2**31,
-            )  # fmt: skip
+            # a random stream per (step, tensor): a resumed run rounds as the uninterrupted one
+            seed = (self._seed + step * 65_537 + i) % 2**31
+            if fast[0]:
+                # The hook's host time bounds the 7B's step (273 hooks): no detach, no slicing, one launch besides
+                # the kernel's (its norm into this tensor's slot).
+                self._adam4bit.update(
+                    p, grad if grad.is_contiguous() else grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
+                    sq_out=self._sq_slots[i], divisor=self._divisor, step=step, lr=float(group["lr"]),
+                    betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"], seed=seed,
+                    v_linear=fast[1],
+                )  # fmt: skip
+            else:  # the kernel's arithmetic and rounding in torch (CPU ranks, optimizer_kernel torch)
+                states4bit.update(
+                    p, grad, state["exp_avg"], state["exp_avg_sq"], divisor=self._divisor, step=step,
+                    lr=float(group["lr"]), betas=group["betas"], eps=group["eps"],
+                    weight_decay=group["weight_decay"], seed=seed,
+                )  # fmt: skip
             p.grad = None
             return
         lr = self._lr[index]
