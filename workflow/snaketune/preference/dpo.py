@@ -202,4 +202,4 @@ class DPOTrainer(Trainer):
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:], DPOTrainer))
+    run(sys.argv[1:], DPOTrainer)

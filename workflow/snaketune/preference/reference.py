@@ -142,4 +142,4 @@ class ReferencePass(DPOTrainer):
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:], ReferencePass))
+    run(sys.argv[1:], ReferencePass)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -224,12 +226,55 @@ def launch(
     # The GPUs stay locked until torchrun exits; torchrun holds the locks too, in case this process dies first.
     with alloc, open(log_file, "a") as out:
         out.flush()
+        start = out.tell()
         proc = subprocess.run(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, check=False, pass_fds=tuple(alloc.fds)
         )
     if proc.returncode != 0:
         launcher = "torchrun" if nproc > 1 or nodes > 1 else "rank"
-        raise LaunchError(f"training failed ({launcher} exit code {proc.returncode}); see {log_file}")
+        with open(log_file, errors="replace") as f:
+            f.seek(start)
+            cause = failure_cause(f.read())
+        raise LaunchError(
+            f"training failed ({launcher} exit code {proc.returncode}): {cause}; see {log_file}"
+        )
+
+
+# A Python exception's last line, as a rank prints it (torchrun prefixes "[rankN]: "); torchrun's own
+# ChildFailedError only says that a rank failed. The agent's own lines are glog's ("E1205 00:18:45.277000 32690
+# .../elastic/multiprocessing/api.py:1002] failed (exitcode: -6) local_rank: 1 (pid: 32710) of binary: ...").
+_AGENT_LINE = re.compile(r"^[DIWEF]\d{4} [\d:.]+ +\d+ \S*torch/distributed/")
+_AGENT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+_EXCEPTION_LINE = re.compile(
+    r"^(?:\[rank(\d+)\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)\b.*)$"
+)
+
+
+def failure_cause(output: str, *, tail_lines: int = 3) -> str:
+    """What the ranks' output says went wrong: the exception of the rank that printed one first, as the last
+    line of its traceback shows it ("rank 1: ValueError: ..."; the outer one where exceptions are chained).
+    Where no rank printed one (a signal, a C++ abort), which rank torchrun saw fail and with what, and the ranks'
+    last lines before torchrun's own report."""
+    lines = [line.strip() for line in output.splitlines()]
+    found = [
+        (m.group(1), m.group(2))
+        for m in map(_EXCEPTION_LINE.match, lines)
+        if m and "ChildFailedError" not in m.group(2)
+    ]
+    if found:
+        rank = found[0][0]
+        message = [text for r, text in found if r == rank][-1]
+        return (f"rank {rank}: " if rank is not None else "") + message
+    agent = next((i for i, line in enumerate(lines) if _AGENT_LINE.match(line)), len(lines))
+    parts = []
+    failed = next(filter(None, map(_AGENT_FAILED.search, lines)), None)
+    if failed:
+        code = int(failed.group(1))
+        name = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else ""
+        parts.append(f"local rank {failed.group(2)} exited with {code}{name}")
+    tail = [line for line in lines[:agent] if line][-tail_lines:]
+    parts.append("last output: " + (" | ".join(tail) if tail else "<none>"))
+    return "; ".join(parts)
 
 
 def node_main(argv: list[str]) -> None:

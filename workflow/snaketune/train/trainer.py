@@ -496,4 +496,4 @@ def _float(x) -> float | None:
 if __name__ == "__main__":
     import sys
 
-    sys.exit(ranks.run(sys.argv[1:], Trainer))
+    ranks.run(sys.argv[1:], Trainer)
