@@ -22,7 +22,7 @@ from torchao.optim.adam import single_param_adam  # noqa: E402
 from torchao.optim.subclass_4bit import OptimState4bit  # noqa: E402
 
 from snaketune.train import adam4bit, states4bit  # noqa: E402
-from test_backward_step import check_exact_averages, check_nearest_is_torchaos, decaying_block  # noqa: E402
+from test_states4bit import check_exact_averages, check_nearest_is_torchaos, decaying_block  # noqa: E402
 
 if torch.cuda.is_available():
     DEVICE = "cuda"
@@ -153,7 +153,7 @@ def test_the_step_in_backward_with_the_kernel_follows_the_torch_update():
 @pytest.mark.parametrize("formula", [True, False], ids=["v-by-formula", "v-by-compares"])
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 def test_4bit_states_follow_their_exact_averages_when_the_block_max_holds(rounding, formula, monkeypatch):
-    """tests/test_backward_step.py's test of the same name, with the kernel: v's codes in torchao's linear map by
+    """tests/test_states4bit.py's test of the same name, with the kernel: v's codes in torchao's linear map by
     formula (adam4bit.LINEAR_V_FORMULA) and by the general compares."""
     monkeypatch.setattr(states4bit, "ROUNDING", rounding)
     monkeypatch.setattr(adam4bit, "LINEAR_V_FORMULA", formula)

@@ -9,7 +9,7 @@ torchao rounds to the nearest code; with codes 1/16 of the block's max apart, a 
 step rounds back to the code it had, so below ~10/16 of the block's max v stops decaying (m likewise), and the
 weights' steps shrink: on the real SmolLM2-135M, 50 steps, the training loss of the step in backward with 4-bit
 states rounded to nearest ran 7.9% above fp32 states' (bench/RESULTS.md, issue #26). Rounded stochastically, m and v
-are their exact averages in expectation (tests/test_backward_step.py, tests/test_adam4bit.py).
+are their exact averages in expectation (tests/test_states4bit.py, tests/test_adam4bit.py).
 
 Random bits: one 32-bit draw per element from a generator seeded with the update's seed (a stream per step and
 tensor): bits 0-15 round a bf16 weight, 16-23 its m, 24-31 its v, as the kernel does with Triton's Philox (another
