@@ -237,6 +237,10 @@ def test_in_backward_with_4bit_states_trains_near_fp32_states(fp32_states_run, i
         "4bit (torchao's format, block-wise where quantized, rounded stochastically), updated in backward"
         in log
     )
+    # CPU ranks: the quantized tensors by snaketune.train.states4bit (not torchao's update, which rounds to nearest)
+    assert run.summary["fp32_master_weights"].endswith(
+        "(snaketune 4-bit AdamW in torch (torchao's states; small tensors: torchao single_param_adam))"
+    )
 
 
 def test_in_backward_resumes_the_uninterrupted_run(in_backward_4bit_run, tiny_data, tmp_path):

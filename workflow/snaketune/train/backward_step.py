@@ -134,12 +134,17 @@ class BackwardAdamW(torch.optim.Optimizer):
             from snaketune.train import adam4bit
 
             self._adam4bit = adam4bit
-        self.kernel = (
-            "snaketune Triton 4-bit AdamW (torchao's states)"
-            if self.triton
-            else ("torchao single_param_adam, compiled" if self.compile else "torchao single_param_adam")
-            + f", {states} states"
-        )
+        torchaos = (
+            "torchao single_param_adam, compiled" if self.compile else "torchao single_param_adam"
+        ) + (f", {states} states" if states != "4bit" else "")
+        if self.triton:
+            self.kernel = "snaketune Triton 4-bit AdamW (torchao's states)"
+        elif (
+            states == "4bit"
+        ):  # the quantized tensors by snaketune.train.states4bit; small unquantized ones by torchao
+            self.kernel = f"snaketune 4-bit AdamW in torch (torchao's states; small tensors: {torchaos})"
+        else:
+            self.kernel = torchaos
         self._seed = torch.initial_seed() % 2**31
         self._index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         # per tensor: (whether the Triton kernel updates it, whether v's codes come by formula)
