@@ -137,11 +137,11 @@ class BackwardAdamW(torch.optim.Optimizer):
         torchaos = (
             "torchao single_param_adam, compiled" if self.compile else "torchao single_param_adam"
         ) + (f", {states} states" if states != "4bit" else "")
+        # With 4-bit states the quantized tensors take snaketune's update (the Triton kernel or
+        # snaketune.train.states4bit); the small ones torchao keeps unquantized take torchao's.
         if self.triton:
             self.kernel = "snaketune Triton 4-bit AdamW (torchao's states)"
-        elif (
-            states == "4bit"
-        ):  # the quantized tensors by snaketune.train.states4bit; small unquantized ones by torchao
+        elif states == "4bit":
             self.kernel = f"snaketune 4-bit AdamW in torch (torchao's states; small tensors: {torchaos})"
         else:
             self.kernel = torchaos

@@ -117,14 +117,14 @@ def exit_unfinalized(code: int) -> NoReturn:
     workers' shutdown, filelock's release...), but without finalizing the interpreter.
 
     Why: destroy_process_group empties torch's registry of process groups, but other references (DeepSpeed's
-    communication backend keeps its groups) hold them alive, so their gloo worker threads live on. Under ZeRO-3 one of them can still be finishing an all-gather when the
-    interpreter finalizes; freeing the work's tensors (ZeRO's parameters carry Python attributes) then takes the
-    GIL, which Python answers with pthread_exit in a thread whose frames cannot unwind: std::terminate, SIGABRT,
-    after the outputs were written ("terminate called without an active exception"; core dump: the worker in
-    ~AsyncAllgatherWork -> TensorImpl::decref_pyobject -> take_gil while the main thread is in Py_FinalizeEx).
-    Two-rank ZeRO-3 runs on CPU ranks, two loops at once on 2 cores: 7 of 202 aborted so, 0 of 97 with this exit
-    (ZeRO-2: 0 of 60 before); one CI run failed on it.
-    torch's own fix (destroying the groups in an atexit handler, pytorch#179291) was abandoned."""
+    communication backend keeps its groups) hold them alive, so their gloo worker threads live on. Under ZeRO-3 one
+    of them can still be finishing an all-gather when the interpreter finalizes; freeing the work's tensors (ZeRO's
+    parameters carry Python attributes) then takes the GIL, which Python answers with pthread_exit in a thread whose
+    frames cannot unwind: std::terminate, SIGABRT, after the outputs were written ("terminate called without an
+    active exception"; core dump: the worker in ~AsyncAllgatherWork -> TensorImpl::decref_pyobject -> take_gil while
+    the main thread is in Py_FinalizeEx). Two-rank ZeRO-3 runs on CPU ranks, two loops at once on 2 cores: 7 of 202
+    aborted so, 0 of 97 with this exit (ZeRO-2: 0 of 60 before); one CI run failed on it. torch's own fix
+    (destroying the groups in an atexit handler, pytorch#179291) was abandoned."""
     import atexit
 
     atexit._run_exitfuncs()
