@@ -16,7 +16,8 @@ run() {  # the workflow copy $1, its log $2, then the experiments
     local targets=(); for e in "$@"; do targets+=(results/train/$e/summary.json); done
     (cd $d && SNAKETUNE_GPU_LOCK_DIR=$d/.gpu-locks $PY -m snakemake "${targets[@]}" --cores ${CORES:-2} \
         --resources gpu=${GPUS:-2} --configfile config/examples/smollm2-135m-real.yaml \
-        $R/bench/configs/in_backward_real_cpu.yaml ${EXTRA:-} > "$log" 2>&1; echo "=== $(date -u +%T) $log exit $?")
+        $R/bench/configs/in_backward_real.yaml $R/bench/configs/in_backward_real_cpu.yaml ${EXTRA:-} > "$log" 2>&1
+     echo "=== $(date -u +%T) $log exit $?")
 }
 d=$OUT/wf
 if [ ! -f $d/.realdata/oasst_real.hf_rows.jsonl ]; then
@@ -31,8 +32,7 @@ main=(); for e in $EXPERIMENTS; do [ $e != in_backward_4bit_nearest ] && main+=(
 metrics=($d/results/train/*/metrics.csv)
 if [[ " $EXPERIMENTS " == *" in_backward_4bit_nearest "* ]]; then
     n=$OUT/wf_nearest; rm -rf $n; cp -a $d $n  # the imported model and tokenized rows come along
-    sed -i 's/^ROUNDING = "stochastic"$/ROUNDING = "nearest"/' $n/workflow/snaketune/train/states4bit.py
-    grep -Hn '^ROUNDING' $n/workflow/snaketune/train/states4bit.py
+    bash bench/nearest_rounding.sh $n || exit 1
     run $n "$OUT/snakemake_nearest.log" in_backward_4bit_nearest
     metrics+=($n/results/train/in_backward_4bit_nearest/metrics.csv)
 fi

@@ -11,8 +11,7 @@ pids=()
 for e in ${EXPERIMENTS:-fp32_states in_backward_4bit in_backward_4bit_nearest in_backward_fp32}; do
     d=$OUT/wf_$e; rm -rf $d; mkdir -p $d
     cp -r Snakefile workflow config envs $d/
-    [ $e = in_backward_4bit_nearest ] && sed -i 's/^ROUNDING = "stochastic"$/ROUNDING = "nearest"/' $d/workflow/snaketune/train/states4bit.py
-    grep -Hn '^ROUNDING' $d/workflow/snaketune/train/states4bit.py
+    if [ $e = in_backward_4bit_nearest ]; then bash bench/nearest_rounding.sh $d || exit 1; fi
     (cd $d && SNAKETUNE_GPU_LOCK_DIR=$d/.gpu-locks $PY -m snakemake results/train/$e/summary.json --cores 1 \
         --configfile $R/bench/configs/in_backward_tiny.yaml ${EXTRA:-} > "$OUT/$e.log" 2>&1
      echo "=== $(date -u +%T) $e exit $?") &

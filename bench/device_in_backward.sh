@@ -102,10 +102,7 @@ converge)
     for e in ${EXPERIMENTS:-fp32_states in_backward_4bit in_backward_4bit_nearest in_backward_fp32}; do
         d=/tmp/wf_$e; rm -rf $d; mkdir -p $d/.realdata
         cp -r Snakefile workflow config envs $d/
-        case $e in
-        in_backward_4bit_nearest) sed -i 's/^ROUNDING = "stochastic"$/ROUNDING = "nearest"/' $d/workflow/snaketune/train/states4bit.py
-            grep -n '^ROUNDING' $d/workflow/snaketune/train/states4bit.py ;;
-        esac
+        if [ $e = in_backward_4bit_nearest ]; then bash bench/nearest_rounding.sh $d || exit 1; fi
         ln -s $S/oasst_real.hf_rows.jsonl $d/.realdata/oasst_real.hf_rows.jsonl
         (cd $d && SNAKETUNE_GPU_LOCK_DIR=$d/.gpu-locks timeout -k 10 "${LIMIT_S:-420}" python3 -m snakemake \
             results/train/$e/summary.json --scheduler greedy --cores 5 --resources gpu=1 --configfile \
