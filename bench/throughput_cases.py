@@ -251,6 +251,16 @@ CASES = [
         peer="trl30_ckpt",
     ),
     Case(
+        "full30_inbwd_1536_cap24",
+        "train",
+        30,
+        "(b) as full30_inbwd_cap24 with rows of 1,536 tokens (the longest the plan fits under 23.5 GiB)",
+        IN_BACKWARD,
+        {"max_length": 1536},
+        estimate_s=140,
+        gpu_memory_gib=24,
+    ),
+    Case(
         "full20_inbwd",
         "train",
         20,
