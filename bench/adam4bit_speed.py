@@ -24,24 +24,31 @@ SHAPES = {  # shape: tensors of it in the model
 }
 
 
+VARIANTS = {  # v's map and how the kernel finds its codes (adam4bit.v_map)
+    "snaketune's map (states4bit.V_CODES) by formula": (states4bit.V_CODES, True),
+    "snaketune's map by compares": (states4bit.V_CODES, False),
+    "torchao's linear map by formula": (None, True),
+}
+
+
 def main() -> None:
     for rounding in states4bit.ROUNDINGS:  # the states' rounding to their codes (snaketune.train.states4bit)
-        for formula in (True, False):  # v's codes by formula or by compares (adam4bit.LINEAR_V_FORMULA)
-            states4bit.ROUNDING, adam4bit.LINEAR_V_FORMULA = rounding, formula
-            print(
-                f"m and v rounded to their codes: {rounding}; v's codes by {'formula' if formula else 'compares'}"
-            )
-            gpu_times(torch.device("cuda"))
+        for name, (codes, formula) in VARIANTS.items():
+            states4bit.ROUNDING, adam4bit.V_FORMULA = rounding, formula
+            print(f"m and v rounded to their codes: {rounding}; v: {name}")
+            gpu_times(torch.device("cuda"), codes)
     host_times(torch.device("cuda"))
 
 
-def gpu_times(dev: torch.device) -> None:
+def gpu_times(dev: torch.device, v_codes: tuple[float, ...] | None) -> None:
     total_ms, params = 0.0, 0
     sq, divisor = torch.zeros((), device=dev), torch.ones((), device=dev)
     for shape, count in SHAPES.items():
         p = torch.randn(shape, device=dev).bfloat16()
         g = torch.randn(shape, device=dev).bfloat16()
         m, v = OptimState4bit.zeros(shape, True, 128, dev), OptimState4bit.zeros(shape, False, 128, dev)
+        if v_codes is not None:
+            v.qmap.copy_(torch.tensor(v_codes))
 
         def step(i, p=p, g=g, m=m, v=v):
             adam4bit.update(
@@ -85,7 +92,7 @@ def host_times(dev: torch.device, calls: int = 2000) -> None:
     def launch(i):
         adam4bit._adamw4bit[(8,)](
             p, g, m.codes, m.scale, v.codes, v.scale, m.qmap, v.qmap, partial, divisor, 32,
-            1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, STATES_SR=True, V_LINEAR=True, ROWS=adam4bit.ROWS,
+            1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, STATES_SR=True, V_MAP=adam4bit.V_MAP_POW2, ROWS=adam4bit.ROWS,
             HALF=adam4bit.BLOCK // 2,
         )  # fmt: skip
 

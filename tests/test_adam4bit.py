@@ -22,7 +22,7 @@ from torchao.optim.adam import single_param_adam  # noqa: E402
 from torchao.optim.subclass_4bit import OptimState4bit  # noqa: E402
 
 from snaketune.train import adam4bit, states4bit  # noqa: E402
-from test_states4bit import check_exact_averages, check_nearest_is_torchaos, decaying_block  # noqa: E402
+from test_states4bit import V_MAPS, check_exact_averages, check_nearest_is_torchaos, decaying_block  # noqa: E402
 
 if torch.cuda.is_available():
     DEVICE = "cuda"
@@ -150,17 +150,51 @@ def test_the_step_in_backward_with_the_kernel_follows_the_torch_update():
         )
 
 
-@pytest.mark.parametrize("formula", [True, False], ids=["v-by-formula", "v-by-compares"])
+@pytest.mark.parametrize("v_map", V_MAPS)
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-def test_4bit_states_follow_their_exact_averages_when_the_block_max_holds(rounding, formula, monkeypatch):
-    """tests/test_states4bit.py's test of the same name, with the kernel: v's codes in torchao's linear map by
-    formula (adam4bit.LINEAR_V_FORMULA) and by the general compares."""
+def test_4bit_states_follow_their_exact_averages_when_the_block_max_holds(rounding, v_map, monkeypatch):
+    """tests/test_states4bit.py's test of the same name, with the kernel (v's codes by formula: the next test shows
+    the compares give the same)."""
     monkeypatch.setattr(states4bit, "ROUNDING", rounding)
-    monkeypatch.setattr(adam4bit, "LINEAR_V_FORMULA", formula)
 
     def step(p, g, m, v, step):
         _kernel_step(
             p, g, m, v, step, torch.tensor(1.0, device=DEVICE), torch.zeros((), device=DEVICE), step, 0.0
         )
 
-    check_exact_averages(rounding, *decaying_block(step, DEVICE))
+    check_exact_averages(rounding, *decaying_block(step, DEVICE, V_MAPS[v_map]))
+
+
+@pytest.mark.parametrize("v_map", V_MAPS)
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_v_codes_by_formula_are_the_compares(rounding, v_map, monkeypatch):
+    """v's codes in closed form (adam4bit.V_MAP_LINEAR, V_MAP_POW2) are those the general compares find in the map,
+    bit for bit over four steps (codes, scales, weights), with gradients spanning 2^-20 .. 2^4 so that v meets
+    every code, the floor and exact powers of two."""
+    monkeypatch.setattr(states4bit, "ROUNDING", rounding)
+    kinds = {"torchao": adam4bit.V_MAP_LINEAR, "snaketune": adam4bit.V_MAP_POW2}
+    torch.manual_seed(4)
+    start = torch.randn(SHAPE, device=DEVICE)
+    runs = []
+    for formula in (True, False):
+        monkeypatch.setattr(adam4bit, "V_FORMULA", formula)
+        p = start.clone()
+        m, v = _states()
+        if V_MAPS[v_map] is not None:
+            v.qmap.copy_(torch.tensor(V_MAPS[v_map]))
+        assert adam4bit.v_map(v) == (kinds[v_map] if formula else adam4bit.V_MAP_TABLE)
+        for step in range(1, 5):
+            gen = torch.Generator(device=DEVICE).manual_seed(step)
+            g = torch.randn(SHAPE, device=DEVICE, generator=gen)
+            g = (
+                g.sign()
+                * 2.0 ** torch.randint(-20, 5, SHAPE, device=DEVICE, generator=gen).float()
+                * (1 + g.abs())
+            )
+            _kernel_step(
+                p, g, m, v, step, torch.tensor(1.0, device=DEVICE), torch.zeros((), device=DEVICE), step
+            )
+        runs.append((p, v.codes, v.scale, m.codes))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+    assert len(torch.unique(torch.cat([runs[0][1] >> 4, runs[0][1] & 15]))) == 16  # every code met

@@ -17,6 +17,7 @@ from snaketune.config.choices import ConfigError
 from snaketune.config.deepspeed import build_ds_config
 from snaketune.config.load import load_config
 from snaketune.config.schema import TrainConfig
+from snaketune.train import states4bit
 from snaketune.train.backward_step import BYTES_PER_PARAM, BackwardAdamW
 from snaketune.train.engine import lr_lambda
 from snaketune.train.optim import check_placement, param_groups
@@ -160,6 +161,13 @@ def test_quantized_states_survive_a_deepspeed_checkpoint(states):
     resumed = BackwardAdamW(param_groups(copy, 0.1), lr=1e-2, betas=BETAS, states=states, grad_clip=1.0)
     resumed.load_state_dict(saved)
     assert sorted({type(s["exp_avg"]).__name__ for s in resumed.state.values()}) == kinds
+    if states == "4bit":  # v's map is snaketune's, and the checkpoint keeps it
+        v_maps = {
+            tuple(s["exp_avg_sq"].qmap.tolist())
+            for s in resumed.state.values()
+            if hasattr(s["exp_avg_sq"], "qmap")
+        }
+        assert v_maps == {states4bit.V_CODES}, v_maps
     for step in range(3, 6):
         for model, optimizer in ((net, opt), (copy, resumed)):
             _loss(model, step).backward()

@@ -15,17 +15,24 @@ pytest.importorskip("torchao")
 BETAS = (0.9, 0.95)
 
 
-def decaying_block(step_fn, device: str) -> tuple[float, float]:
+V_MAPS = {"torchao": None, "snaketune": states4bit.V_CODES}
+"""v's code maps: torchao's linear one (k/16) and snaketune's (2^-15 .. 1), which new states take."""
+
+
+def decaying_block(step_fn, device: str, v_codes: tuple[float, ...] | None = None) -> tuple[float, float]:
     """4-bit m and v over a (96, 256) tensor (192 blocks of 128) against their exact averages: one element per block
     keeps its gradient (so its v, the block's scale, stays put); the others get one gradient, then none for 8 steps,
-    so their exact m and v decay by beta1 and beta2 a step. `step_fn(p, g, m, v, step)` runs one update at lr 0.
-    The mean dequantized m and v of the decaying elements over their exact means."""
+    so their exact m and v decay by beta1 and beta2 a step. `step_fn(p, g, m, v, step)` runs one update at lr 0; v
+    takes `v_codes` as its map (torchao's if None). The mean dequantized m and v of the decaying elements over their
+    exact means."""
     from torchao.optim.subclass_4bit import OptimState4bit
 
     shape = (96, 256)
     torch.manual_seed(3)
     p = torch.zeros(shape, device=device)
     m, v = OptimState4bit.zeros(shape, True, 128, device), OptimState4bit.zeros(shape, False, 128, device)
+    if v_codes is not None:
+        v.qmap.copy_(torch.tensor(v_codes))
     exact_m, exact_v = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
     first = 2 * (0.3 + 0.7 * torch.rand(shape, device=device)).sqrt()  # v in [0.3, 1) of the block's max
     held = torch.zeros(shape, device=device).view(-1, 128)
@@ -50,12 +57,14 @@ def check_exact_averages(rounding: str, ratio_m: float, ratio_v: float) -> None:
         assert ratio_m > 1.5 and ratio_v > 1.2, (ratio_m, ratio_v)
 
 
+@pytest.mark.parametrize("v_map", V_MAPS)
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-def test_4bit_states_follow_their_exact_averages_when_the_block_max_holds(rounding, monkeypatch):
+def test_4bit_states_follow_their_exact_averages_when_the_block_max_holds(rounding, v_map, monkeypatch):
     """The 4-bit states' rounding (snaketune.train.states4bit.ROUNDING), on the CPU's update (the kernel's:
     tests/test_adam4bit.py). A v that decays by 5% a step rounds back to its code when rounded to the nearest (codes
     1/16 of the block's max apart): the lower 10 codes never move, v stays far above its average and the weights'
-    steps shrink; m likewise. Rounded stochastically, m and v follow their exact averages."""
+    steps shrink; m likewise (with snaketune's v map, codes a factor of 2 apart, too). Rounded stochastically, m and
+    v follow their exact averages in either map."""
     monkeypatch.setattr(states4bit, "ROUNDING", rounding)
     one = torch.tensor(1.0)
 
@@ -64,7 +73,34 @@ def test_4bit_states_follow_their_exact_averages_when_the_block_max_holds(roundi
             p, g, m, v, divisor=one, step=step, lr=0.0, betas=BETAS, eps=1e-8, weight_decay=0.0, seed=step
         )
 
-    check_exact_averages(rounding, *decaying_block(step, "cpu"))
+    check_exact_averages(rounding, *decaying_block(step, "cpu", V_MAPS[v_map]))
+
+
+@pytest.mark.parametrize("v_map", V_MAPS)
+def test_a_v_far_below_its_block_max_keeps_its_size(v_map):
+    """One update from zero states: in each block of 128 one gradient of 1, the others 0.03 (v 1/1,111 of the
+    block's max, as a gradient's square spans decades within a block of real weights). snaketune's map keeps those v
+    at their exact mean (rounded stochastically between 2^-10 and 2^-9 of the max); torchao's linear map puts every
+    one at its lowest code, 1/16 of the max: 69x too large, and their steps 8x too small."""
+    shape = (96, 256)
+    one = torch.tensor(1.0)
+    g = torch.full(shape, 0.03)
+    g.view(-1, 128)[:, 0] = 1.0
+    from torchao.optim.subclass_4bit import OptimState4bit
+
+    m, v = OptimState4bit.zeros(shape, True, 128), OptimState4bit.zeros(shape, False, 128)
+    if V_MAPS[v_map] is not None:
+        v.qmap.copy_(torch.tensor(V_MAPS[v_map]))
+    p = torch.zeros(shape)
+    states4bit.update(
+        p, g, m, v, divisor=one, step=1, lr=0.0, betas=BETAS, eps=1e-8, weight_decay=0.0, seed=5
+    )
+    small = g != 1.0
+    ratio = (v.dequantize().view(shape)[small].mean() / (0.05 * 0.03**2)).item()
+    if v_map == "snaketune":
+        assert abs(ratio - 1) < 0.03, ratio
+    else:
+        assert ratio == pytest.approx((1 / 16) / 0.03**2), ratio
 
 
 def check_nearest_is_torchaos(step_fn, device: str) -> None:

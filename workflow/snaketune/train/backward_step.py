@@ -8,7 +8,8 @@ the gradient is freed at once: only the gradients of the tensors backward is wor
 own masters (bf16 on a GPU: the update is rounded stochastically into them, so that updates far below a bf16 ulp
 still move the weight on average; Zamirai et al. 2020, torchao's `bf16_stochastic_round`), and m and v take
 `train.optimizer_states`: fp32 (8 B per parameter), 8bit (torchao's block-wise 8-bit, ~2 B) or 4bit (torchao's
-4-bit format, ~1.06 B: Li et al. 2023, "Memory Efficient Optimizers with 4-bit States"). The 7B then needs 12.9 GiB
+4-bit format, ~1.06 B: Li et al. 2023, "Memory Efficient Optimizers with 4-bit States"; v's codes snaketune's,
+states4bit.V_CODES). The 7B then needs 12.9 GiB
 of weights and 6.8 GiB of 4-bit states. The arithmetic of one parameter's update is torchao's `single_param_adam`
 (AdamW: decoupled weight decay, bias correction), compiled on CUDA (one fused kernel per tensor shape) and eager
 on the CPU. 4-bit states are updated by snaketune's code, which rounds the new m and v to their codes stochastically
@@ -66,7 +67,12 @@ def _zeros(p: torch.Tensor, states: str, signed: bool) -> torch.Tensor:
         from torchao.optim.subclass_4bit import OptimState4bit as State
     else:
         from torchao.optim.subclass_8bit import OptimState8bit as State
-    return State.zeros(p.shape, signed, BLOCK[states], p.device, dtype=torch.float32)
+    state = State.zeros(p.shape, signed, BLOCK[states], p.device, dtype=torch.float32)
+    if (
+        states == "4bit" and not signed
+    ):  # v: snaketune's map instead of torchao's linear one (states4bit.V_CODES)
+        state.qmap.copy_(torch.tensor(states4bit.V_CODES, dtype=torch.float32))
+    return state
 
 
 def _row_chunks(p: torch.Tensor, states: str) -> list[slice | None]:
@@ -147,8 +153,8 @@ class BackwardAdamW(torch.optim.Optimizer):
             self.kernel = torchaos
         self._seed = torch.initial_seed() % 2**31
         self._index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        # per tensor: (whether the Triton kernel updates it, whether v's codes come by formula)
-        self._fast: dict[torch.Tensor, tuple[bool, bool]] = {}
+        # per tensor: (whether the Triton kernel updates it, how it finds v's codes: adam4bit.v_map)
+        self._fast: dict[torch.Tensor, tuple[bool, int]] = {}
         self._world: int | None = None  # ranks, read at the first hook (after the process group exists)
         # This step's squared gradient norms, one slot per tensor (each hook writes its own: no read-modify-write),
         # and the divisor this step's gradients get (the previous step's clipping). Device tensors: no host sync
@@ -187,7 +193,7 @@ class BackwardAdamW(torch.optim.Optimizer):
         fast = self._fast.get(p)
         if fast is None:  # asked once per tensor
             kernel = self.triton and self._adam4bit.supports(p, state["exp_avg"])
-            fast = self._fast[p] = (kernel, kernel and self._adam4bit.linear_v(state["exp_avg_sq"]))
+            fast = self._fast[p] = (kernel, self._adam4bit.v_map(state["exp_avg_sq"]) if kernel else 0)
         i = self._index[p]
         if not fast[0]:  # the kernel writes its norm itself
             self._sq_slots[i].copy_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
@@ -202,7 +208,7 @@ class BackwardAdamW(torch.optim.Optimizer):
                     p, grad if grad.is_contiguous() else grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
                     sq_out=self._sq_slots[i], divisor=self._divisor, step=step, lr=float(group["lr"]),
                     betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"], seed=seed,
-                    v_linear=fast[1],
+                    v_map_kind=fast[1],
                 )  # fmt: skip
             else:  # the kernel's arithmetic and rounding in torch (CPU ranks, optimizer_kernel torch)
                 states4bit.update(

@@ -24,6 +24,15 @@ ROUNDINGS = ("stochastic", "nearest")
 ROUNDING = "stochastic"
 """How the new m and v round to their codes here and in adam4bit's kernel: `stochastic` (module docstring) or
 `nearest` (torchao's; bench/device_in_backward.sh's A/B edits this line)."""
+V_CODES = tuple(2.0 ** (k - 15) for k in range(16))
+"""snaketune's 16 codes for v (the new 4-bit states' map, set by snaketune.train.backward_step): 2^-15 .. 1 of the
+block's max, a factor of 2 apart. torchao's map (k/16, k = 1..16) floors every v below 1/16 of its block's max at
+1/16 of it: on real weights most of a block's v are there (a gradient's square spans decades within 128 elements),
+so their steps shrink. Measured on the real SmolLM2-135M on CPU ranks (bench/RESULTS.md, issue #26): with m exact
+and v in torchao's map the training loss ran as far above fp32 states' as with both in 4 bits (+2.1% at step 6),
+with v exact and m in 4 bits as close as fp32 states in backward (+1.0%, the clipping's difference); v in this
+map, 2^-15 .. 1: +0.9%; 2^-7.5 .. 1 in steps of sqrt(2): +1.3%; Li et al.'s rank-1 normalization with torchao's
+map: +1.9%."""
 CHUNK_ELEMENTS = 2**23
 """Elements one pass handles at once: its temporaries (~50 B per element) stay near 0.4 GiB (the 7B's embedding
 whole would need ~20 GiB)."""
