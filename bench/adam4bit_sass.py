@@ -56,20 +56,16 @@ def main() -> None:
     shape = {"STOCHASTIC": True, "ROWS": adam4bit.ROWS, "HALF": adam4bit.BLOCK // 2}
     print(f"| kernel (sm_{args.arch}) | SASS instructions | registers per thread |\n|---|---|---|")
     for sr in (True, False):
-        for kind, how in (
-            (adam4bit.V_MAP_POW2, "snaketune's map by formula"),
-            (adam4bit.V_MAP_LINEAR, "torchao's linear map by formula"),
-            (adam4bit.V_MAP_TABLE, "compares"),
-        ):
-            n, regs = cost(adam4bit._adamw4bit, {**shape, "STATES_SR": sr, "V_MAP": kind}, args.arch)
-            what = f"{'stochastic' if sr else 'nearest'} rounding, v's code: {how}"
-            print(f"| this revision: {what} | {n} | {regs} |")
+        n, regs = cost(adam4bit._adamw4bit, {**shape, "STATES_SR": sr}, args.arch)
+        what = f"{'stochastic' if sr else 'nearest'} rounding"
+        print(f"| this revision: {what} | {n} | {regs} |")
     for path in args.ref:
         spec = importlib.util.spec_from_file_location(Path(path).stem, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         params = module._adamw4bit.arg_names
-        extra = {name: True for name in ("STATES_SR", "V_LINEAR") if name in params}  # revisions before V_MAP
+        # V_LINEAR: revisions that had a formula for the codes of torchao's linear map
+        extra = {name: True for name in ("STATES_SR", "V_LINEAR") if name in params}
         n, regs = cost(module._adamw4bit, {**shape, **extra}, args.arch)
         print(f"| {path} ({', '.join(f'{k}={v}' for k, v in extra.items()) or 'nearest'}) | {n} | {regs} |")
 

@@ -24,18 +24,14 @@ SHAPES = {  # shape: tensors of it in the model
 }
 
 
-VARIANTS = {  # v's map and how the kernel finds its codes (adam4bit.v_map)
-    "snaketune's map (states4bit.V_CODES) by formula": (states4bit.V_CODES, True),
-    "snaketune's map by compares": (states4bit.V_CODES, False),
-    "torchao's linear map by formula": (None, True),
-}
+V_MAPS = {"snaketune's (states4bit.V_CODES)": states4bit.V_CODES, "torchao's linear": None}
 
 
 def main() -> None:
     for rounding in states4bit.ROUNDINGS:  # the states' rounding to their codes (snaketune.train.states4bit)
-        for name, (codes, formula) in VARIANTS.items():
-            states4bit.ROUNDING, adam4bit.V_FORMULA = rounding, formula
-            print(f"m and v rounded to their codes: {rounding}; v: {name}")
+        for name, codes in V_MAPS.items():
+            states4bit.ROUNDING = rounding
+            print(f"m and v rounded to their codes: {rounding}; v's map: {name}")
             gpu_times(torch.device("cuda"), codes)
     host_times(torch.device("cuda"))
 
@@ -92,7 +88,7 @@ def host_times(dev: torch.device, calls: int = 2000) -> None:
     def launch(i):
         adam4bit._adamw4bit[(8,)](
             p, g, m.codes, m.scale, v.codes, v.scale, m.qmap, v.qmap, partial, divisor, 32,
-            1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, STATES_SR=True, V_MAP=adam4bit.V_MAP_POW2, ROWS=adam4bit.ROWS,
+            1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, STATES_SR=True, ROWS=adam4bit.ROWS,
             HALF=adam4bit.BLOCK // 2,
         )  # fmt: skip
 

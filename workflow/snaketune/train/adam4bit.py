@@ -35,35 +35,15 @@ ROWS = 4
 
 
 @triton.jit
-def _quantize(x, qmap_ptr, rand, STATES_SR: tl.constexpr, FORMULA: tl.constexpr):
+def _quantize(x, qmap_ptr, rand, STATES_SR: tl.constexpr):
     """The 4-bit code of x (normalized by its block's absmax) in the sorted 16-entry map. STATES_SR (the default,
     snaketune's choice): rounded stochastically between the two entries around x, up with probability (x - below) /
     (above - below) from 8 random bits, so the dequantized state is x in expectation (x below the first entry takes
     the first, beyond the last the last). Else torchao's quantize_4bit_with_qmap: the nearest entry (a tie rounded
-    up). FORMULA names the map where its codes come in closed form (the same rounding as the compares, which take
-    any map): V_MAP_LINEAR (torchao's unsigned map, k/16 for k = 1..16) or V_MAP_POW2 (snaketune's v map,
-    states4bit.V_CODES: 2^(k - 15) for k = 0..15)."""
+    up), by compares against the midpoints as scalars. (Codes in closed form for a known map, k/16 or 2^(k - 15),
+    took 17-24% more GPU time than these compares on an H200: bench/RESULTS.md, issue #26.)"""
     codes = tl.zeros(x.shape, dtype=tl.int32)
-    if FORMULA == 1:  # V_MAP_LINEAR
-        t = x * 16.0 - 1.0
-        if STATES_SR:
-            t += ((rand & 255).to(tl.float32) + 0.5) * (1.0 / 256.0)
-        else:
-            t += 0.5
-        codes = tl.minimum(tl.maximum(tl.floor(t), 0.0), 15.0).to(tl.int32)
-    elif (
-        FORMULA == 2
-    ):  # V_MAP_POW2: the entry below x from x's exponent bits (x >= 0), the next one is twice it
-        exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 255) - 127  # floor(log2 x) for normal x
-        codes = tl.minimum(tl.maximum(exponent + 15, 0), 15)
-        below = ((codes + 112) << 23).to(tl.float32, bitcast=True)  # 2^(codes - 15)
-        if STATES_SR:
-            u = ((rand & 255).to(tl.float32) + 0.5) * (1.0 / 256.0)
-            up = (x - below) > u * below
-        else:
-            up = x >= below * 1.5
-        codes = tl.minimum(codes + up.to(tl.int32), 15)
-    elif STATES_SR:
+    if STATES_SR:
         for k in tl.static_range(1, 16):  # the last entry at or below x (the first where x is below it)
             codes += (x >= tl.load(qmap_ptr + k)).to(tl.int32)
         below = tl.load(qmap_ptr + codes)  # 16 entries: gathers from L1
@@ -94,7 +74,7 @@ def _round_bf16(x, rand, STOCHASTIC: tl.constexpr):
 def _adamw4bit(
     p_ptr, g_ptr, m_codes, m_scale, v_codes, v_scale, m_qmap, v_qmap, partial_ptr, divisor_ptr, n_blocks,
     lr, beta1, beta2, eps, decay, step_size, bc2_sqrt, seed,
-    STOCHASTIC: tl.constexpr, STATES_SR: tl.constexpr, V_MAP: tl.constexpr, ROWS: tl.constexpr,
+    STOCHASTIC: tl.constexpr, STATES_SR: tl.constexpr, ROWS: tl.constexpr,
     HALF: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # int32 offsets: update() refuses tensors of 2^31 elements or more
@@ -133,11 +113,11 @@ def _adamw4bit(
     # one 32-bit draw per element: bits 0-15 round the weight, 16-23 its m, 24-31 its v
     r0 = tl.randint(seed, even).to(tl.uint32)
     r1 = tl.randint(seed, odd).to(tl.uint32)
-    mq = (_quantize(m0 / m_abs[:, None], m_qmap, r0 >> 16, STATES_SR, 0) << 4) | _quantize(
-        m1 / m_abs[:, None], m_qmap, r1 >> 16, STATES_SR, 0
+    mq = (_quantize(m0 / m_abs[:, None], m_qmap, r0 >> 16, STATES_SR) << 4) | _quantize(
+        m1 / m_abs[:, None], m_qmap, r1 >> 16, STATES_SR
     )
-    vq = (_quantize(v0 / v_abs[:, None], v_qmap, r0 >> 24, STATES_SR, V_MAP) << 4) | _quantize(
-        v1 / v_abs[:, None], v_qmap, r1 >> 24, STATES_SR, V_MAP
+    vq = (_quantize(v0 / v_abs[:, None], v_qmap, r0 >> 24, STATES_SR) << 4) | _quantize(
+        v1 / v_abs[:, None], v_qmap, r1 >> 24, STATES_SR
     )
     tl.store(m_codes + byte, mq.to(tl.uint8), mask=mask)
     tl.store(v_codes + byte, vq.to(tl.uint8), mask=mask)
@@ -160,26 +140,6 @@ def supports(p: torch.Tensor, exp_avg: torch.Tensor) -> bool:
     )
 
 
-V_MAP_TABLE, V_MAP_LINEAR, V_MAP_POW2 = 0, 1, 2
-"""How the kernel finds v's codes (`v_map`): by compares against any sorted map, or by formula in torchao's linear
-map (k/16) or snaketune's (states4bit.V_CODES)."""
-V_FORMULA = True
-"""Whether the known maps take their formula (False: the compares for all; bench/adam4bit_speed.py times both)."""
-
-
-def v_map(exp_avg_sq) -> int:
-    """V_MAP_LINEAR or V_MAP_POW2 where v's map is one with a formula (and V_FORMULA), else V_MAP_TABLE. Reads the
-    map (a host sync): the step in backward asks once per tensor. A checkpoint keeps its states' map: states saved
-    with torchao's linear map go on with it."""
-    if V_FORMULA:
-        qmap = exp_avg_sq.qmap
-        if torch.equal(qmap, torch.tensor(states4bit.V_CODES, device=qmap.device)):
-            return V_MAP_POW2
-        if torch.equal(qmap, torch.linspace(0, 1, 17, device=qmap.device)[1:]):
-            return V_MAP_LINEAR
-    return V_MAP_TABLE
-
-
 def update(
     p: torch.Tensor,
     grad: torch.Tensor,
@@ -194,7 +154,6 @@ def update(
     eps: float,
     weight_decay: float,
     seed: int,
-    v_map_kind: int | None = None,
 ) -> None:
     """One AdamW step of `p` (in place, with its 4-bit m and v): `grad` divided by `divisor` (a device scalar: the
     clipping), its squared norm (before that division) written to `sq_out` (a 0-d fp32 tensor, e.g. this tensor's slot
@@ -214,7 +173,7 @@ def update(
         partial, divisor, n_blocks,
         lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, seed,
         STOCHASTIC=p.dtype == torch.bfloat16, STATES_SR=states4bit.ROUNDING == "stochastic",
-        V_MAP=v_map(exp_avg_sq) if v_map_kind is None else v_map_kind, ROWS=ROWS, HALF=BLOCK // 2,
+        ROWS=ROWS, HALF=BLOCK // 2,
     )  # fmt: skip
     # One launch, no read-modify-write: the host's time per tensor bounds the 7B's step (module docstring).
     torch.sum(partial, dim=0, out=sq_out)

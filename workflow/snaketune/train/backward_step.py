@@ -68,9 +68,7 @@ def _zeros(p: torch.Tensor, states: str, signed: bool) -> torch.Tensor:
     else:
         from torchao.optim.subclass_8bit import OptimState8bit as State
     state = State.zeros(p.shape, signed, BLOCK[states], p.device, dtype=torch.float32)
-    if (
-        states == "4bit" and not signed
-    ):  # v: snaketune's map instead of torchao's linear one (states4bit.V_CODES)
+    if states == "4bit" and not signed:  # v: snaketune's map, not torchao's linear one (states4bit.V_CODES)
         state.qmap.copy_(torch.tensor(states4bit.V_CODES, dtype=torch.float32))
     return state
 
@@ -153,8 +151,8 @@ class BackwardAdamW(torch.optim.Optimizer):
             self.kernel = torchaos
         self._seed = torch.initial_seed() % 2**31
         self._index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        # per tensor: (whether the Triton kernel updates it, how it finds v's codes: adam4bit.v_map)
-        self._fast: dict[torch.Tensor, tuple[bool, int]] = {}
+        # per tensor: whether the Triton kernel updates it
+        self._fast: dict[torch.Tensor, bool] = {}
         self._world: int | None = None  # ranks, read at the first hook (after the process group exists)
         # This step's squared gradient norms, one slot per tensor (each hook writes its own: no read-modify-write),
         # and the divisor this step's gradients get (the previous step's clipping). Device tensors: no host sync
@@ -192,23 +190,21 @@ class BackwardAdamW(torch.optim.Optimizer):
         state["step"] += 1
         fast = self._fast.get(p)
         if fast is None:  # asked once per tensor
-            kernel = self.triton and self._adam4bit.supports(p, state["exp_avg"])
-            fast = self._fast[p] = (kernel, self._adam4bit.v_map(state["exp_avg_sq"]) if kernel else 0)
+            fast = self._fast[p] = self.triton and self._adam4bit.supports(p, state["exp_avg"])
         i = self._index[p]
-        if not fast[0]:  # the kernel writes its norm itself
+        if not fast:  # the kernel writes its norm itself
             self._sq_slots[i].copy_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
-        if fast[0] or type(state["exp_avg"]).__name__ == "OptimState4bit":
+        if fast or type(state["exp_avg"]).__name__ == "OptimState4bit":
             step = int(state["step"])
             # a random stream per (step, tensor): a resumed run rounds as the uninterrupted one
             seed = (self._seed + step * 65_537 + i) % 2**31
-            if fast[0]:
+            if fast:
                 # The hook's host time bounds the 7B's step (273 hooks): no detach, no slicing, one launch besides
                 # the kernel's (its norm into this tensor's slot).
                 self._adam4bit.update(
                     p, grad if grad.is_contiguous() else grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
                     sq_out=self._sq_slots[i], divisor=self._divisor, step=step, lr=float(group["lr"]),
                     betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"], seed=seed,
-                    v_map_kind=fast[1],
                 )  # fmt: skip
             else:  # the kernel's arithmetic and rounding in torch (CPU ranks, optimizer_kernel torch)
                 states4bit.update(
