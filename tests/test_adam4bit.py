@@ -110,28 +110,31 @@ def test_bf16_weights_round_stochastically_without_bias():
     assert (p != p2).any() and ((p != start) & (p2 != start)).float().mean() < moved
 
 
-FOLLOWS = {"nearest": 0.15, "stochastic": 0.15}
-"""Bounds of test_the_step_in_backward_with_the_kernel_follows_the_torch_update."""
+SPREAD = 1.5
+"""How far the kernel's weights may move from the torch update's, as a multiple of how far the torch update's own
+weights move when only its random draws change (the kernel's draws are other draws of the same distribution)."""
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="BackwardAdamW picks the kernel for CUDA tensors")
-@pytest.mark.parametrize("rounding", FOLLOWS)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_the_step_in_backward_with_the_kernel_follows_the_torch_update(rounding, monkeypatch):
     """A small MLP trained 8 steps with the update in backward, 4-bit states, clipping: the Triton kernel's weights
-    follow those of the same update in torch (states4bit; stochastic rounding differs draw by draw, so not equal),
-    and the norm the step reports is the same."""
+    are as near the same update in torch (states4bit) as the torch update with other random draws is (the weights
+    round stochastically into bf16, and with `stochastic` the states too: never equal), and the norm the step
+    reports is the same."""
     from snaketune.train.backward_step import BackwardAdamW
     from snaketune.train.optim import param_groups
 
     monkeypatch.setattr(states4bit, "ROUNDING", rounding)
 
-    def run(kernel):
+    def run(kernel, other_draws=False):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
         net = net.to(DEVICE, torch.bfloat16)
         opt = BackwardAdamW(
             param_groups(net, 0.1), lr=1e-3, betas=BETAS, grad_clip=1.0, states="4bit", kernel=kernel
         )
+        opt._seed += other_draws  # the seed of every (step, tensor) stream
         norms = []
         for step in range(8):
             gen = torch.Generator(device=DEVICE).manual_seed(step)
@@ -142,19 +145,22 @@ def test_the_step_in_backward_with_the_kernel_follows_the_torch_update(rounding,
         return net, opt, norms
 
     (ref, ref_opt, ref_norms), (mine, opt, norms) = run("torch"), run("triton")
+    other, _, _ = run("torch", other_draws=True)
     assert opt.kernel.startswith("snaketune Triton") and not ref_opt.kernel.startswith("snaketune Triton")
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=2e-2, atol=0)
     torch.manual_seed(0)
     init = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
-    for a, b, p0 in zip(
-        mine.parameters(), ref.parameters(), init.to(DEVICE, torch.bfloat16).parameters(), strict=True
+    init = init.to(DEVICE, torch.bfloat16)
+    for a, b, c, p0 in zip(
+        mine.parameters(), ref.parameters(), other.parameters(), init.parameters(), strict=True
     ):
-        moved_ref, moved = b.float() - p0.float(), a.float() - p0.float()
-        assert moved_ref.norm() > 0
-        assert (moved - moved_ref).norm() < FOLLOWS[rounding] * moved_ref.norm(), (
-            (moved - moved_ref).norm(),
-            moved_ref.norm(),
+        moved_ref = b.float() - p0.float()
+        off, spread = (a.float() - b.float()).norm(), (c.float() - b.float()).norm()
+        print(
+            f"{rounding} {tuple(p0.shape)}: moved {moved_ref.norm():.4g}, kernel off {off:.4g}, spread {spread:.4g}"
         )
+        assert moved_ref.norm() > 0 and spread > 0
+        assert off < SPREAD * spread, (off, spread, moved_ref.norm())
 
 
 @pytest.mark.parametrize("v_map", V_MAPS)
