@@ -4,10 +4,11 @@
 The states stay torchao's (`OptimState4bit`: codes packed two per byte, element 2i in the high nibble, one fp32
 absmax scale per block of 128 elements, a 16-entry code map), so checkpoints do not change; this kernel reads and
 writes their `codes` and `scale` buffers and reads the codes' values from the state's own map (new v states carry
-snaketune's, states4bit.V_CODES; a state saved with torchao's goes on with it). The arithmetic is torchao's `single_param_adam` (decoupled weight decay,
-lerp of m and v, bias correction, stochastic rounding into bf16 weights); the new m and v round to their codes
-stochastically (snaketune.train.states4bit: why, and the same update in torch for the CPU), or to the nearest code
-as torchao's `quantize_4bit_with_qmap` does where states4bit.ROUNDING says `nearest`.
+snaketune's, states4bit.V_CODES; a state saved with torchao's goes on with it). The arithmetic is torchao's
+`single_param_adam` (decoupled weight decay, lerp of m and v, bias correction, stochastic rounding into bf16
+weights); the new m and v round to their codes stochastically (snaketune.train.states4bit: why, and the same update
+in torch for the CPU), or to the nearest code as torchao's `quantize_4bit_with_qmap` does where states4bit.ROUNDING
+says `nearest`.
 
 Why not torchao's compiled update: measured on one H200 (bench/RESULTS.md, issue #26), its kernels per tensor
 (chunked to bound the fp32 temporaries) took 122 ms of GPU time per step of the 30-layer 7B, and the host's work per

@@ -7,15 +7,15 @@ its gradient (torch's post-accumulate-grad hook, as torchtune's `optimizer_in_bw
 the gradient is freed at once: only the gradients of the tensors backward is working on exist. The weights are their
 own masters (bf16 on a GPU: the update is rounded stochastically into them, so that updates far below a bf16 ulp
 still move the weight on average; Zamirai et al. 2020, torchao's `bf16_stochastic_round`), and m and v take
-`train.optimizer_states`: fp32 (8 B per parameter), 8bit (torchao's block-wise 8-bit, ~2 B) or 4bit (torchao's
-4-bit format, ~1.06 B: Li et al. 2023, "Memory Efficient Optimizers with 4-bit States"; v's codes snaketune's,
-states4bit.V_CODES). The 7B then needs 12.9 GiB
-of weights and 6.8 GiB of 4-bit states. The arithmetic of one parameter's update is torchao's `single_param_adam`
-(AdamW: decoupled weight decay, bias correction), compiled on CUDA (one fused kernel per tensor shape) and eager
-on the CPU. 4-bit states are updated by snaketune's code, which rounds the new m and v to their codes stochastically
-(torchao rounds to nearest, which leaves them far above their averages; snaketune.train.states4bit): in one Triton
-pass per tensor on CUDA with `train.optimizer_kernel` triton (auto; snaketune.train.adam4bit: 1.7x the tokens/s of
-the 7B on an H200 against torchao's compiled update), in torch elsewhere (states4bit.update).
+`train.optimizer_states`: fp32 (8 B per parameter), 8bit (torchao's block-wise 8-bit, ~2 B) or 4bit (torchao's 4-bit
+format, ~1.06 B: Li et al. 2023, "Memory Efficient Optimizers with 4-bit States"; v's codes snaketune's,
+states4bit.V_CODES). The 7B then needs 12.9 GiB of weights and 6.8 GiB of 4-bit states. The arithmetic of one
+parameter's update is torchao's `single_param_adam` (AdamW: decoupled weight decay, bias correction), compiled on
+CUDA (one fused kernel per tensor shape) and eager on the CPU. 4-bit states are updated by snaketune's code, which
+rounds the new m and v to their codes stochastically (torchao rounds to nearest, which leaves them far above their
+averages; snaketune.train.states4bit): in one Triton pass per tensor on CUDA with `train.optimizer_kernel` triton
+(auto; snaketune.train.adam4bit: 1.7x the tokens/s of the 7B on an H200 against torchao's compiled update), in torch
+elsewhere (states4bit.update).
 
 What changes against the plain path (state it wherever this is chosen):
 - Gradient accumulation is impossible: a micro-batch's gradient is applied before the next one exists. The config

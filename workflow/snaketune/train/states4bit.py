@@ -27,13 +27,14 @@ ROUNDING = "stochastic"
 V_CODES = tuple(2.0 ** (k - 15) for k in range(16))
 """snaketune's 16 codes for v (the new 4-bit states' map, set by snaketune.train.backward_step): 2^-15 .. 1 of the
 block's max, a factor of 2 apart. torchao's map (k/16, k = 1..16) floors every v below 1/16 of its block's max at
-1/16 of it: on real weights most of a block's v are there (a gradient's square spans decades within 128 elements),
-so their steps shrink. Measured on the real SmolLM2-135M on CPU ranks, 50 steps (bench/RESULTS.md, issue #26): the
+1/16 of it: on real weights most of a block's v are there (a gradient's square spans decades within 128 elements), so
+their steps shrink. Measured on the real SmolLM2-135M on CPU ranks, 50 steps (bench/RESULTS.md, issue #26): the
 training loss against fp32 states' by quarter of the steps, +0.8 / +1.0 / +1.8 / +2.5% with torchao's map, +0.2 /
 +0.2 / +0.3 / -0.2% with this one (each step within 1.4%; the held-out loss within 0.1%). In 11-step runs with
 torchao's map, m exact and v in 4 bits ran as far above as both in 4 bits (+2.1% at step 6), v exact and m in 4 bits
-as close as fp32 states in the step in backward (+1.0%): v's floor was the whole gap. 2^-7.5 .. 1 in steps of sqrt(2): +0.6% in the last quarter; Li et al.'s rank-1
-normalization with torchao's map closed little of it (+1.9% at step 6, against +2.1%)."""
+as close as fp32 states in the step in backward (+1.0%): v's floor was the whole gap. 2^-7.5 .. 1 in steps of
+sqrt(2): +0.6% in the last quarter; Li et al.'s rank-1 normalization with torchao's map closed little of it (+1.9% at
+step 6, against +2.1%)."""
 CHUNK_ELEMENTS = 2**23
 """Elements one pass handles at once: its temporaries (~50 B per element) stay near 0.4 GiB (the 7B's embedding
 whole would need ~20 GiB)."""
