@@ -42,9 +42,7 @@ def gpu_times(dev: torch.device, v_codes: tuple[float, ...] | None) -> None:
     for shape, count in SHAPES.items():
         p = torch.randn(shape, device=dev).bfloat16()
         g = torch.randn(shape, device=dev).bfloat16()
-        m, v = OptimState4bit.zeros(shape, True, 128, dev), OptimState4bit.zeros(shape, False, 128, dev)
-        if v_codes is not None:
-            v.qmap.copy_(torch.tensor(v_codes))
+        m, v = states4bit.zeros(shape, True, 128, dev), states4bit.zeros(shape, False, 128, dev, v_codes)
 
         def step(i, p=p, g=g, m=m, v=v):
             adam4bit.update(

@@ -25,14 +25,10 @@ def decaying_block(step_fn, device: str, v_codes: tuple[float, ...] | None = Non
     so their exact m and v decay by beta1 and beta2 a step. `step_fn(p, g, m, v, step)` runs one update at lr 0; v
     takes `v_codes` as its map (torchao's if None). The mean dequantized m and v of the decaying elements over their
     exact means."""
-    from torchao.optim.subclass_4bit import OptimState4bit
-
     shape = (96, 256)
     torch.manual_seed(3)
     p = torch.zeros(shape, device=device)
-    m, v = OptimState4bit.zeros(shape, True, 128, device), OptimState4bit.zeros(shape, False, 128, device)
-    if v_codes is not None:
-        v.qmap.copy_(torch.tensor(v_codes))
+    m, v = states4bit.zeros(shape, True, 128, device), states4bit.zeros(shape, False, 128, device, v_codes)
     exact_m, exact_v = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
     first = 2 * (0.3 + 0.7 * torch.rand(shape, device=device)).sqrt()  # v in [0.3, 1) of the block's max
     held = torch.zeros(shape, device=device).view(-1, 128)
@@ -86,11 +82,10 @@ def test_a_v_far_below_its_block_max_keeps_its_size(v_map):
     one = torch.tensor(1.0)
     g = torch.full(shape, 0.03)
     g.view(-1, 128)[:, 0] = 1.0
-    from torchao.optim.subclass_4bit import OptimState4bit
-
-    m, v = OptimState4bit.zeros(shape, True, 128), OptimState4bit.zeros(shape, False, 128)
-    if V_MAPS[v_map] is not None:
-        v.qmap.copy_(torch.tensor(V_MAPS[v_map]))
+    m, v = (
+        states4bit.zeros(shape, True, 128, "cpu"),
+        states4bit.zeros(shape, False, 128, "cpu", V_MAPS[v_map]),
+    )
     p = torch.zeros(shape)
     states4bit.update(
         p, g, m, v, divisor=one, step=1, lr=0.0, betas=BETAS, eps=1e-8, weight_decay=0.0, seed=5

@@ -63,14 +63,11 @@ def _zeros(p: torch.Tensor, states: str, signed: bool) -> torch.Tensor:
     n = p.numel()
     if states == "fp32" or n < MIN_QUANTIZED or n % BLOCK[states]:
         return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-    if states == "4bit":
-        from torchao.optim.subclass_4bit import OptimState4bit as State
-    else:
-        from torchao.optim.subclass_8bit import OptimState8bit as State
-    state = State.zeros(p.shape, signed, BLOCK[states], p.device, dtype=torch.float32)
-    if states == "4bit" and not signed:  # v: snaketune's map, not torchao's linear one (states4bit.V_CODES)
-        state.qmap.copy_(torch.tensor(states4bit.V_CODES, dtype=torch.float32))
-    return state
+    if states == "4bit":  # v in snaketune's map, not torchao's linear one (states4bit.V_CODES)
+        return states4bit.zeros(p.shape, signed, BLOCK[states], p.device)
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    return OptimState8bit.zeros(p.shape, signed, BLOCK[states], p.device, dtype=torch.float32)
 
 
 def _row_chunks(p: torch.Tensor, states: str) -> list[slice | None]:

@@ -40,6 +40,17 @@ CHUNK_ELEMENTS = 2**23
 whole would need ~20 GiB)."""
 
 
+def zeros(shape, signed: bool, block: int, device, v_codes: tuple[float, ...] | None = V_CODES):
+    """A new 4-bit state of zeros in torchao's format (OptimState4bit, blocks of `block`): m (`signed`) with torchao's
+    map, v with `v_codes` (None: torchao's k/16, as older checkpoints have)."""
+    from torchao.optim.subclass_4bit import OptimState4bit
+
+    state = OptimState4bit.zeros(shape, signed, block, device, dtype=torch.float32)
+    if not signed and v_codes is not None:
+        state.qmap.copy_(torch.tensor(v_codes, dtype=torch.float32))
+    return state
+
+
 def quantize(x: torch.Tensor, qmap: torch.Tensor, rand: torch.Tensor | None) -> torch.Tensor:
     """Codes (int32) of `x` (normalized by its block's absmax) in the sorted 16-entry `qmap`: with `rand` (int32
     random bits, the low 8 used) rounded stochastically between its neighbouring entries, x beyond the map's ends
