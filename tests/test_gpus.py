@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import copy_workflow
 from snaketune import gpus
 
 REPO = Path(__file__).resolve().parent.parent
@@ -221,18 +222,6 @@ train: {gpus: 2, max_steps: 4, global_batch_size: 4, micro_batch_size: 2, checkp
 experiments: {first: {}, second: {}}
 """
 ASSIGNED = re.compile(r"^(\S+ \S+) INFO snaketune\.gpus: GPUs (assigned|released): ([\w,-]+)", re.MULTILINE)
-
-
-def copy_workflow(dest: Path) -> Path:
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".snakemake", "results", "logs")
-    dest.mkdir(parents=True)
-    for name in ("Snakefile", "workflow", "config", "envs"):
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=ignore)
-        else:
-            shutil.copy2(src, dest / name)
-    return dest
 
 
 @pytest.mark.slow
