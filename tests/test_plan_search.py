@@ -1,0 +1,363 @@
+"""What the preflight plan (snaketune.plan.search) does with the memory model's numbers (tests/test_plan.py):
+the plan file, a configuration that does not fit stopping the workflow before training with what would fit,
+train.strategy auto and the run it changes, the host-RAM check for offload, and the plan's config keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from snaketune.config.choices import ConfigError
+from snaketune.config.load import load_config, to_dict
+from snaketune.config.schema import TrainConfig, checkpointed_layers
+from snaketune.model.architectures import DEEPSEEK_LLM_7B
+from snaketune.plan import apply, memory, search, strategies
+from snaketune.plan.arch import Arch, arch_from_hf_config, resolve_arch
+from snaketune.plan.budget import Budget
+
+REPO = Path(__file__).resolve().parent.parent
+DEEPSPEED = {name: str(REPO / "config/deepspeed" / name) for name in strategies.STRATEGY_FILES.values()}
+
+
+def deepseek(layers: int) -> Arch:
+    return arch_from_hf_config({**DEEPSEEK_LLM_7B, "num_hidden_layers": layers})
+
+
+# ---- the plan file ------------------------------------------------------------------------------------------
+
+
+def train_dict(**overrides) -> dict:
+    overrides.setdefault("deepspeed", DEEPSPEED["zero2.json"])
+    lora = overrides.pop("lora", None)
+    train = to_dict(TrainConfig(**overrides))
+    if lora:
+        train["lora"].update(lora)
+    return train
+
+
+def make(model: dict, train: dict, *, gib: float | None, max_length: int = 512, host: float = 125.0) -> dict:
+    budget = Budget(gib, "test budget" if gib else "no GPU", host)
+    return search.make_plan(
+        experiment="x",
+        model=model,
+        train=train,
+        max_length=max_length,
+        deepspeed_config=train["deepspeed"],
+        gpu_memory_gib=gib,
+        budget=budget,
+        candidate_files=DEEPSPEED,
+    )
+
+
+SEVEN_B = {"base": "arch:deepseek-llm-7b", "num_layers": None, "revision": "main"}
+TINY = {"base": "builtin-tiny", "num_layers": None, "revision": "main"}
+
+
+def test_plan_file_for_the_cpu_default(tmp_path):
+    """builtin-tiny on a machine without GPU: nothing to check against, never a reason to stop."""
+    out = tmp_path / "plan" / "default.json"
+    written = search.write_plan(
+        out=out,
+        experiment="default",
+        model=TINY,
+        train=train_dict(gpus=3),
+        max_length=256,
+        deepspeed_config=DEEPSPEED["zero2.json"],
+        gpu_memory_gib=None,
+        budget=Budget(None, "no GPU: CPU ranks, nothing to check", 16.0),
+        candidate_files=DEEPSPEED,
+    )
+    on_disk = json.loads(out.read_text())
+    assert on_disk == json.loads(json.dumps(written))
+    assert on_disk["fits"] is None and on_disk["chosen"]["deepspeed_config"] == DEEPSPEED["zero2.json"]
+    assert on_disk["configured"]["setup"]["precision"] == "fp32"  # CPU ranks train in fp32
+    assert on_disk["model"]["params"] == resolve_arch(TINY)[0].params()
+    assert [c["name"] for c in on_disk["candidates"]] == [s.name for s in strategies.STRATEGIES]
+    # With a GPU budget the tiny model fits anything.
+    assert make(TINY, train_dict(gpus=3), gib=24)["fits"] is True
+
+
+def test_a_hub_model_without_network_is_skipped_not_failed(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = {"base": "nobody-here/no-such-model-xyz", "revision": "main"}
+    arch, why = resolve_arch(model, allow_download=False)
+    assert arch is None and why.startswith("unknown: skipped")
+    result = make(model, train_dict(gpus=3), gib=24)
+    assert result["fits"] is None and result["status"].startswith("unknown: skipped")
+    assert result["chosen"]["name"] == "as configured"
+
+
+def test_not_fitting_says_what_would_fit(tmp_path):
+    """7B full fine-tuning under ZeRO-2 on three 24 GB GPUs, the README's hardware."""
+    train = train_dict(gpus=3, global_batch_size=12, micro_batch_size=2)
+    result = make(SEVEN_B, train, gib=24, host=256)
+    assert result["fits"] is False
+    message = result["message"]
+    needs = result["configured"]["estimate"]["gpu_gib"]
+    assert f"zero2 needs {needs:.1f} GiB per GPU as configured" in message
+    offload = next(c for c in result["candidates"] if c["name"] == "zero3_offload")["estimate"]
+    assert (
+        f"What would fit: zero3_offload needs {offload['gpu_gib']:.1f} GiB per GPU and "
+        f"{offload['host_gib']:.0f} GiB host RAM" in message
+    )
+    assert "LoRA (train.lora.enabled: true) with zero0" in message
+    out = tmp_path / "plan.json"
+    with pytest.raises(search.PlanError, match="What would fit"):
+        search.write_plan(
+            out=out,
+            budget=Budget(24, "test budget", 256),
+            experiment="x",
+            model=SEVEN_B,
+            train=train,
+            max_length=512,
+            deepspeed_config=train["deepspeed"],
+            gpu_memory_gib=24,
+            candidate_files=DEEPSPEED,
+        )
+    assert not out.exists()
+
+
+def test_host_ram_is_checked_for_offload():
+    """FACTS.md: ZeRO-3 + CPU Adam offload of all 30 layers exhausted the H200 host's 125 GiB."""
+    train = train_dict(gpus=1, global_batch_size=8, micro_batch_size=4, gradient_checkpointing=True)
+    train["deepspeed"] = DEEPSPEED["zero3_offload.json"]
+    result = make(SEVEN_B, train, gib=139.8, host=125)
+    assert result["fits"] is False
+    host = result["configured"]["estimate"]["host_gib"]
+    assert f"GiB per GPU and {host:.0f} GiB host RAM as configured" in result["message"]
+    assert make({**SEVEN_B, "num_layers": 14}, train, gib=139.8, host=125)["fits"] is True
+
+
+@pytest.mark.parametrize(
+    ("model", "train", "gib", "expected"),
+    [
+        # LoRA of all 30 layers on one 24 GiB GPU, micro-batch 8 x 512: only with checkpointing (micro-batch 2 x 4
+        # accumulation steps would fit without it, but LoRA at micro-batch 2 measured 2x slower: MICRO_SPEED_LORA).
+        (
+            SEVEN_B,
+            dict(gpus=1, global_batch_size=8, micro_batch_size=8, lora={"enabled": True}),
+            24,
+            "zero0+ckpt",
+        ),
+        # Full fine-tuning of 7B on 4 x 80 GiB: ZeRO-0 holds 18 B/param per GPU; ZeRO-2 fits.
+        (SEVEN_B, dict(gpus=4, global_batch_size=16, micro_batch_size=4), 80, "zero2"),
+        # ... and on 3 x 24 GiB only optimizer offload does.
+        (SEVEN_B, dict(gpus=3, global_batch_size=12, micro_batch_size=2), 24, "zero3_offload"),
+    ],
+    ids=["lora-24g", "full-4x80g", "full-3x24g"],
+)
+def test_strategy_auto_picks_the_fastest_that_fits(model, train, gib, expected):
+    result = make(model, train_dict(strategy="auto", **train), gib=gib, host=256)
+    assert result["fits"] is True
+    assert result["chosen"]["name"] == expected
+    names = [c["name"] for c in result["candidates"]]
+    fits = {c["name"]: c["fits"] for c in result["candidates"]}
+    # Every faster strategy does not fit; full fine-tuning vs LoRA stays as configured.
+    assert not any(fits[n] for n in names[: names.index(expected)])
+    assert all(c["setup"]["lora_rank"] == (16 if train.get("lora") else 0) for c in result["candidates"])
+    if train.get("lora"):
+        assert not any(n.startswith("zero3") for n in names)  # the trainer refuses LoRA under ZeRO-3
+
+
+def test_checkpointing_some_layers_is_planned_as_configured():
+    """train.gradient_checkpointing: N plans N checkpointed layers (between none and all of them), under the
+    name zero0+ckptN, and `auto` replaces it by a strategy of its own (every layer or none)."""
+    train = train_dict(
+        gpus=1, global_batch_size=8, micro_batch_size=8, lora={"enabled": True}, kernels="liger",
+        deepspeed=DEEPSPEED["zero0.json"],
+    )  # fmt: skip
+    # 23.5 GiB: what a process may hold on a 24 GB card (gpu_memory_gib: 24, snaketune.device_memory).
+    peaks = {
+        n: make(SEVEN_B, {**train, "gradient_checkpointing": n}, gib=23.5, host=256)["configured"]
+        for n in (False, 12, 24, True)
+    }
+    assert [peaks[n]["name"] for n in peaks] == ["zero0", "zero0+ckpt12", "zero0+ckpt24", "zero0+ckpt"]
+    gib = [peaks[n]["estimate"]["peak_allocated_gib"] for n in peaks]
+    assert gib == sorted(gib, reverse=True) and peaks[24]["gradient_checkpointing"] == 24
+    # With what lies outside the allocator counted as measured (issue #22), 24 of 30 layers no longer fit: the
+    # 16-layer run that fit an allocator cap of 24 GiB held more than 23.5 GiB of device memory.
+    assert [peaks[n]["fits"] for n in peaks] == [False, False, False, True]
+    auto = make(SEVEN_B, {**train, "gradient_checkpointing": 24, "strategy": "auto"}, gib=23.5, host=256)
+    assert auto["chosen"]["name"] == "zero0+ckpt" and auto["chosen"]["gradient_checkpointing"] is True
+
+
+def test_auto_halves_the_micro_batch_where_nothing_else_fits():
+    """QLoRA at 4,096 tokens under 12 GiB: micro-batch 4 does not fit even with every layer checkpointed; the plan
+    halves it (same global batch, twice the accumulation steps) and `auto` applies that to the run."""
+    train = train_dict(
+        gpus=1, global_batch_size=8, micro_batch_size=4, kernels="liger", fused_cross_entropy=True,
+        deepspeed=DEEPSPEED["zero0.json"], lora={"enabled": True, "quantize": "nf4"},
+    )  # fmt: skip
+    result = make(SEVEN_B, {**train, "strategy": "auto"}, gib=12, host=256, max_length=4096)
+    assert result["fits"] and result["chosen"]["micro_batch_size"] < 4
+    assert result["chosen"]["name"] == f"zero0+ckpt+micro{result['chosen']['micro_batch_size']}"
+    assert not any(c["fits"] for c in result["candidates"] if c["setup"]["micro_batch"] == 4)
+    spec = {"train": train, "deepspeed_config": DEEPSPEED["zero0.json"], "run_key": "abc"}
+    applied = apply.apply_plan(spec, result)
+    assert applied["train"]["micro_batch_size"] == result["chosen"]["micro_batch_size"]
+    assert applied["train"]["gradient_checkpointing"] is True and applied["run_key"] != "abc"
+    assert applied["train"]["global_batch_size"] == 8
+
+
+def test_checkpointed_layers_beyond_the_model_are_refused():
+    train = train_dict(gpus=1, global_batch_size=8, micro_batch_size=8, gradient_checkpointing=31)
+    with pytest.raises(ConfigError, match="'train.gradient_checkpointing': 31 layers, but the model has 30"):
+        make(SEVEN_B, train, gib=24, host=256)
+    with pytest.raises(ConfigError, match="'train.gradient_checkpointing': -1 is not allowed"):
+        load_config({"train": {"gradient_checkpointing": -1}})
+    twelve = load_config({"train": {"gradient_checkpointing": 12}}).experiments["default"].train
+    assert checkpointed_layers(twelve.gradient_checkpointing, 30) == 12
+
+
+def test_auto_changes_the_run_and_its_checkpoint_key():
+    auto = make(
+        SEVEN_B,
+        train_dict(strategy="auto", gpus=3, global_batch_size=12, micro_batch_size=2),
+        gib=24,
+        host=256,
+    )
+    spec = {"train": train_dict(gpus=3), "deepspeed_config": DEEPSPEED["zero2.json"], "run_key": "abc"}
+    applied = apply.apply_plan(spec, auto)
+    assert applied["deepspeed_config"] == DEEPSPEED["zero3_offload.json"]
+    assert applied["run_key"] != "abc" and len(applied["run_key"]) == 16
+    configured = make(SEVEN_B, train_dict(gpus=1, global_batch_size=8), gib=None)
+    assert apply.apply_plan(spec, configured) is spec  # as_configured: the run as given
+
+
+def test_launch_time_check_uses_the_granted_world_size():
+    """The plan is made for train.gpus; Snakemake may grant fewer, and ZeRO then needs more per GPU."""
+    result = make({**SEVEN_B, "num_layers": 8}, train_dict(gpus=4, global_batch_size=16), gib=None)
+    ok, line = apply.check_devices(result, world=4, device_gib=80.0, host_gib=256)
+    assert ok and "zero2 on 4 GPU(s) needs" in line
+    ok, message = apply.check_devices(result, world=1, device_gib=24.0, host_gib=256)
+    assert not ok and "does not fit" in message
+    # gpu_memory_gib caps a larger GPU: 2 ranks would fit 139.8 GiB but not 24.
+    assert apply.check_devices(result, world=2, device_gib=139.8, host_gib=256)[0]
+    capped = {**result, "gpu_memory_gib": 24}
+    ok, message = apply.check_devices(capped, world=2, device_gib=139.8, host_gib=256)
+    assert not ok and "gpu_memory_gib 24" in message
+    assert apply.check_devices(None, world=1, device_gib=24, host_gib=None)[0]
+
+
+def test_config_keys():
+    cfg = load_config({"gpu_memory_gib": 24, "gpu_ids": [0, "GPU-1"], "train": {"strategy": "auto"}})
+    assert (cfg.gpu_memory_gib, cfg.gpu_ids) == (24.0, ("0", "GPU-1"))
+    assert cfg.experiments["default"].train.strategy == "auto"
+    with pytest.raises(
+        ConfigError, match="'train.strategy': 'fastest' is not allowed; allowed: as_configured, auto"
+    ):
+        load_config({"train": {"strategy": "fastest"}})
+    with pytest.raises(ConfigError, match="'gpu_memory_gib'"):
+        load_config({"gpu_memory_gib": -1})
+    with pytest.raises(ConfigError, match="'gpu_ids'"):
+        load_config({"gpu_ids": "0,1"})
+
+
+# ---- the workflow ----------------------------------------------------------------------------------------------
+
+TOO_BIG = """
+model: {base: "arch:deepseek-llm-7b"}
+tokenize: {max_length: 512}
+train: {gpus: 3, global_batch_size: 12, micro_batch_size: 2}
+gpu_memory_gib: 24
+"""
+
+
+@pytest.mark.slow
+def test_a_config_that_does_not_fit_stops_before_training(tmp_path):
+    from test_gpus import copy_workflow
+
+    workdir = copy_workflow(tmp_path / "wf")
+    extra = tmp_path / "big.yaml"
+    extra.write_text(TOO_BIG)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", memory.ENV_HOST_MEMORY: "256"}
+    cmd = [
+        str(Path(sys.executable).parent / "snakemake"),
+        "results/train/default/summary.json",
+        "--cores",
+        "1",
+        "--resources",
+        "gpu=3",
+        "--configfile",
+        str(REPO / "tests/configs/fast.yaml"),
+        str(extra),
+    ]
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert (
+        "ERROR in rule plan: PlanError: train.gpus 3 x 23.5 GiB (gpu_memory_gib: 24 (less 0.5 GiB for the driver))"
+        in proc.stderr
+    )
+    assert "What would fit: zero3_offload needs" in proc.stderr, proc.stderr[-3000:]
+    # The plan runs first (priority) and its failure stops the workflow: no other job ran.
+    assert "Finished jobid" not in proc.stderr
+    assert not (workdir / "logs/train").exists() and not (workdir / "results/plan/default.json").exists()
+
+
+def test_8bit_states_make_a_full_fine_tune_fit_without_offload():
+    """The full 7B on one 80 GiB GPU (A100/H100 80 GB), 8 x 512: with fp32 states only CPU offload fits (10x
+    slower); train.strategy auto now picks ZeRO-0 with checkpointing and 8-bit states (measured on an H200 capped
+    at 80 GiB: 66.2 GiB, 6,513 tokens/s), and the run spec says so."""
+    train = train_dict(gpus=1, global_batch_size=8, micro_batch_size=8, kernels="liger")
+    as_8bit = make(SEVEN_B, {**train, "optimizer_states": "8bit"}, gib=80, host=256)
+    assert as_8bit["fits"] is False  # 8-bit states as configured (no checkpointing) do not fit 80 GiB either
+    configured = make(SEVEN_B, train, gib=80, host=256)
+    assert configured["fits"] is False
+    # The message names the 8-bit states that would fit, before LoRA.
+    message = configured["message"]
+    assert "8-bit Adam states (train.optimizer_states: 8bit) with zero0+ckpt needs" in message
+    assert message.index("optimizer_states: 8bit") < message.index("LoRA (train.lora.enabled: true)")
+    assert not any(c["fits"] for c in configured["candidates"] if not c["estimate"]["offload"])
+    auto = make(SEVEN_B, {**train, "strategy": "auto"}, gib=80, host=256)
+    names = [c["name"] for c in auto["candidates"]]
+    assert auto["fits"] and auto["chosen"]["name"] == "zero0+ckpt+8bit"
+    assert auto["chosen"]["optimizer_states"] == "8bit"
+    # fp32 strategies without offload first, then the same with 8-bit states, then offload.
+    assert names.index("zero3+ckpt") < names.index("zero0+8bit") < names.index("zero3_offload")
+    spec = {"train": train, "deepspeed_config": DEEPSPEED["zero2.json"], "run_key": "abc"}
+    applied = apply.apply_plan(spec, auto)
+    assert applied["train"]["optimizer_states"] == "8bit" and applied["train"]["gradient_checkpointing"]
+    assert applied["run_key"] != "abc"
+    # Configured with 8-bit states, `auto` never offers CPU offload, which the trainer refuses with them.
+    auto_8bit = make(SEVEN_B, {**train, "strategy": "auto", "optimizer_states": "8bit"}, gib=24, host=256)
+    assert auto_8bit["candidates"] and not any(c["estimate"]["offload"] for c in auto_8bit["candidates"])
+    assert "offload" not in auto_8bit["message"].split("What would fit")[1].split("LoRA")[0]
+    # LoRA keeps its fp32 states: its adapters' states are small.
+    lora = make(SEVEN_B, {**train, "strategy": "auto", "lora": {"enabled": True}}, gib=24, host=256)
+    assert not any(c["setup"]["states_8bit"] for c in lora["candidates"])
+
+
+def test_qlora_example_plans_training_and_evaluation_in_16_gib():
+    cfg = yaml.safe_load((REPO / "config/examples/deepseek-7b-qlora-16gb.yaml").read_text())
+    train = {**to_dict(TrainConfig()), **cfg["train"]}
+    train["lora"] = {**to_dict(TrainConfig()).get("lora"), **cfg["train"]["lora"]}
+    train["deepspeed"] = str(REPO / train["deepspeed"])
+    budget = Budget(16.0, "gpu_memory_gib: 16", 125.0)
+    result = search.make_plan(
+        experiment="default",
+        model={"base": "arch:deepseek-llm-7b"},
+        train=train,
+        max_length=4096,
+        deepspeed_config=train["deepspeed"],
+        gpu_memory_gib=16,
+        budget=budget,
+        candidate_files=DEEPSPEED,
+        evaluation={"batch_size": 8, "max_new_tokens": 128, "quantize": "nf4"},
+    )
+    assert result["fits"] and result["chosen"]["name"] == "zero0+ckpt"
+    assert result["evaluate"]["fits"] and result["evaluate"]["estimate"]["weights_gib"] < 5
+    # The same evaluation in bf16 would not fit 16 GiB even at batch size 1.
+    bf16_eval = search.plan_evaluation(
+        deepseek(30),
+        {"batch_size": 8, "max_new_tokens": 128},
+        max_length=4096,
+        precision="bf16",
+        budget=budget,
+    )
+    assert bf16_eval["fits"] is False
