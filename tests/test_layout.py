@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 
@@ -120,3 +121,13 @@ def test_the_snakefile_and_login_node_stages_never_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [], f"importing {light} loads torch"
+
+
+def test_the_readme_layout_names_every_module():
+    """README's Layout section lists each subpackage's modules: a new module appears there, or the README has
+    drifted from the package (it had: seven modules were missing before this test)."""
+    readme = (keys.PACKAGE_DIR.parents[1] / "README.md").read_text()
+    layout = readme.split("\n## Layout\n", 1)[1]
+    words = set(re.findall(r"[a-z_0-9]+", layout))
+    missing = [m for m in modules() if m.rsplit(".", 1)[-1] not in words]
+    assert not missing, f"README.md's Layout does not name {missing}"
