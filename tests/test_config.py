@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -213,3 +214,33 @@ def test_auto_values_are_accepted():
         source="x.json",
     )
     assert ds["train_batch_size"] == 24 and ds["bf16"] == {"enabled": True}
+
+
+def test_config_readme_explains_every_key_of_config_yaml():
+    """Every setting config.yaml spells out is in config/README.md's section for its top-level key, as `name` or
+    `parent.name` (a top-level one such as gpu_ids: in the GPUs section; preference.train's, which are train
+    keys for the DPO stage: in the train section)."""
+    readme = (ROOT / "config/README.md").read_text()
+    sections = {
+        heading.split()[0].lower(): body
+        for heading, body in (s.split("\n", 1) for s in readme.split("\n## ")[1:])
+    }
+
+    def settings(d: dict, path: tuple[str, ...]):
+        for key, value in d.items():
+            if isinstance(value, dict) and value:
+                yield from settings(value, (*path, key))
+            else:
+                yield (*path, key)
+
+    missing = []
+    for path in settings({k: v for k, v in default_config().items() if k != "experiments"}, ()):
+        if len(path) == 1:
+            section = sections["gpus"]
+        elif path[:2] == ("preference", "train"):
+            section = sections["train"]
+        else:
+            section = sections[path[0]]
+        if not re.search(rf"`(?:[\w.]+\.)?{re.escape(path[-1])}`", section):
+            missing.append(".".join(path))
+    assert len(missing) == 0, f"config/README.md does not explain {missing}"
