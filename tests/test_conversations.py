@@ -54,6 +54,21 @@ def test_top1_rank_ties_break_by_created_date_then_message_id():
     assert ids(build_conversations(frame(*rows))) == ["c"]
 
 
+def test_top1_orders_dates_as_instants_across_offsets_and_forms():
+    """Exports mix UTC offsets and forms; the older reply wins by the instant, not by the string."""
+    for older, younger in [
+        ("2023-02-05T10:00:00+05:00", "2023-02-05T06:00:00+00:00"),  # 05:00 UTC before 06:00 UTC
+        ("2023-02-05T05:00:00Z", "2023-02-05T05:00:00.5+00:00"),  # whole seconds, "Z"
+        ("2023-02-05T05:00:00", "2023-02-05T05:00:01+00:00"),  # no offset: UTC
+    ]:
+        rows = [
+            msg("r", None, "prompter"),
+            msg("b-younger", "r", "assistant", created_date=younger),
+            msg("c-older", "r", "assistant", created_date=older),
+        ]
+        assert ids(build_conversations(frame(*rows))) == ["c-older"], (older, younger)
+
+
 def test_top1_unranked_children_ordered_by_date():
     rows = [
         msg("r", None, "prompter"),

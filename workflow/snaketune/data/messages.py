@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -174,19 +174,24 @@ _DATE_ALLOWED = "an ISO 8601 date string (e.g. 2023-02-05T14:23:50.983374+00:00)
 
 
 def _as_date(value: Any, at: _At) -> str:
+    """The date as UTC, ISO 8601 with microseconds (2023-02-05T14:23:50.983374+00:00; a date without an offset is
+    taken as UTC), so that comparing two of these strings compares the instants: dates order siblings (rank ties),
+    and exports mix offsets and forms ("...Z", "+05:00", whole seconds). Null: ""."""
     if _is_null(value):
         return ""
     if isinstance(value, str):
-        # Dates order siblings (rank ties); a string that is no date would order them by its letters.
+        # A string that is no date would order siblings by its letters.
         try:
-            datetime.fromisoformat(value)
+            parsed = datetime.fromisoformat(value)
         except ValueError:
             raise _bad_value(at, "created_date", value, _DATE_ALLOWED) from None
-        return value
-    # pd.Timestamp is a datetime; isoformat matches oasst1's string form (2023-02-05T14:23:50.983374+00:00).
-    if isinstance(value, datetime):
-        return value.isoformat()
-    raise _bad_value(at, "created_date", value, _DATE_ALLOWED)
+    elif isinstance(value, datetime):  # pd.Timestamp is one (nanoseconds dropped)
+        parsed = value.to_pydatetime(warn=False) if hasattr(value, "to_pydatetime") else value
+    else:
+        raise _bad_value(at, "created_date", value, _DATE_ALLOWED)
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.astimezone(UTC).isoformat(timespec="microseconds")
 
 
 def _parse_row(cols: dict[str, list[Any]], row: int, src: _Source, has_split: bool) -> Message:
