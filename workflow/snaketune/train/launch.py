@@ -252,7 +252,8 @@ _ROOT_RANK = re.compile(r"^rank\s*:\s*(\d+)\b")
 # caused by a remote worker crashing"; NCCL: DistBackendError, "remote process exited"; torchrun's SIGTERM to the
 # ranks still running: SignalException).
 _FALLOUT = re.compile(
-    r"closed by peer|reset by peer|remote (?:worker|process)|Broken pipe|DistBackendError|SignalException", re.I
+    r"closed by peer|reset by peer|remote (?:worker|process)|Broken pipe|DistBackendError|SignalException",
+    re.I,
 )
 _EXCEPTION_LINE = re.compile(
     r"^(?:\[rank(\d+)\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)\b.*)$"
