@@ -223,20 +223,32 @@ def test_real_samples_give_the_same_pairs_in_both_forms(trees, rows):
 
 
 def test_a_long_side_keeps_the_replys_start():
-    ids = np.arange(100)
-    labels = np.full(100, batching.IGNORE)
-    labels[70:] = ids[70:]  # a 70-token conversation so far, a 30-token reply
+    """pairs.fit: bos, then the latest turns of the conversation so far, then the reply from its start; where both
+    are long, half the budget stays for the conversation and the reply's end goes. Labels follow their tokens."""
+    IGNORE = batching.IGNORE
+
+    def side(prompt: int, reply: int):
+        ids = np.arange(prompt + reply)
+        return ids, np.where(ids >= prompt, ids, IGNORE)
+
+    # A 70-token conversation so far, a 30-token reply, 64 kept: the reply whole, 33 latest prompt tokens.
+    kept, lab, cut = pairs.fit(*side(70, 30), 64)
+    assert cut == "prompt"
+    assert kept.tolist() == [0, *range(37, 100)]
+    assert lab.tolist() == [IGNORE] * 34 + list(range(70, 100))
+    # A 10-token conversation, a 90-token reply: the conversation whole, the reply's first 54 tokens.
+    kept, lab, cut = pairs.fit(*side(10, 90), 64)
+    assert cut == "reply" and kept.tolist() == list(range(64))
+    assert lab.tolist() == [IGNORE] * 10 + list(range(10, 64))
+    # Both long (70 and 90): 32 for the conversation (bos and its latest 31), 32 for the reply's start.
+    kept, lab, cut = pairs.fit(*side(70, 90), 64)
+    assert cut == "reply"
+    assert kept.tolist() == [0, *range(39, 70), *range(70, 102)]
+    assert lab.tolist() == [IGNORE] * 32 + list(range(70, 102))
+    # What fits is kept as it is.
+    ids, labels = side(20, 10)
     kept, lab, cut = pairs.fit(ids, labels, 64)
-    assert cut == "prompt" and len(kept) == 64
-    assert kept[0] == 0 and kept[34:].tolist() == list(
-        range(70, 100)
-    )  # bos, the latest turns, the whole reply
-    labels[:] = batching.IGNORE
-    labels[10:] = ids[
-        10:
-    ]  # a 90-token reply: half the budget stays for the conversation, the reply's end goes
-    kept, lab, cut = pairs.fit(ids, labels, 64)
-    assert cut == "reply" and kept[:10].tolist() == list(range(10)) and kept[10] == 10 and len(kept) == 64
+    assert cut is None and kept.tolist() == ids.tolist() and lab.tolist() == labels.tolist()
 
 
 # ---- the stages on CPU ranks ----------------------------------------------------------------------------------

@@ -78,9 +78,15 @@ def zero0_run(tiny_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lora_run(tiny_data, tmp_path_factory):
-    """2 ranks, ZeRO-2, LoRA rank 4; metrics every 2 steps and validation every 5 (not a multiple of 2)."""
+    """2 ranks, ZeRO-2, LoRA rank 4, weight decay 0.1 (the other runs have none); metrics every 2 steps and
+    validation every 5 (not a multiple of 2)."""
     overrides = dict(
-        max_steps=10, micro_batch_size=2, log_every=2, eval_every=5, lora={"enabled": True, "rank": 4}
+        max_steps=10,
+        micro_batch_size=2,
+        log_every=2,
+        eval_every=5,
+        lora={"enabled": True, "rank": 4},
+        weight_decay=0.1,
     )
     return run_training(tmp_path_factory.mktemp("lora"), tiny_data, nproc=2, train_overrides=overrides)
 
@@ -126,7 +132,7 @@ def test_one_rank_equals_two_ranks(base_run, zero2_run):
 def test_zero_stages_agree(zero2_run, zero3_run, zero0_run):
     assert [r.summary["zero_stage"] for r in (zero0_run, zero2_run, zero3_run)] == [0, 2, 3]
     decayed = zero2_run.summary["weight_decay_parameters"]
-    assert decayed["tensors"] > 0
+    assert decayed["tensors"] > 0 and decayed["weight_decay"] == 0.0
     assert all(r.summary["weight_decay_parameters"] == decayed for r in (zero0_run, zero3_run))
     assert_same_steps(zero3_run, zero2_run)
     assert_same_steps(zero0_run, zero2_run)
@@ -190,8 +196,13 @@ def test_loss_falls_at_the_default_learning_rate(base_run):
     # Measured: 6.28 -> 3.8 (mean of the first 3 steps 6.09, of the last 3 3.82); validation 4.16.
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 1.5
     assert base_run.summary["final_val_loss"] < losses[0] - 1.0
+    # The schedule the rows logged: 10 warmup steps up to 3e-3, then a cosine from it (step 10) down to
+    # min_lr_ratio 0.1 of it, reached at the last step; step 14 is 4/9 of the way, where the factor is
+    # 0.1 + 0.9 * (1 + cos(4 pi / 9)) / 2 = 0.628142.
     lrs = [row["train/lr"] for row in base_run.rows]
-    assert lrs[0] == pytest.approx(3e-3 / 10) and max(lrs) == pytest.approx(3e-3)  # warmup, then the peak
+    assert lrs[:11] == pytest.approx([3e-4 * (i + 1) for i in range(10)] + [3e-3])
+    assert lrs[14] == pytest.approx(3e-3 * 0.628142, rel=1e-5)
+    assert lrs[19] == pytest.approx(3e-4) and all(a > b for a, b in zip(lrs[10:-1], lrs[11:], strict=True))
 
 
 # ---- outputs -------------------------------------------------------------------------------------
@@ -300,6 +311,9 @@ def test_lora_trains_adapters_and_saves_a_merged_model(lora_run, tiny_data):
         lora_run.summary["lora"]
         and lora_run.summary["trainable_parameters"] < lora_run.summary["parameters"] / 10
     )
+    # train.weight_decay reached the optimizer, which decays every adapter (all matrices) and nothing else.
+    decayed = lora_run.summary["weight_decay_parameters"]
+    assert decayed["weight_decay"] == 0.1 and decayed["elements"] == lora_run.summary["trainable_parameters"]
 
     model_dir = lora_run.out_dir / "model"
     assert (model_dir / "adapter" / "adapter_model.safetensors").is_file()

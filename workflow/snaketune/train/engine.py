@@ -81,7 +81,8 @@ class Built:
     attention_coefficient: float
     """Attention FLOPs per squared conversation length (12 x layers x heads x head_dim)."""
     decayed: dict
-    """{"tensors", "elements"} of the parameters with weight decay (the same under every ZeRO stage)."""
+    """{"weight_decay", "tensors", "elements"}: the optimizer's rate and the parameters it decays (the same under
+    every ZeRO stage)."""
 
     @property
     def precision_summary(self) -> str:
@@ -223,7 +224,13 @@ def build(
         n_trainable=n_trainable,
         flops_per_token=dense_flops,
         attention_coefficient=attention_coefficient,
-        decayed={"tensors": len(decayed), "elements": sum(math.prod(_shape(p)) for p in decayed)},
+        decayed={
+            # The rate as the optimizer holds it (a setting lost on its way there shows here), the tensors it
+            # applies to by snaketune.train.optim.decays.
+            "weight_decay": max(g["weight_decay"] for g in optimizer.param_groups),
+            "tensors": len(decayed),
+            "elements": sum(math.prod(_shape(p)) for p in decayed),
+        },
     )
     check_optimizer(built, device)
     return built
