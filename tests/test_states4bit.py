@@ -143,3 +143,33 @@ def test_the_4bit_update_rounded_to_nearest_is_torchaos(monkeypatch):
         )
 
     check_nearest_is_torchaos(step_fn, "cpu")
+
+
+def test_bf16_weights_round_stochastically_without_bias():
+    """states4bit.update on bf16 weights (CPU ranks, optimizer_kernel torch), as tests/test_adam4bit.py checks the
+    kernel: an update far below a bf16 ulp (lr 1e-3, weights in [1.25, 1.75): ulp 2^-7) moves each weight to one of
+    the two bf16 neighbours of its fp32 result, up with the probability of the dropped bits, so the weights carry no
+    bias (round to nearest would move none; truncation would bias every one down). Another seed draws others."""
+    lr, ulp, shape = 1e-3, 2.0**-7, (96, 256)
+    torch.manual_seed(1)
+    start = (torch.rand(shape) * 0.5 + 1.25).bfloat16()
+    grad = (torch.randn(shape) * 2).bfloat16()
+
+    def step(p: torch.Tensor, seed: int) -> torch.Tensor:
+        m, v = states4bit.zeros(shape, True, 128, "cpu"), states4bit.zeros(shape, False, 128, "cpu")
+        states4bit.update(
+            p, grad, m, v, divisor=torch.tensor(1.0), step=1, lr=lr, betas=BETAS, eps=1e-8, weight_decay=0.1,
+            seed=seed,
+        )  # fmt: skip
+        return p
+
+    exact = step(start.float(), 0)  # fp32 weights take the update as computed
+    p, p2 = step(start.clone(), 11), step(start.clone(), 12)
+    below = torch.floor(exact / ulp) * ulp
+    assert ((p.float() == below) | (p.float() == below + ulp)).all()
+    moved = (p != start).float().mean()
+    assert 0.05 < moved < 0.3, moved  # |update| ~ 1.15 lr = ulp / 6.8
+    # Each draw's error is within an ulp, so the mean of 24,576 has a standard deviation under 0.004 ulp.
+    bias = (p.float() - exact).mean() / ulp
+    assert abs(bias) < 0.02, bias
+    assert (p != p2).any()
