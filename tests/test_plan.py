@@ -23,6 +23,21 @@ DEEPSPEED = {name: str(REPO / "config/deepspeed" / name) for name in strategies.
 ALL_LINEAR = setups.LORA_TARGETS
 H200_RUN = REPO / "bench/runs/2026-11-29_h200/zero2_summary.json"
 TOLERANCE = 0.10
+"""How far over a measured peak the plan may be (a plan that refuses what fits costs speed, not a run)."""
+FITTED = 0.02
+"""How close the plan must be to the points a constant was fitted to (memory.ACTIVATION_FACTOR, LORA_ACTIVATION_FACTOR)."""
+
+
+def assert_planned(predicted: float, measured: float, what: object = "") -> None:
+    """A planned allocator peak against a measured one: at most TOLERANCE over, and never so far under that the
+    plan's own margin (FRAGMENTATION of the peak) does not cover it: such a plan would pass a card that the run
+    does not fit."""
+    assert predicted * (1 + memory.FRAGMENTATION) >= measured, (
+        f"{predicted:.2f} GiB planned, {measured} measured: {what}"
+    )
+    assert predicted <= measured * (1 + TOLERANCE), (
+        f"{predicted:.2f} GiB planned, {measured} measured: {what}"
+    )
 
 
 def deepseek(layers: int) -> Arch:
@@ -34,7 +49,7 @@ def ds_setup(name: str, **fields) -> memory.Setup:
 
 
 # The measured points of ../shared/FACTS.md (one H200, random-init 7B architecture, seq 512): (what, layers,
-# setup, measured GiB, which figure). FACTS.md does not say which DeepSpeed buckets its runs used; these use
+# setup, measured GiB, which figure: a GPU peak the model predicts, one a constant was fitted to, host memory). FACTS.md does not say which DeepSpeed buckets its runs used; these use
 # the project's files.
 FACTS = [
     ("bf16 ZeRO-2, 4 x 2", 24, ds_setup("zero2.json", world=1, micro_batch=4, seq_len=512), 116.8, "gpu"),
@@ -43,9 +58,9 @@ FACTS = [
         30,
         ds_setup("zero2.json", world=1, micro_batch=8, seq_len=512, lora_rank=16, lora_targets=ALL_LINEAR),
         # Measured with this project's trainer (bench/runs/2026-11-29_h200_plan); FACTS.md's 45.4 GiB for the
-        # same setup came from other training code.
+        # same setup came from other training code. LORA_ACTIVATION_FACTOR is fitted to it.
         37.6,
-        "gpu",
+        "fitted",
     ),
     *[
         (
@@ -55,7 +70,7 @@ FACTS = [
                 world=1, zero_stage=0, engine="torch", precision="autocast", micro_batch=4, seq_len=512
             ),
             measured,
-            "gpu",
+            "fitted",  # ACTIVATION_FACTOR is fitted to these two
         )
         for layers, measured in ((24, 107.6), (30, 130.6))
     ],
@@ -77,8 +92,14 @@ FACTS = [
 )
 def test_plan_matches_the_measured_h200_peaks(what, layers, setup, measured, which):
     est = memory.estimate(deepseek(layers), setup)
-    predicted = est.peak_allocated_gib if which == "gpu" else est.host_gib
-    assert predicted == pytest.approx(measured, rel=TOLERANCE), f"{what}, {layers} layers: {est}"
+    if which == "fitted":
+        assert est.peak_allocated_gib == pytest.approx(measured, rel=FITTED), (
+            f"{what}, {layers} layers: {est}"
+        )
+    elif which == "gpu":
+        assert_planned(est.peak_allocated_gib, measured, f"{what}, {layers} layers: {est}")
+    else:  # the host keeps 1 - HOST_USABLE of its RAM in reserve
+        assert est.host_gib == pytest.approx(measured, rel=TOLERANCE), f"{what}, {layers} layers: {est}"
 
 
 def test_plan_matches_this_projects_own_h200_run():
@@ -87,7 +108,7 @@ def test_plan_matches_this_projects_own_h200_run():
     setup = ds_setup("zero2.json", world=1, micro_batch=summary["micro_batch_size"], seq_len=512)
     est = memory.estimate(deepseek(24), setup)
     assert est.params == summary["parameters"] == 5_696_065_536
-    assert est.peak_allocated_gib == pytest.approx(summary["peak_memory_gib_per_rank"][0], rel=TOLERANCE)
+    assert_planned(est.peak_allocated_gib, summary["peak_memory_gib_per_rank"][0])
     # One GPU under ZeRO-2 peaks in the optimizer step at 22 B/param (FACTS.md).
     assert est.peak_phase == "optimizer step"
     assert est.peak_allocated_gib * 2**30 / est.params == pytest.approx(22, rel=0.01)
@@ -118,6 +139,8 @@ def test_plan_matches_the_fast_path_on_an_h200(case, layers, micro, lora, deepsp
         "lora": {"enabled": lora, "rank": 16},
         "kernels": "torch",  # before Liger's kernels (train.kernels)
         "loss_kernel": "torch",  # and before the Triton loss (train.loss_kernel)
+        # as the run's summary says it ran (the plan's own default for an absent key is the fused loss)
+        "fused_cross_entropy": result["settings"]["fused_cross_entropy"],
     }
     if case == "b24_ds_zero2":
         train.update(bf16_optimizer="deepspeed", attention="sdpa")
@@ -127,7 +150,7 @@ def test_plan_matches_the_fast_path_on_an_h200(case, layers, micro, lora, deepsp
     assert setup.master_weights == (case != "b24_ds_zero2") and setup.varlen == (case != "b24_ds_zero2")
     assert setup.accumulation == 8 // micro
     est = memory.estimate(deepseek(layers), setup)
-    assert est.peak_allocated_gib == pytest.approx(result["peak_gib"], rel=TOLERANCE), est
+    assert_planned(est.peak_allocated_gib, result["peak_gib"], est)
 
 
 LIGER_RUN = REPO / "bench/runs/2026-12-01_h200_liger/throughput.json"
@@ -144,7 +167,7 @@ def test_plan_counts_what_liger_saves(case, layers, lora):
     setup = setups.setup_for(train, ds, world=1, seq_len=512, precision="bf16")
     assert setup.liger
     est = memory.estimate(deepseek(layers), setup)
-    assert est.peak_allocated_gib == pytest.approx(result["peak_gib"], rel=TOLERANCE), est
+    assert_planned(est.peak_allocated_gib, result["peak_gib"], est)
     torch_modules = memory.estimate(deepseek(layers), setup.replace(liger=False))
     baseline = next(
         r for r in json.loads(LIGER_RUN.read_text())["results"] if r["case"] == case[: -len("_liger")]
@@ -171,7 +194,7 @@ def test_plan_matches_the_example_configs_on_an_h200(example, overrides, measure
     max_length = int(cfg["tokenize"]["max_length"])
     setup = setups.setup_for(train, ds, world=1, seq_len=max_length, precision="bf16")
     est = memory.estimate(deepseek(30), setup)
-    assert est.peak_allocated_gib == pytest.approx(measured, rel=TOLERANCE), est
+    assert_planned(est.peak_allocated_gib, measured, est)
 
 
 def test_parameter_counts_are_exact():
@@ -222,7 +245,7 @@ def test_plan_counts_partial_checkpointing_and_accumulation(case, overrides, mea
     )
     assert setup.checkpoint_layers == overrides.get("gradient_checkpointing")
     est = memory.estimate(deepseek(30), setup)
-    assert est.peak_allocated_gib == pytest.approx(measured, rel=TOLERANCE), (case, est)
+    assert_planned(est.peak_allocated_gib, measured, (case, est))
 
 
 TRITON_LOSS_RUNS = REPO / "bench/runs/2026-12-02_h200_triton_loss"
@@ -258,7 +281,7 @@ def test_plan_counts_the_triton_loss(case, layers, overrides):
     setup = setups.setup_for(train, ds, world=1, seq_len=512, precision="bf16")
     assert setup.triton_loss == (train["loss_kernel"] == "triton")
     est = memory.estimate(deepseek(layers), setup)
-    assert est.peak_allocated_gib == pytest.approx(result["peak_gib"], rel=TOLERANCE), est
+    assert_planned(est.peak_allocated_gib, result["peak_gib"], est)
     if setup.triton_loss:
         assert est.logits_gib == pytest.approx((2 * 4096 * 102400 + 8 * 4096) / 2**30)
 
@@ -283,7 +306,7 @@ def test_plan_matches_the_qlora_example_on_an_h200(overrides, measured):
     ds = json.loads((REPO / train["deepspeed"]).read_text())
     setup = setups.setup_for(train, ds, world=1, seq_len=int(cfg["tokenize"]["max_length"]), precision="bf16")
     est = memory.estimate(deepseek(30), setup)
-    assert est.peak_allocated_gib == pytest.approx(measured, rel=TOLERANCE), est
+    assert_planned(est.peak_allocated_gib, measured, est)
 
 
 def test_nf4_weights_are_counted():
@@ -321,4 +344,4 @@ def test_plan_counts_8bit_states(case, changes, measured):
         **changes,
     )
     est = memory.estimate(deepseek(30), setup)
-    assert est.peak_allocated_gib == pytest.approx(measured, rel=TOLERANCE), (case, est)
+    assert_planned(est.peak_allocated_gib, measured, (case, est))
