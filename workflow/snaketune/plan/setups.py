@@ -46,7 +46,7 @@ def setup_for(
         accumulation=max(1, int(train.get("global_batch_size", world_micro)) // world_micro),
         master_weights=master,
         fused_cross_entropy=stage != 3
-        and (objective == "preference" or bool(train.get("fused_cross_entropy", True))),
+        and (objective == "preference" or bool(train.get("fused_cross_entropy", False))),
         varlen=precision == "bf16" and train.get("attention", "auto") != "sdpa",
         liger=precision == "bf16" and kernels.planned(train.get("kernels", "auto")),
         triton_loss=objective == "sft" and kernels.triton_planned(train.get("loss_kernel", "auto")),
