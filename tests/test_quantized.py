@@ -107,8 +107,10 @@ def test_qlora_saves_adapters_and_a_model_merged_into_the_unquantized_base(qlora
 STATE_STEPS = 20
 IN_BACKWARD_RTOL = 1e-4
 """As tests/test_training.py's RTOL: the same arithmetic in another order (2 ranks, the step inside backward)."""
-FOUR_BIT_RTOL = 0.15
-"""4-bit m and v against fp32 ones, final validation loss on the tiny model at lr 3e-3 (measured: see the test)."""
+FOUR_BIT_RTOL = 0.035
+"""4-bit m and v against fp32 ones, final validation loss on the tiny model after 20 steps at lr 3e-3, measured
+(torch 2.13.0+cpu): +2.0% with snaketune's states (stochastic rounding, v in states4bit.V_CODES); +4.9% rounded to
+nearest, +5.3% with torchao's k/16 map for v: each of those fails here."""
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +151,6 @@ def test_8bit_states_resume_the_uninterrupted_run(states_8bit_run, tiny_data, tm
     shutil.copytree(states_8bit_run.checkpoint_dir, ckpt)
     for tag in sorted(p for p in ckpt.iterdir() if p.is_dir() and p.name.startswith("step"))[1:]:
         shutil.rmtree(tag)
-    (ckpt / "latest").write_text("step3") if (ckpt / "latest").exists() else None
     run = run_training(
         tmp_path,
         tiny_data,
