@@ -388,20 +388,21 @@ def fp8_emulated_run(tiny_data, tmp_path_factory):
 
 def test_emulated_fp8_follows_the_run_without_it(fp32_states_run, fp8_emulated_run):
     """torchao's float8 rounding (e4m3 inputs and weights, e5m2 output gradients, one scale per tensor) on the tiny
-    model's attention projections: a first loss within e4m3's relative rounding error (2^-4) of the exact one, not
-    equal to it, and a loss that falls as far (module constant FP8_RTOL)."""
+    model's attention projections: a first loss near the exact one (measured 0.065% off; 1% allowed, where e4m3's
+    relative rounding error is 2^-4 per element), not equal to it, and a loss that falls as far (module constant
+    FP8_RTOL)."""
     run, exact = fp8_emulated_run, fp32_states_run
     assert run.summary["fp8"] == "emulated"
     # builtin-tiny: 4 layers x q, k, v, o (128 x 128) converted; its 344-wide MLP and the lm_head are not.
     assert "FP8 (emulated, torchao Float8Linear): 16 of 29 linear layers" in run.log_file.read_text()
     losses, reference = np.array(run.losses), np.array(exact.losses)
-    assert losses[0] != reference[0] and losses[0] == pytest.approx(reference[0], rel=2**-4)
+    assert losses[0] != reference[0] and losses[0] == pytest.approx(reference[0], rel=0.01)
     assert run.summary["final_val_loss"] == pytest.approx(exact.summary["final_val_loss"], rel=FP8_RTOL)
 
 
-FP8_RTOL = 0.05
+FP8_RTOL = 0.02
 """Emulated FP8 against exact matmuls, final validation loss of the tiny model after 20 steps: measured 4.404 against
-4.428 (0.5%; first loss 6.2937 against 6.2896); ten times that."""
+4.428 (0.5%; first loss 6.2937 against 6.2896); four times that."""
 
 
 @pytest.mark.parametrize(
