@@ -179,13 +179,15 @@ def test_quantized_states_survive_a_deepspeed_checkpoint(states):
 @pytest.mark.parametrize("states", ["fp32", "4bit", "8bit"])
 def test_large_tensors_update_in_row_chunks_as_whole(states, monkeypatch):
     """A tensor above CHUNK_ELEMENTS is updated in row ranges on quantization-block boundaries (the fp32 temporaries
-    of one range at a time): the same weights as one update of the whole tensor."""
-    from snaketune.train import backward_step
+    of one range at a time): the same weights as one update of the whole tensor. 4-bit states chunk inside
+    states4bit.update (their random draws too), on its own CHUNK_ELEMENTS."""
+    from snaketune.train import backward_step, states4bit
 
     xs = [torch.randn(4, 128, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     weights = []
     for chunk in (4096, 10**9):
         monkeypatch.setattr(backward_step, "CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(states4bit, "CHUNK_ELEMENTS", chunk)
         torch.manual_seed(0)
         linear = torch.nn.Linear(128, 512, bias=False)
         opt = BackwardAdamW(
