@@ -21,7 +21,8 @@ def test_profiler_writes_a_trace_and_a_table_of_the_profiled_steps(tmp_path):
         prof.step()
     prof.close()
     trace = json.loads(gzip.decompress((tmp_path / "trace_rank0.json.gz").read_bytes()))
-    assert trace["traceEvents"]
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert len(steps) == profiling.ACTIVE, sorted(steps)  # the schedule's active steps, and only those
     table = (tmp_path / "top_rank0.md").read_text()
     assert f"over {profiling.ACTIVE} profiled steps" in table and "aten::addmm" in table
 
