@@ -124,10 +124,26 @@ def test_the_snakefile_and_login_node_stages_never_import_torch():
 
 
 def test_the_readme_layout_names_every_module():
-    """README's Layout section lists each subpackage's modules: a new module appears there, or the README has
-    drifted from the package (it had: seven modules were missing before this test)."""
+    """README's Layout section lists each subpackage's modules on its own entry ("  data/   messages, readers, ...",
+    continued on the lines below it) and each top-level module as a file name ("io.py"): a new module appears
+    there, or the README has drifted from the package (it had: seven modules were missing before this test)."""
     readme = (keys.PACKAGE_DIR.parents[1] / "README.md").read_text()
-    layout = readme.split("\n## Layout\n", 1)[1]
-    words = set(re.findall(r"[a-z_0-9]+", layout))
-    missing = [m for m in modules() if m.rsplit(".", 1)[-1] not in words]
-    assert not missing, f"README.md's Layout does not name {missing}"
+    block = readme.split("\n## Layout\n", 1)[1].split("```")[1]
+    entries: dict[str, str] = {}  # "data" -> its text; "" -> the top-level modules' lines
+    current = None
+    for line in block.splitlines():
+        if match := re.match(r"^  (\w+)/\s", line):  # a subpackage's entry under workflow/snaketune/
+            current = match.group(1)
+        elif match := re.match(r"^  \w+\.py\s", line):  # top-level modules
+            current = ""
+        elif line[:1].strip():  # the next top-level path of the repository
+            current = None
+        if current is not None:
+            entries[current] = entries.get(current, "") + " " + line
+    missing = []
+    for m in modules():
+        parts = m.split(".")[1:]
+        where, name = (parts[0], parts[1]) if len(parts) == 2 else ("", parts[0] + ".py")
+        if not re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", entries.get(where, "")):
+            missing.append(m)
+    assert not missing, f"README.md's Layout does not name {missing} in its subpackage's entry"
