@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from snaketune.config.load import load_config, to_dict
 from snaketune.model.architectures import DEEPSEEK_LLM_7B
 from snaketune.plan import memory, setups, strategies
 from snaketune.plan.arch import Arch, arch_from_hf_config, resolve_arch
@@ -345,3 +346,31 @@ def test_plan_counts_8bit_states(case, changes, measured):
     )
     est = memory.estimate(deepseek(30), setup)
     assert_planned(est.peak_allocated_gib, measured, (case, est))
+
+
+# The DPO stage of the 3 x 24 GB LoRA recipe as written (one rank, hub-format 7B, real oasst pairs, 1,024 tokens per
+# side, micro-batch 2 x 12, checkpointing): its own plan (rule plan_dpo: objective preference, rows of both sides,
+# the chunked log-probabilities), nothing fitted to these.
+DPO_RUNS = [
+    # (train.kernels, measured max_memory_allocated GiB, where)
+    ("torch", 16.59, "bench/runs/2026-12-01_h200_realpath_lora"),
+    ("liger", 16.54, "bench/runs/2026-12-02_h200_trust (bench/RESULTS.md, the 3 x 24 GB recipe's stages)"),
+]
+
+
+@pytest.mark.parametrize(("kernels", "measured", "where"), DPO_RUNS, ids=[r[0] for r in DPO_RUNS])
+def test_plan_matches_the_dpo_stage_on_an_h200(kernels, measured, where):
+    from snaketune.config.load import merge_config_files
+
+    raw = merge_config_files(
+        [REPO / "config/config.yaml", REPO / "config/examples/deepseek-7b-lora-3x24gb.yaml"]
+    )
+    exp = load_config(raw).experiments["default"]
+    train = {**to_dict(exp.dpo_train), "gpus": 1, "kernels": kernels}
+    ds = json.loads((REPO / train["deepspeed"]).read_text())
+    setup = setups.setup_for(
+        train, ds, world=1, seq_len=2 * exp.preference.max_length, precision="bf16", objective="preference"
+    )
+    assert (setup.micro_batch, setup.accumulation, setup.objective) == (2, 12, "preference")
+    assert setup.fused_cross_entropy and not setup.triton_loss  # DPO's chunked log-probabilities
+    assert_planned(memory.estimate(deepseek(30), setup).peak_allocated_gib, measured, where)
