@@ -90,14 +90,19 @@ def test_empty_and_whitespace_text_drop_the_subtree_and_are_counted(tmp_path):
 
 
 def test_nan_rank_is_unranked(tmp_path):
+    """s-a, ranked NaN and listed first, is unranked: its sibling s-b, ranked 1 and listed second, comes first and
+    top1 takes it (a NaN kept as a number compares neither below nor above 1, leaving s-a first)."""
     line = json.dumps(GOOD[BAD_ROW]).encode().replace(b'"rank": 0.0', b'"rank": NaN')
-    records = [*GOOD[:BAD_ROW], line, *GOOD[BAD_ROW + 1 :]]
+    sibling = {**m("s-b", "s", "assistant", "The ranked second answer.", "s"), "rank": 1.0}
+    records = [*GOOD[:BAD_ROW], line, sibling, *GOOD[BAD_ROW + 1 :]]
     raw = tmp_path / "raw"
     download.materialize(str(write_jsonl(tmp_path / "m.jsonl", records)), raw)
     rank = pq.read_table(raw / "messages.parquet").column("rank").to_pylist()[BAD_ROW]
     assert rank is None or rank != rank  # NaN
     run_conversations(raw / "messages.parquet", tmp_path / "conv")
     assert sum(json.loads((tmp_path / "conv" / "stats.json").read_text())["conversations"].values()) == 3
+    tables = [pq.read_table(tmp_path / "conv" / f"{split}.parquet") for split in ("train", "validation")]
+    assert sorted(c for t in tables for c in t.column("conversation_id").to_pylist()) == ["r-a", "s-b", "t-a"]
 
 
 def test_trees_without_an_assistant_reply_are_counted_then_fatal_when_nothing_is_left(tmp_path):

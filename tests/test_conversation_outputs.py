@@ -109,6 +109,17 @@ def test_split_column_without_validation_moves_one_tree():
     assert result.stats["split_source"] == "source"
 
 
+def test_split_column_without_train_moves_one_tree():
+    """Every tree marked validation: the one with the largest hash moves to train, and stats say so."""
+    rows = [*pair("r", split="validation"), *pair("s", split="validation")]
+    result = build_conversations(frame(*rows))
+    assert expected_hash("r") > expected_hash("s")  # 0.271 and 0.017
+    assert list(result.train["message_tree_id"]) == ["r"]
+    assert list(result.validation["message_tree_id"]) == ["s"]
+    assert result.stats["split_fallback"] == {"message_tree_id": "r", "moved_to": "train"}
+    assert result.stats["trees_by_split"] == {"train": 1, "validation": 1}
+
+
 # ---- stats --------------------------------------------------------------------------------------------
 
 

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from snaketune.data import download
@@ -105,7 +107,10 @@ def test_gzip_rows_and_parquet_read_alike(tmp_path):
     gz = read_messages(write_lines(tmp_path / "m.jsonl.gz", flat(TREES)))
     pq_path = tmp_path / "m.parquet"
     pd.DataFrame(flat(TREES)).to_parquet(pq_path)
-    assert build_conversations(gz).stats == build_conversations(read_messages(pq_path)).stats
+    a, b = build_conversations(gz, paths="all"), build_conversations(read_messages(pq_path), paths="all")
+    assert a.stats == b.stats
+    pd.testing.assert_frame_equal(a.train, b.train)
+    pd.testing.assert_frame_equal(a.validation, b.validation)
 
 
 def test_tree_state_filter_default_keeps_ready_trees_and_counts_the_rest(tmp_path):
@@ -134,9 +139,46 @@ def test_exact_repeats_of_a_tree_are_skipped_and_recorded(tmp_path):
     assert frame.attrs["snaketune_repeated_trees"] == 1 and len(frame) == 10
     record = download.materialize(str(src), tmp_path / "raw")
     assert record["form"] == "trees" and record["repeated_trees_skipped"] == 1
-    # The annotation column is kept as JSON text (Parquet needs one type per column).
+    # The first copy is the one stored (the annotated repeat is skipped: see the next test for annotations).
     stored = pd.read_parquet(tmp_path / "raw" / "messages.parquet")
     assert stored["message_id"].tolist() == frame["message_id"].tolist()
+
+
+def annotated_trees(tmp_path: Path) -> Path:
+    """Two different trees whose roots carry an annotation of different inner types, as oasst's emojis do."""
+    first, second = json.loads(json.dumps(TREES[0])), json.loads(json.dumps(TREES[1]))
+    first["prompt"]["emojis"] = {"+1": 3}
+    second["prompt"]["emojis"] = {"+1": "many"}
+    return write_lines(tmp_path / "t.trees.jsonl", [first, second])
+
+
+def stored_annotations(raw: Path) -> dict:
+    """message_id -> the stored emojis value of download's messages.parquet."""
+    table = pq.read_table(raw / "messages.parquet", columns=["message_id", "emojis"])
+    return dict(zip(*table.to_pydict().values(), strict=True))
+
+
+def test_annotations_of_differing_inner_types_are_stored_as_json_text(tmp_path):
+    """A dict column whose values differ in inner type cannot be one Parquet struct: download stores it as JSON
+    text, and json.loads gives each message's value back."""
+    record = download.materialize(str(annotated_trees(tmp_path)), tmp_path / "raw")
+    assert (
+        record["repeated_trees_skipped"] == 0 and record["messages"] == 10 and "emojis" in record["columns"]
+    )
+    column = pq.read_schema(tmp_path / "raw" / "messages.parquet").field("emojis").type
+    assert pa.types.is_string(column) or pa.types.is_large_string(column)
+    stored = stored_annotations(tmp_path / "raw")
+    assert json.loads(stored["t1"]) == {"+1": 3} and json.loads(stored["t2"]) == {"+1": "many"}
+
+
+def test_messages_without_the_annotation_store_null(tmp_path):
+    """A message without the annotation (NaN where pandas filled the column) is stored as null, not as the text
+    'NaN', which is no JSON."""
+    download.materialize(str(annotated_trees(tmp_path)), tmp_path / "raw")
+    stored = stored_annotations(tmp_path / "raw")
+    assert {k: v for k, v in stored.items() if k not in ("t1", "t2")} == dict.fromkeys(
+        ["t1-a", "t1-f", "t1-g", "t1-b", "t2-a", "t2-f", "t2-g", "t2-b"]
+    )
 
 
 def test_a_tree_repeated_with_other_messages_is_refused(tmp_path):

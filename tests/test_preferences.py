@@ -189,10 +189,36 @@ def test_pairs_follow_the_conversation_so_far_and_the_cleaning_rules():
 
 
 def test_no_split_and_no_pairs_are_named():
+    """A ranked tree the split map lacks is dropped as no_split (once) while the other tree still gives its pairs;
+    a group under a path that does not alternate is non_alternating; a prompt without replies is no group; the
+    tie inside a group that gives pairs (worst and tied with worst) is counted as skipped."""
+    lonely = [msg("z", None, "prompter", "Z?", tree="z")]  # no replies: not a group
+    unsplit = [
+        msg("u", None, "prompter", "U?", tree="u"),
+        msg("u0", "u", "assistant", "u best", 0, tree="u"),
+        msg("u1", "u", "assistant", "u worse", 1, tree="u"),
+    ]
+    assistant_root = [
+        msg("v", None, "assistant", "V.", tree="v"),
+        msg("vp", "v", "prompter", "V?", tree="v"),
+        msg("v0", "vp", "assistant", "v best", 0, tree="v"),
+        msg("v1", "vp", "assistant", "v worse", 1, tree="v"),
+    ]
     result = build_preferences(
-        pd.DataFrame(TREE + [msg("z", None, "prompter", "Z?", tree="u")]), {"t": "train"}
+        pd.DataFrame(TREE + lonely + unsplit + assistant_root), {"t": "train", "v": "train", "z": "train"}
     )
-    assert result.stats["groups_dropped"]["no_split"] == 0  # u has no replies: not a group
+    stats = result.stats
+    assert stats["groups"] == 6 and stats["groups_with_pairs"] == 1
+    assert stats["groups_dropped"] == {
+        "fewer_than_two_replies": 1,
+        "fewer_than_two_ranked": 1,
+        "ranks_tied": 1,
+        "non_alternating": 1,
+        "no_split": 1,
+    }
+    assert stats["tied_reply_pairs_skipped"] == 1
+    assert stats["pairs"] == {"train": 3, "validation": 0}
+    assert set(result.train["message_tree_id"]) == {"t"}
     with pytest.raises(DataError, match=r"no preference pairs \(preference\.pairs: 'best_vs_rest'\)"):
         build_preferences(
             pd.DataFrame([r for r in TREE if r["message_id"] not in ("a1", "a2", "a3")]), {"t": "train"}
@@ -249,6 +275,86 @@ def test_a_long_side_keeps_the_replys_start():
     ids, labels = side(20, 10)
     kept, lab, cut = pairs.fit(ids, labels, 64)
     assert cut is None and kept.tolist() == ids.tolist() and lab.tolist() == labels.tolist()
+
+
+def test_tokenized_pairs_hold_chosen_then_rejected_with_labels_on_the_reply(tiny_data, tmp_path):
+    """tokenize_pairs' rows: chosen, then rejected with position ids restarting at 0, each the conversation so far
+    plus its reply as the chat template renders it; labels (the token ids) on the reply and its eos only, never on
+    the prompt or an earlier reply. Long pairs are cut (in the prompt when the reply fits, else in the reply) and every cut side counted."""
+    from snaketune.data.preferences import write_preferences
+    from snaketune.data.tokenization import load_tokenizer
+    from snaketune.data.tokenizer import BOS, EOS
+
+    long_prompt = "please explain in detail how this works " * 12
+    long_reply = "it works by turning the crank until the light goes on " * 8
+    rows = [
+        msg("q", None, "prompter", "Is the sky blue?"),
+        msg("a0", "q", "assistant", "Yes, it is blue.", 0),
+        msg("a1", "q", "assistant", "No, it is green.", 1),
+        msg("f", "a0", "prompter", "Why is it blue?"),
+        msg("f0", "f", "assistant", "Light scatters.", 0),
+        msg("f1", "f", "assistant", "Nobody knows.", 1),
+        msg("l", None, "prompter", long_prompt, tree="long"),
+        msg("l0", "l", "assistant", "Yes.", 0, tree="long"),
+        msg("l1", "l", "assistant", long_reply, 1, tree="long"),
+        msg("l2", "l", "assistant", "No.", 2, tree="long"),
+    ]
+    write_preferences(
+        build_preferences(pd.DataFrame(rows), {"t": "train", "long": "validation"}), tmp_path / "pairs"
+    )
+    stats = pairs.tokenize_pairs(
+        tmp_path / "pairs",
+        tiny_data.tokenizer_dir,
+        tmp_path / "tokenized",
+        max_length=64,
+        chat_template="deepseek",
+    )
+    tok = load_tokenizer(tiny_data.tokenizer_dir, "deepseek")
+    IGNORE = batching.IGNORE
+
+    def sides(data, r):
+        """Row r cut where its position ids restart at 0: [(ids, labels), ...]."""
+        pos = data.position_ids[r].tolist()
+        starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+        for a, b in zip(starts, starts[1:], strict=False):
+            assert pos[a:b] == list(range(b - a))
+        return [
+            (data.input_ids[r][a:b].tolist(), data.labels[r][a:b].tolist())
+            for a, b in zip(starts, starts[1:], strict=False)
+        ]
+
+    def prompt_and_reply(ids, labels):
+        """The unlabelled start and the labelled rest, decoded; labels are the ids, only on a run at the end."""
+        start = next(i for i, label in enumerate(labels) if label != IGNORE)
+        assert labels[:start] == [IGNORE] * start and labels[start:] == ids[start:]
+        return tok.decode(ids[:start]), tok.decode(ids[start:])
+
+    first = f"{BOS}User: Is the sky blue?\n\nAssistant:"
+    second = f"{first} Yes, it is blue.{EOS}User: Why is it blue?\n\nAssistant:"
+    train = batching.load_split(tmp_path / "tokenized" / "train")
+    assert len(train) == 2
+    got = [[prompt_and_reply(*side) for side in sides(train, r)] for r in range(2)]
+    assert got == [
+        [(first, f" Yes, it is blue.{EOS}"), (first, f" No, it is green.{EOS}")],
+        [(second, f" Light scatters.{EOS}"), (second, f" Nobody knows.{EOS}")],
+    ]
+
+    # Yes. > the long reply, Yes. > No.: three sides cut in the prompt (its oldest tokens went), one in the reply.
+    validation = batching.load_split(tmp_path / "tokenized" / "validation")
+    (yes, long), (yes_again, no) = sides(validation, 0), sides(validation, 1)
+    assert [len(ids) for ids, _ in (yes, long, yes_again, no)] == [64] * 4
+    assert all(ids[0] == tok.bos_token_id for ids, _ in (yes, long, yes_again, no))
+    assert [prompt_and_reply(*side)[1] for side in (yes, yes_again, no)] == [f" Yes.{EOS}"] * 2 + [
+        f" No.{EOS}"
+    ]
+    assert f" {long_reply}".startswith(prompt_and_reply(*long)[1])  # the reply's end went
+    counts = {
+        split: (s["pairs"], s["sides_cut_in_prompt"], s["sides_cut_in_reply"])
+        for split, s in stats["splits"].items()
+    }
+    assert counts == {"train": (2, 0, 0), "validation": (2, 3, 1)}
+    assert stats["splits"]["validation"]["max_side_tokens"] > 64
+    assert stats["splits"]["train"]["tokens"] == sum(len(x) for x in train.input_ids)
 
 
 # ---- the stages on CPU ranks ----------------------------------------------------------------------------------

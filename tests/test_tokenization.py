@@ -18,6 +18,7 @@ from snaketune.data.tokenization import (
     IGNORE_INDEX,
     TemplateError,
     assistant_spans,
+    encode_conversation,
     load_tokenizer,
     pack,
     save_rows,
@@ -190,6 +191,87 @@ def test_deepseek_template_uses_a_foreign_tokenizers_specials(tmp_path, tok_dir)
     assert text == "<s>User: ka\n\nAssistant: lo</s>"
     example = tokenize_conversation(tok, messages, max_length=64, assistant_only_loss=True)
     assert tok.decode(label_runs(example)[0]) == " lo</s>"
+
+
+def test_batches_come_back_in_input_order(tok, monkeypatch):
+    """encode_conversations over several batches (3 a batch, 10 conversations: three full, one partial) gives
+    each conversation's ids and labels as encoding it alone does, in input order."""
+    from snaketune.data import chat
+
+    monkeypatch.setattr(chat, "ENCODE_BATCH", 3)
+    rng = random.Random(21)
+    conversations = [conversation(rng, 1 + i % 3) for i in range(10)]
+    alone = [encode_conversation(tok, c, assistant_only_loss=True) for c in conversations]
+    assert len({tuple(ids) for ids, _ in alone}) == 10  # all different: an order mix-up shows
+    batched = [
+        (ids.tolist(), labels.tolist())
+        for ids, labels in chat.encode_conversations(tok, conversations, assistant_only_loss=True)
+    ]
+    assert batched == alone
+
+
+def test_truncation_and_padding_of_a_tokenizer_json_are_ignored(tmp_path, tok_dir, tok):
+    """A tokenizer.json saved with truncation (8 tokens) and padding (to 300) encodes a conversation whole and
+    unpadded: the stages cut and pad themselves."""
+    from tokenizers import Tokenizer
+
+    shutil.copytree(tok_dir, tmp_path / "tok")
+    backend = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    backend.enable_truncation(8)
+    backend.enable_padding(length=300, pad_id=1, pad_token=EOS)
+    backend.save(str(tmp_path / "tok" / "tokenizer.json"))
+    cut = load_tokenizer(tmp_path / "tok", "deepseek")
+    assert cut.backend_tokenizer.truncation["max_length"] == 8  # transformers keeps what the file says
+    messages = conversation(random.Random(4), 2)
+    whole = encode_conversation(tok, messages, assistant_only_loss=True)
+    assert 8 < len(whole[0]) < 300
+    assert encode_conversation(cut, messages, assistant_only_loss=True) == whole
+    example = tokenize_conversation(cut, messages, max_length=4096, assistant_only_loss=True)
+    assert example["input_ids"] == whole[0] and not example["truncated"]
+
+
+def edited_config(tmp_path: Path, tok_dir: Path, **changes) -> Path:
+    """A copy of the tokenizer with keys of tokenizer_config.json set (None: removed)."""
+    out = tmp_path / "tok"
+    shutil.copytree(tok_dir, out)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    for key, value in changes.items():
+        config.pop(key, None)
+        if value is not None:
+            config[key] = value
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    return out
+
+
+def test_tokenizer_without_eos_is_an_error(tmp_path, tok_dir):
+    """No eos token in tokenizer_config.json: refused, naming the tokenizer directory, before any template use."""
+    path = edited_config(tmp_path, tok_dir, eos_token=None, pad_token=None)
+    with pytest.raises(TemplateError) as error:
+        load_tokenizer(path, "deepseek")
+    assert str(error.value) == (
+        f"tokenizer {str(path)!r} has no eos token, so assistant turns have no end-of-turn token"
+    )
+
+
+def test_bos_that_is_the_unknown_token_is_an_error(tmp_path, tok_dir):
+    """The DeepSeek template writes bos as text: a bos that encodes as the unknown token is refused."""
+    path = edited_config(tmp_path, tok_dir, unk_token="<unk>", bos_token="<unk>")
+    tokenizer_json = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+    tokenizer_json["model"]["vocab"]["<unk>"] = len(tokenizer_json["model"]["vocab"])
+    tokenizer_json["model"]["unk_token"] = "<unk>"
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer_json), encoding="utf-8")
+    with pytest.raises(TemplateError) as error:
+        load_tokenizer(path, "deepseek")
+    assert str(error.value) == f"tokenizer {str(path)!r}: bos_token '<unk>' is not in its vocabulary"
+
+
+def test_bos_missing_from_the_vocabulary_is_an_error(tmp_path, tok_dir):
+    """A bos that tokenizer.json does not have would be rendered as a token the model never learnt (transformers
+    adds it as a new id past the vocabulary): refused."""
+    path = edited_config(tmp_path, tok_dir, bos_token="<s>")  # tokenizer.json has no <s>
+    with pytest.raises(TemplateError, match=r"bos_token '<s>' is not in its vocabulary"):
+        load_tokenizer(path, "deepseek")
 
 
 @pytest.fixture(scope="module")

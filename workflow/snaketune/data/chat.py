@@ -56,10 +56,14 @@ def load_tokenizer(path: str | Path, chat_template: str):
             f"tokenizer {str(path)!r} has no eos token, so assistant turns have no end-of-turn token"
         )
     if chat_template == "deepseek":
+        known = _file_vocabulary(Path(path) / "tokenizer.json")
         for name in ("bos_token", "eos_token"):
             token = getattr(tokenizer, name)
-            # The template writes the special as text: it must come back as the one id the model knows.
-            if token is not None and tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id):
+            # The template writes the special as text: it must come back as the one id the model knows. transformers
+            # adds a special that tokenizer.json lacks as a new id past the vocabulary, one no model has learnt.
+            if token is not None and (
+                token not in known or tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id)
+            ):
                 raise TemplateError(f"tokenizer {str(path)!r}: {name} {token!r} is not in its vocabulary")
         tokenizer.chat_template = DEEPSEEK_CHAT_TEMPLATE
     elif not tokenizer.chat_template:
@@ -71,6 +75,15 @@ def load_tokenizer(path: str | Path, chat_template: str):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _file_vocabulary(tokenizer_json: Path) -> set[str]:
+    """The tokens a tokenizer.json defines: its model's vocabulary (BPE and WordPiece: a dict; Unigram: [token,
+    score] pairs) and its added tokens."""
+    spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    vocab = spec.get("model", {}).get("vocab") or {}
+    tokens = set(vocab) if isinstance(vocab, dict) else {entry[0] for entry in vocab}
+    return tokens | {added["content"] for added in spec.get("added_tokens") or ()}
 
 
 def chat_template_text(tokenizer) -> str:

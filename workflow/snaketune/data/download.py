@@ -81,8 +81,12 @@ def _to_table(messages: pd.DataFrame, source_name: str) -> pa.Table:
             continue
         values = frame[col].tolist()
         if any(isinstance(v, dict | list) for v in values):
+            # A message without the annotation is None, or NaN where pandas filled the column: null, not "NaN"
             frame[col] = [
-                None if v is None else json.dumps(v, sort_keys=True, ensure_ascii=False) for v in values
+                None
+                if v is None or (isinstance(v, float) and math.isnan(v))
+                else json.dumps(v, sort_keys=True, ensure_ascii=False)
+                for v in values
             ]
     try:
         return pa.Table.from_pandas(frame, preserve_index=False)
