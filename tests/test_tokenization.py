@@ -500,3 +500,28 @@ def test_a_split_without_rows_is_an_error(tmp_path, tok_dir):
         )
     assert not (tmp_path / "out" / "tokenized").exists()
     assert list((tmp_path / "out").iterdir()) == [], "temp dir left behind"
+
+
+def test_split_stats_on_known_lengths():
+    """stats.json's counts from hand-made lengths (written out, not the module's formulas): three conversations of
+    10, 200 and 50 tokens at max_length 96 (the second truncated to 96), packed into two blocks."""
+    from snaketune.data.tokenization import _split_stats
+
+    def example(n: int, truncated: bool) -> dict:
+        return {"input_ids": [0] * n, "truncated": truncated}
+
+    kept = [example(10, False), example(96, True), example(50, False)]
+    stats = _split_stats([10, 200, 50], kept, [example(96, False), example(60, False)], 96, loss_tokens=30)
+    assert stats == {
+        "conversations": 3,
+        "dropped_no_loss_tokens": 0,
+        "truncated": 1,
+        "truncated_pct": 33.333,
+        "tokens": 156,
+        "loss_tokens": 30,
+        "pad_fraction_unpadded_to_max": 0.458333,  # 1 - 156 / 288
+        "packed_blocks": 2,
+        "pad_fraction_packed": 0.1875,  # 1 - 156 / 192
+        "mean_conversation_tokens": 86.667,
+        "max_conversation_tokens": 200,
+    }
