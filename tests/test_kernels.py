@@ -314,6 +314,16 @@ def test_liger_kernels_match_the_torch_modules(monkeypatch):
     for mode in ("torch", "liger"):  # torch first: Liger's RoPE replaces the module's function
         model = LossModel(copy.deepcopy(net), packed_attention=True, fused_cross_entropy=True)
         kernels.apply(model.net, mode)
+        if (
+            mode == "liger"
+        ):  # Liger's kernels run, or this would compare transformers' modules with themselves
+            layers = model.net.model.layers
+            assert model.net.model.norm._get_name() == "LigerRMSNorm"
+            assert {m._get_name() for layer in layers for m in (layer.mlp, layer.input_layernorm)} == {
+                "LigerSwiGLUMLP",
+                "LigerRMSNorm",
+            }
+            assert modeling_llama.apply_rotary_pos_emb.__module__.startswith("liger_kernel")
         loss = model(ids, labels, pos, cu)
         loss.backward()
         results.append((loss.float(), {n: p.grad.float() for n, p in model.named_parameters()}))
