@@ -3,12 +3,13 @@ tests/test_write_faults.py).
 
 Killed runs (`interrupted`): one working directory runs the fast workflow (tests/configs/fast.yaml) and is
 SIGKILLed, Snakemake's process group and every rank, once inside every stage of the default workflow:
-download and plan (they run side by side) together, then conversations, train_tokenizer, tokenize, train,
-evaluate, manifest and report, each in the rerun that redoes the job killed before it (export: its own test). Each kill comes at
-a fixed point, set by the test hook snaketune.io.PAUSE_ENV: a writer stops just before it renames one
-output into place, with the outputs renamed before it already there (or, for tokenize and plan, before
-their provenance record, all outputs in place). Training is killed once a checkpoint of step >= 8 is
-complete. After each kill a dry run shows what Snakemake makes of the leftovers, `--unlock` removes the
+download and plan (they run side by side) together, then conversations, train_tokenizer and preferences
+together, tokenize, tokenize_pairs, train, reference, dpo, evaluate, manifest and report, each in the rerun
+that redoes the job killed before it (export: its own test; plan_dpo, sub-second, is not killed). Each kill
+comes at a fixed point, set by the test hook snaketune.io.PAUSE_ENV: a writer stops just before it renames
+one output into place, with the outputs renamed before it already there (or, for tokenize and plan, before
+their provenance record, all outputs in place). Training is killed after its last step, once its final
+checkpoint is complete, before its outputs are in place. After each kill a dry run shows what Snakemake makes of the leftovers, `--unlock` removes the
 stale lock and `--rerun-incomplete` reruns, as a user would. The end result is compared with `reference`,
 an uninterrupted run from the same snapshot of the workflow (shared with tests/test_security.py, which
 greps it for the fake hub tokens in its environment). The reference run and the killed runs take about
@@ -18,6 +19,7 @@ greps it for the fake hub tokens in its environment). The reference run and the 
 from __future__ import annotations
 
 import contextlib
+import csv
 import fnmatch
 import json
 import os
@@ -28,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from conftest import TINY_CONFIG, copy_workflow
@@ -396,6 +399,36 @@ def test_data_outputs_equal_an_uninterrupted_run(interrupted, reference):
         assert sorted(got) == sorted(want), sub
         differ = [name for name in want if got[name] != want[name]]
         assert not differ, f"{sub}: differs from the uninterrupted run: {differ}"
+
+
+@pytest.mark.slow  # a whole workflow run
+def test_preference_outputs_equal_an_uninterrupted_run(interrupted, reference):
+    """The pairs and their tokens byte for byte, the reference log-probs and DPO's logged losses as the
+    uninterrupted run's (each of those stages was killed once)."""
+    for sub in ("data/preferences", "tokenized_pairs"):
+        want = file_bytes(reference / "results" / sub)
+        got = file_bytes(interrupted.workdir / "results" / sub)
+        assert want and sorted(got) == sorted(want), sub
+        assert [name for name in want if got[name] != want[name]] == [], sub
+
+    def reference_logprobs(workdir: Path) -> pd.DataFrame:
+        (path,) = (workdir / "results/preference" / EXPERIMENT).glob("reference-*/reference.parquet")
+        return pd.read_parquet(path)
+
+    pd.testing.assert_frame_equal(
+        reference_logprobs(interrupted.workdir), reference_logprobs(reference), rtol=1e-6, atol=0
+    )
+
+    def dpo_losses(workdir: Path) -> dict[int, float]:
+        with open(workdir / f"results/dpo/{EXPERIMENT}/metrics.csv", newline="") as f:
+            return {
+                int(float(r["step"])): float(r["dpo/loss"]) for r in csv.DictReader(f) if r.get("dpo/loss")
+            }
+
+    got, want = dpo_losses(interrupted.workdir), dpo_losses(reference)
+    assert want and got.keys() == want.keys()
+    for step in want:
+        assert got[step] == pytest.approx(want[step], abs=1e-5), f"dpo/loss at step {step}"
 
 
 @pytest.mark.slow  # a whole workflow run
