@@ -383,3 +383,23 @@ def test_plan_matches_the_dpo_stage_on_an_h200(kernels, measured, where):
     assert (setup.micro_batch, setup.accumulation, setup.objective) == (2, 12, "preference")
     assert setup.fused_cross_entropy and not setup.triton_loss  # DPO's chunked log-probabilities
     assert_planned(memory.estimate(deepseek(30), setup).peak_allocated_gib, measured, where)
+
+
+# The evaluate stage of the LoRA and the full fine-tuning recipes on one H200 (bench/RESULTS.md, issues #13/#15): the
+# stage's own estimate for the lengths it met (2,047-token validation rows, prompts of at most 90 tokens, 128 new
+# tokens; results/eval/default/metrics.json's `memory`) against its measured peaks, per phase. Nothing fitted.
+EVAL_RUNS = [
+    # (run, batch, measured validation GiB, measured generation GiB)
+    ("2026-12-01_h200_realpath_lora", 4, 15.407, 13.309),
+    ("2026-12-01_h200_realpath_full", 8, 15.438, 13.714),
+]
+
+
+@pytest.mark.parametrize(
+    ("run", "batch", "validation", "generation"), EVAL_RUNS, ids=[r[0] for r in EVAL_RUNS]
+)
+def test_evaluation_estimate_matches_the_measured_peaks(run, batch, validation, generation):
+    setup = memory.EvalSetup(batch=batch, seq_len=2047, prompt_len=90, new_tokens=128)
+    est = memory.estimate_eval(deepseek(30), setup)
+    assert_planned(est.validation_gib, validation, (run, "validation", est))
+    assert_planned(est.generation_gib, generation, (run, "generation", est))

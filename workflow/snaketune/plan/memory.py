@@ -401,11 +401,14 @@ def estimate_eval(arch: Arch, e: EvalSetup) -> EvalEstimate:
     """Peak memory of the evaluate stage. Without gradients nothing is saved for backward: a forward pass holds
     the residual stream, one layer's intermediates at a time and the loss; generation adds the KV cache.
 
-    - validation loss (snaketune.model.build.LossModel with the fused loss): per token, the residual stream and the
-      layer's input (2 x a*h), the RMSNorm's fp32 upcast (4h), q, k, v and the attention output (a*(2q+2kv)),
-      the SwiGLU MLP's gate, up and their product (3*a*i); the final hidden states (a*h); one chunk of the
-      fused loss's logits (bf16 product, fp32 copy, logsumexp's fp32 temporary: 10 B per entry); without
-      varlen the packed rows' additive mask (batch x L^2 x (a + 1)).
+    - validation loss (snaketune.model.build.LossModel with the fused loss), the larger of two phases that do not
+      overlap: a decoder layer, per token the residual stream and the layer's input (2 x a*h), the RMSNorm's fp32
+      upcast (4h), q, k, v and the attention output (a*(2q+2kv)), the SwiGLU MLP's gate, up and their product
+      (3*a*i), and without varlen the packed rows' additive mask (batch x L^2 x (a + 1)); then the loss, the final
+      hidden states (a*h per token) and one chunk of the fused loss's logits (bf16 product, fp32 copy,
+      logsumexp's fp32 temporary: 10 B per entry). Measured on an H200 (bench/RESULTS.md, issues #13/#15): 15.41
+      and 15.44 GiB at 4 and 8 rows of 2,047 tokens, where this gives 15.38 and 15.44 (their sum gave 16.38 and
+      17.44: the peak barely moves with the batch, so the phases do not add up).
     - generation (transformers' generate, logits of the last position only): the KV cache for the prompt and
       the new tokens (2 x layers x kv_dim x a per token), the prefill's per-layer intermediates as above over
       the prompt, its causal mask (batch x L^2 x a), and the last position's logits (fp32, 6 B per entry).
@@ -421,9 +424,8 @@ def estimate_eval(arch: Arch, e: EvalSetup) -> EvalEstimate:
     per_token = 2 * a * h + 4 * h + a * (2 * q + 2 * kv) + 3 * a * i
     tokens = e.batch * e.seq_len
     chunk = min(tokens, max(256, FUSED_CHUNK_BYTES // (4 * arch.vocab) // 256 * 256))
-    validation = weights + tokens * (per_token + a * h) + 10 * chunk * arch.vocab
-    if not e.varlen:
-        validation += e.batch * e.seq_len**2 * (a + 1)
+    layer_phase = tokens * per_token + (0 if e.varlen else e.batch * e.seq_len**2 * (a + 1))
+    validation = weights + max(layer_phase, tokens * a * h + 10 * chunk * arch.vocab)
     total_len = e.prompt_len + e.new_tokens
     kv_cache = 2 * arch.layers * e.batch * total_len * kv * a
     prefill = e.batch * e.prompt_len * per_token + e.batch * e.prompt_len**2 * a
