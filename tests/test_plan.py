@@ -385,21 +385,23 @@ def test_plan_matches_the_dpo_stage_on_an_h200(kernels, measured, where):
     assert_planned(memory.estimate(deepseek(30), setup).peak_allocated_gib, measured, where)
 
 
-# The evaluate stage of the LoRA and the full fine-tuning recipes on one H200 (bench/RESULTS.md, issues #13/#15): the
-# stage's own estimate for the lengths it met (2,047-token validation rows, prompts of at most 90 tokens, 128 new
-# tokens; results/eval/default/metrics.json's `memory`) against its measured peaks, per phase. Nothing fitted.
+# The evaluate stage of the LoRA, full fine-tuning and QLoRA recipes on one H200 (bench/RESULTS.md, issues #13/#15/
+# #16): the stage's own estimate for the lengths it met (validation rows of max_length - 1 tokens, prompts of at most
+# 90, 128 new tokens; results/eval/default/metrics.json's `memory`) against its measured peaks, per phase. Nothing
+# fitted.
 EVAL_RUNS = [
-    # (run, batch, measured validation GiB, measured generation GiB)
-    ("2026-12-01_h200_realpath_lora", 4, 15.407, 13.309),
-    ("2026-12-01_h200_realpath_full", 8, 15.438, 13.714),
+    # (run, batch, validation row tokens, in 4 bits, measured validation GiB, measured generation GiB)
+    ("2026-12-01_h200_realpath_lora", 4, 2047, False, 15.407, 13.309),
+    ("2026-12-01_h200_realpath_full", 8, 2047, False, 15.438, 13.714),
+    ("2026-12-01_h200_quantized", 2, 4081, True, 7.025, 4.725),  # the QLoRA example: its models in NF4
 ]
 
 
 @pytest.mark.parametrize(
-    ("run", "batch", "validation", "generation"), EVAL_RUNS, ids=[r[0] for r in EVAL_RUNS]
+    ("run", "batch", "rows", "nf4", "validation", "generation"), EVAL_RUNS, ids=[r[0] for r in EVAL_RUNS]
 )
-def test_evaluation_estimate_matches_the_measured_peaks(run, batch, validation, generation):
-    setup = memory.EvalSetup(batch=batch, seq_len=2047, prompt_len=90, new_tokens=128)
+def test_evaluation_estimate_matches_the_measured_peaks(run, batch, rows, nf4, validation, generation):
+    setup = memory.EvalSetup(batch=batch, seq_len=rows, prompt_len=90, new_tokens=128, quantized=nf4)
     est = memory.estimate_eval(deepseek(30), setup)
     assert_planned(est.validation_gib, validation, (run, "validation", est))
     assert_planned(est.generation_gib, generation, (run, "generation", est))
