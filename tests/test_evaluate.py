@@ -373,3 +373,8 @@ def test_preference_intervals_are_wilsons_and_the_means():
     assert scores["reward_accuracy"] == 1.0 and scores["reward_margin"] == pytest.approx(0.05)
     # Every pair has the same margin: no spread, a zero-width interval.
     assert scores["reward_margin_ci95"] == pytest.approx([0.05, 0.05])
+    # 1..5: mean 3, sample standard deviation sqrt(2.5) = 1.5811, standard error 1.5811 / sqrt(5) = 0.7071, so
+    # 3 -+ 1.959964 x 0.7071 = 3 -+ 1.3859 (the population deviation would give 3 -+ 1.2396).
+    lo, hi = evaluate.mean_interval(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
+    assert (round(lo, 4), round(hi, 4)) == (1.6141, 4.3859)
+    assert evaluate.mean_interval(torch.tensor([2.5])) == [2.5, 2.5]  # one value: no spread to estimate

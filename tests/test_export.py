@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from snaketune.config.choices import ConfigError
 from snaketune.config.export import DEFAULT_MAX_KL
 from snaketune.config.load import load_config
-from snaketune.export import llama_cpp, measure
+from snaketune.export import export, llama_cpp, measure
 from snaketune.model.batching import IGNORE, TokenizedSplit
 
 # ---- the stage in the tiny run ------------------------------------------------------------------------------
@@ -177,3 +178,56 @@ def test_where_replies_part():
     assert measure.parted_at([1, 2, 3], [1, 5, 3]) == 1
     assert measure.parted_at([1, 2], [1, 2, 3]) == 2
     assert measure.parted_at([], [7]) == 0
+
+
+# A file that keeps everything a runtime needs and whose KL is within its bound: the row, the bound, the GGUF
+# metadata and the tokenizer that _failures compares.
+TEMPLATE = "{% for m in messages %}User: {{ m['content'] }}{% endfor %}"
+GOOD_ROW = {
+    "kl_mean": 0.04,
+    "replies_ended": 3,
+    "replies_ended_transformers": 3,
+    "eos_is_end_of_generation": True,
+}
+GOOD_META = {"chat_template": TEMPLATE, "bos_token_id": 1, "eos_token_id": 2}
+TOKENIZER = SimpleNamespace(bos_token_id=1, eos_token_id=2)
+
+
+def failures(row=None, max_kl=0.05, meta=None, template=TEMPLATE):
+    return export._failures(GOOD_ROW | (row or {}), max_kl, GOOD_META | (meta or {}), TOKENIZER, template)
+
+
+def test_a_file_fails_for_each_reason_and_only_then():
+    """Each reason a GGUF file is marked failing is reported, with its figures; a good file, a KL at the bound, a
+    type with no bound, a file whose replies end more often than transformers' and a tokenizer without a chat
+    template give none."""
+    assert failures() == []
+    assert failures({"kl_mean": 0.05}) == []  # at the bound: only past it fails
+    assert failures({"kl_mean": 9.0}, max_kl=None) == []
+    assert failures({"kl_mean": None}) == []
+    assert failures({"replies_ended": 3, "replies_ended_transformers": 1}) == []
+    assert failures(meta={"chat_template": None}, template=None) == []
+    assert failures({"kl_mean": 0.0812345}) == ["KL 0.08123 > 0.05"]
+    assert failures({"replies_ended": 1}) == ["2 replies ran past the end of turn"]
+    assert failures(meta={"chat_template": None}) == ["chat template lost"]
+    assert failures(meta={"chat_template": "{{ messages }}"}) == ["chat template lost"]
+    assert failures(meta={"eos_token_id": 5}) == ["eos 5 != 2"]
+    assert failures(meta={"eos_token_id": None}) == ["eos None != 2"]
+    assert failures({"eos_is_end_of_generation": False}) == ["eos does not end generation"]
+    assert failures(
+        {"kl_mean": 0.5, "replies_ended": 0, "eos_is_end_of_generation": False},
+        meta={"chat_template": None, "eos_token_id": 7},
+    ) == [
+        "KL 0.5 > 0.05",
+        "3 replies ran past the end of turn",
+        "chat template lost",
+        "eos 7 != 2",
+        "eos does not end generation",
+    ]
+
+
+def test_a_file_that_lost_bos_fails():
+    """The module docstring: a file is marked failing when it lost the bos a runtime needs (the check was missing;
+    found by the test above's audit)."""
+    assert failures(meta={"bos_token_id": None}) == ["bos None != 1"]
+    assert failures(meta={"bos_token_id": 7}) == ["bos 7 != 1"]

@@ -8,6 +8,7 @@ import csv
 import json
 import shutil
 import subprocess
+from dataclasses import replace
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -297,6 +298,75 @@ def test_html_is_self_contained(built):
     assert "http://" not in page and "https://" not in page and 'src="file' not in page
     assert page.count('src="data:image/png;base64,') == 5
     assert "let let &lt;b&gt;" in page  # generated text is escaped
+
+
+def _export_dir(root: Path) -> Path:
+    """An export stage's directory (snaketune.export.export) with an f32 file that passes and a q4_k_m file
+    marked failing for two reasons."""
+    d = root / "results/export/default/sft"
+    files = []
+    for kind, failing in (("f32", []), ("q4_k_m", ["KL 0.3 > 0.1", "eos does not end generation"])):
+        files.append(
+            {
+                "type": kind,
+                "file": f"default-sft-{kind}.gguf",
+                "bytes": 2**20,
+                "make_time_s": 1.0,
+                "perplexity": 12.0,
+                "perplexity_ratio": 1.0,
+                "kl_mean": 0.3 if failing else 0.0,
+                "top1_agreement": 0.9,
+                "prompt_tokens_per_s": 900.0,
+                "generation_tokens_per_s": 300.0,
+                "replies": 2,
+                "replies_agreeing": 2,
+                "replies_ended": 2,
+                "replies_ended_transformers": 2,
+                "eos_is_end_of_generation": not failing,
+                "failing": failing,
+            }
+        )
+    _json(
+        d / "metrics.json",
+        {
+            "model": "default-sft",
+            "toolchain": {"llama_cpp_python": "0.3.36"},
+            "outtype": "f32",
+            "metadata": {
+                "chat_template_matches": True,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "eos_matches": True,
+                "pre_tokenizer": "gpt-2",
+            },
+            "reference": {"perplexity": 12.0, "target_tokens": 300, "conversations": 4},
+            "threads": 2,
+            "files": files,
+            "time_s": 3.0,
+        },
+    )
+    _write(d / "replies.jsonl", "")
+    return d
+
+
+def test_a_failing_gguf_file_shows_as_failing(tmp_path):
+    """The deployment section's verdict column: the reasons a file failed, "pass" for one that did not; summary.json
+    keeps the reasons."""
+    inputs = make_results(tmp_path)
+    default = replace(inputs.experiments[0], exports={"sft": _export_dir(tmp_path)})
+    inputs = replace(inputs, experiments=[default, *inputs.experiments[1:]])
+    summary = report.build_report(inputs, tmp_path / "results/report", workdir=tmp_path)
+    md = (tmp_path / "results/report/report.md").read_text()
+    section = md[md.index("## Deployment (GGUF)") :]
+    rows = {
+        line.split(" | ")[0]: line
+        for line in section.splitlines()
+        if line.startswith(("| f32 ", "| q4_k_m "))
+    }
+    assert rows["| f32"].endswith(" | pass |"), rows
+    assert rows["| q4_k_m"].endswith(" | KL 0.3 > 0.1; eos does not end generation |"), rows
+    exported = summary["experiments"]["default"]["export"]["sft"]
+    assert [f["failing"] for f in exported] == [[], ["KL 0.3 > 0.1", "eos does not end generation"]]
 
 
 @pytest.mark.parametrize(

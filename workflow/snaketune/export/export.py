@@ -174,6 +174,8 @@ def _failures(row: dict, max_kl: float | None, meta: dict, tokenizer, template: 
         )
     if template and meta["chat_template"] != template:
         out.append("chat template lost")
+    if meta["bos_token_id"] != tokenizer.bos_token_id:
+        out.append(f"bos {meta['bos_token_id']} != {tokenizer.bos_token_id}")
     if meta["eos_token_id"] != tokenizer.eos_token_id:
         out.append(f"eos {meta['eos_token_id']} != {tokenizer.eos_token_id}")
     if not row["eos_is_end_of_generation"]:
