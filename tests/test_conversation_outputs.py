@@ -47,9 +47,8 @@ def test_split_by_hash_matches_formula():
     # Pinned: the split of a tree may never change between versions, machines or Python's hash seeds (a changed
     # split would move validation trees into training).
     assert split_hash("tree000") == 0.22455684316930288
-    assert (
-        split_hash("6ab24d72-0181-4594-a9cd-deaf170242fb") == 0.7682919485355566
-    )  # an oasst1 tree id's form
+    oasst1_form = "6ab24d72-0181-4594-a9cd-deaf170242fb"
+    assert split_hash(oasst1_form) == 0.7682919485355566
 
 
 def test_split_keeps_each_tree_in_one_split():

@@ -22,9 +22,8 @@ def test_conda_envs_pin_what_the_requirements_pin():
     required = {}
     for path in sorted(REPO.glob("requirements*.txt")):
         required.update(pins(path.read_text()))
-    required.update(
-        pins((REPO / "Makefile").read_text().replace("pip install --quiet", "\n-"))
-    )  # torch, alone
+    # torch, installed first and alone by the Makefile
+    required.update(pins((REPO / "Makefile").read_text().replace("pip install --quiet", "\n-")))
     assert "torch" in required
     envs = sorted((REPO / "envs").glob("*.yaml"))
     assert envs
