@@ -333,7 +333,7 @@ def test_config_yaml_spells_out_the_eval_defaults():
             {"builtin_examples": 1000},
             "config key 'eval.builtin_examples': 1000 is not allowed; allowed: 0 (off) to 320",
         ),
-        ({"batch_size": 0}, "config key 'eval.batch_size'"),
+        ({"batch_size": 0}, "config key 'eval.batch_size': 0 must be >= 1"),
         ({"max_new_token": 8}, "'eval.max_new_token': unknown key; did you mean 'max_new_tokens'?"),
     ],
 )
