@@ -85,5 +85,18 @@ RICH = [
 ]
 
 
+RICH_DROPPED = {
+    "orphan": 2,
+    "loop": 4,
+    "language": 0,
+    "tree_state": 0,
+    "deleted": 1,
+    "review_failed": 1,
+    "empty_text": 1,
+    "under_dropped_parent": 2,
+}
+"""RICH's messages dropped, by reason (the comments above RICH)."""
+
+
 def rich(**kwargs: Any) -> Conversations:
     return build_conversations(frame(*RICH), **kwargs)

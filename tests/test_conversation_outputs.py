@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from oasst_trees import RICH, frame, ids, msg, pair, rich
+from oasst_trees import RICH, RICH_DROPPED, frame, ids, msg, pair, rich
 from snaketune.data.conversations import (
     OUTPUT_COLUMNS,
     DataError,
@@ -142,16 +142,7 @@ def test_stats_full():
         "trees": 4,
         "messages": 22,
         "messages_kept": 11,
-        "dropped": {
-            "orphan": 2,
-            "loop": 4,
-            "language": 0,
-            "tree_state": 0,
-            "deleted": 1,
-            "review_failed": 1,
-            "empty_text": 1,
-            "under_dropped_parent": 2,
-        },
+        "dropped": RICH_DROPPED,
         "tree_states": ["ready_for_export"],
         "trees_dropped": {"language": 0, "tree_state": 0},
         "paths_dropped": {"non_alternating": 1, "no_exchange": 1, "duplicate": 0},

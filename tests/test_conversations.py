@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from oasst_trees import RICH, all_rows, by_id, frame, ids, msg, pair, rich
+from oasst_trees import RICH, RICH_DROPPED, all_rows, by_id, frame, ids, msg, pair, rich
 from snaketune.data.conversations import (
     OUTPUT_COLUMNS,
     REQUIRED_COLUMNS,
@@ -115,16 +115,7 @@ def test_deep_thread_needs_no_recursion():
 
 def test_drop_counts_by_reason():
     stats = rich().stats
-    assert stats["dropped"] == {
-        "orphan": 2,
-        "loop": 4,
-        "language": 0,
-        "tree_state": 0,
-        "deleted": 1,
-        "review_failed": 1,
-        "empty_text": 1,
-        "under_dropped_parent": 2,
-    }
+    assert stats["dropped"] == RICH_DROPPED
     assert stats["messages"] == len(RICH) == 22
     assert stats["messages_kept"] == 11
     assert stats["trees"] == 4

@@ -393,12 +393,17 @@ def test_data_outputs_equal_an_uninterrupted_run(interrupted, reference):
     key = tokenized_key(reference)
     assert tokenized_key(interrupted.workdir) == key
     for sub in ("data/raw", "data/conversations", "tokenizer/builtin", f"tokenized/{key}", "plan"):
-        want = file_bytes(reference / "results" / sub)
-        got = file_bytes(interrupted.workdir / "results" / sub)
-        assert want, sub
-        assert sorted(got) == sorted(want), sub
-        differ = [name for name in want if got[name] != want[name]]
-        assert not differ, f"{sub}: differs from the uninterrupted run: {differ}"
+        assert_same_files(interrupted.workdir, reference, sub)
+
+
+def assert_same_files(workdir: Path, reference: Path, sub: str) -> None:
+    """results/<sub> of the killed run holds the uninterrupted run's files, byte for byte."""
+    want = file_bytes(reference / "results" / sub)
+    got = file_bytes(workdir / "results" / sub)
+    assert want, sub
+    assert sorted(got) == sorted(want), sub
+    differ = [name for name in want if got[name] != want[name]]
+    assert not differ, f"{sub}: differs from the uninterrupted run: {differ}"
 
 
 @pytest.mark.slow  # a whole workflow run
@@ -406,10 +411,7 @@ def test_preference_outputs_equal_an_uninterrupted_run(interrupted, reference):
     """The pairs and their tokens byte for byte, the reference log-probs and DPO's logged losses as the
     uninterrupted run's (each of those stages was killed once)."""
     for sub in ("data/preferences", "tokenized_pairs"):
-        want = file_bytes(reference / "results" / sub)
-        got = file_bytes(interrupted.workdir / "results" / sub)
-        assert want and sorted(got) == sorted(want), sub
-        assert [name for name in want if got[name] != want[name]] == [], sub
+        assert_same_files(interrupted.workdir, reference, sub)
 
     def reference_logprobs(workdir: Path) -> pd.DataFrame:
         (path,) = (workdir / "results/preference" / EXPERIMENT).glob("reference-*/reference.parquet")

@@ -271,7 +271,7 @@ gpu_memory_gib: 24
 
 @pytest.mark.slow
 def test_a_config_that_does_not_fit_stops_before_training(tmp_path):
-    from test_gpus import copy_workflow
+    from conftest import copy_workflow
 
     workdir = copy_workflow(tmp_path / "wf")
     extra = tmp_path / "big.yaml"
