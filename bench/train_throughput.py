@@ -262,6 +262,8 @@ def mix_stats(work: Path) -> dict:
                 )
             }
         )
+        # What the seed and TRL sides train on must be the same conversations: compared in tests/test_bench.py.
+        out.update(packed_tokens=split["tokens"], packed_loss_tokens=split["loss_tokens"])
     seed = work / "seed_data" / "train"
     if seed.exists():
         s = load_split(seed)
@@ -270,6 +272,8 @@ def mix_stats(work: Path) -> dict:
             median_tokens_after_truncation=float(np.median(lengths)),
             p90_tokens_after_truncation=float(np.percentile(lengths, 90)),
             loss_share_of_real_tokens=float(s.loss_tokens.sum() / lengths.sum()),
+            seed_tokens=int(lengths.sum()),
+            seed_loss_tokens=int(s.loss_tokens.sum()),
         )
     return out
 

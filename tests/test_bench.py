@@ -38,6 +38,9 @@ def test_train_throughput_runs_both_sides_on_cpu(tmp_path):
     assert results["seed24"]["real_per_s"] < results["seed24"]["positions_per_s"]
     mix = json.loads((out / "throughput.json").read_text())["mix"]
     assert mix["pad_fraction_packed"] < 0.05 < mix["pad_fraction_unpadded_to_max"]
+    # ... and every token and every loss token of the packed rows is in the padded ones, none more.
+    assert (mix["seed_tokens"], mix["seed_loss_tokens"]) == (mix["packed_tokens"], mix["packed_loss_tokens"])
+    assert mix["packed_loss_tokens"] < mix["packed_tokens"]
     table = (out / "throughput.md").read_text()
     assert "| seed24 |" in table and "| b24_liger |" in table and "x, " in table  # the (b)/(a) ratios
     assert "x (trl24) |" in table  # and (b) against its TRL peer
