@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -316,6 +317,38 @@ def run_reference(
         module="snaketune.preference.reference",
     )
     return Path(spec["output_dir"])
+
+
+# ---- a small trained tokenizer on random conversations (tests/chat_data.py): tokenization and packing -------
+
+
+@pytest.fixture(scope="module")
+def conv_dir(tmp_path_factory) -> Path:
+    import chat_data
+
+    rng = random.Random(0)
+    directory = tmp_path_factory.mktemp("conversations")
+    for split, n in (("train", 120), ("validation", 20)):
+        chat_data.write_conversations(
+            directory / f"{split}.parquet", [chat_data.conversation(rng, rng.randint(1, 3)) for _ in range(n)]
+        )
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory, conv_dir) -> Path:
+    from snaketune.data.tokenizer import conversation_texts, train_tokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(conversation_texts(conv_dir / "train.parquet"), 320, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    from snaketune.data.tokenization import load_tokenizer
+
+    return load_tokenizer(tok_dir, "deepseek")
 
 
 HEAVY_FIRST = (

@@ -1,4 +1,5 @@
-"""Assistant-only masking, truncation, packing without cross-contamination, and reproducible outputs."""
+"""Assistant-only masking, truncation, the tokenizer checks, and reproducible outputs (packing:
+tests/test_packing.py)."""
 
 from __future__ import annotations
 
@@ -7,35 +8,23 @@ import random
 import shutil
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from datasets import load_from_disk
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from chat_data import conversation, write_conversations
 from snaketune.data.tokenization import (
     IGNORE_INDEX,
     TemplateError,
     assistant_spans,
     encode_conversation,
     load_tokenizer,
-    pack,
     save_rows,
     tokenize_conversation,
     tokenize_conversations,
 )
-from snaketune.data.tokenizer import BOS, DEEPSEEK_CHAT_TEMPLATE, EOS, conversation_texts, train_tokenizer
-from snaketune.model.batching import packed_attention_mask
+from snaketune.data.tokenizer import BOS, DEEPSEEK_CHAT_TEMPLATE, EOS
 
-SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "qu", "th", "er", "an", "in", "on", "ch"]
-WORDS = ["".join(random.Random(i).choice(SYLLABLES) for _ in range(1 + i % 4)) for i in range(300)] + [
-    "¿qué",
-    "日本語",
-    "ok,",
-    "why?",
-]
-# History rewriting, as reasoning templates do (DeepSeek-R1, Qwen3 drop earlier replies' thinking): earlier
 # assistant turns render shorter than the same turn rendered last, so prefixes do not line up.
 HISTORY_REWRITING_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -44,59 +33,6 @@ HISTORY_REWRITING_TEMPLATE = (
     "{% else %}{{ 'Assistant: ' + m['content'][:3] + eos_token }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
-
-
-def sentence(rng: random.Random, low: int = 3, high: int = 12) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
-
-
-def conversation(rng: random.Random, exchanges: int, prompt_words: tuple[int, int] = (3, 12)) -> list[dict]:
-    return [
-        message
-        for _ in range(exchanges)
-        for message in (
-            {"role": "user", "content": sentence(rng, *prompt_words)},
-            {"role": "assistant", "content": sentence(rng)},
-        )
-    ]
-
-
-def write_conversations(path: Path, conversations: list[list[dict]]) -> Path:
-    """A conversations parquet file in the schema the conversations stage writes."""
-    n = len(conversations)
-    table = pa.table(
-        {
-            "conversation_id": [f"c{i}" for i in range(n)],
-            "message_tree_id": [f"t{i}" for i in range(n)],
-            "lang": ["en"] * n,
-            "messages": conversations,
-        }
-    )
-    pq.write_table(table, path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def conv_dir(tmp_path_factory) -> Path:
-    rng = random.Random(0)
-    directory = tmp_path_factory.mktemp("conversations")
-    for split, n in (("train", 120), ("validation", 20)):
-        write_conversations(
-            directory / f"{split}.parquet", [conversation(rng, rng.randint(1, 3)) for _ in range(n)]
-        )
-    return directory
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory, conv_dir) -> Path:
-    out = tmp_path_factory.mktemp("tokenizer")
-    train_tokenizer(conversation_texts(conv_dir / "train.parquet"), 320, out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir):
-    return load_tokenizer(tok_dir, "deepseek")
 
 
 def label_runs(example: dict) -> list[list[int]]:
@@ -272,147 +208,6 @@ def test_bos_missing_from_the_vocabulary_is_an_error(tmp_path, tok_dir):
     path = edited_config(tmp_path, tok_dir, bos_token="<s>")  # tokenizer.json has no <s>
     with pytest.raises(TemplateError, match=r"bos_token '<s>' is not in its vocabulary"):
         load_tokenizer(path, "deepseek")
-
-
-@pytest.fixture(scope="module")
-def examples(tok) -> list[dict]:
-    rng = random.Random(11)
-    return [
-        tokenize_conversation(
-            tok, conversation(rng, rng.randint(1, 3)), max_length=96, assistant_only_loss=True
-        )
-        for _ in range(30)
-    ]
-
-
-def segments(block: dict) -> list[dict]:
-    """Split a packed block back into conversations at each position id 0."""
-    starts = [i for i, p in enumerate(block["position_ids"]) if p == 0] + [len(block["position_ids"])]
-    return [
-        {key: block[key][a:b] for key in ("input_ids", "labels", "position_ids")}
-        for a, b in zip(starts, starts[1:], strict=False)
-    ]
-
-
-def test_packing_keeps_whole_conversations(examples):
-    max_length = 128
-    blocks = pack(examples, max_length)
-    assert all(len(b["input_ids"]) <= max_length for b in blocks)
-    assert all(len(b["input_ids"]) == len(b["labels"]) == len(b["position_ids"]) for b in blocks)
-    # Each conversation sits whole in exactly one block, with positions 0..n-1; inside a block in input order.
-    pieces = [piece for block in blocks for piece in segments(block)]
-    key = [tuple(e["input_ids"]) for e in examples]
-    assert sorted(tuple(p["input_ids"]) for p in pieces) == sorted(key)
-    for block in blocks:
-        found = [key.index(tuple(p["input_ids"])) for p in segments(block)]
-        assert found == sorted(found)
-    assert all(p["position_ids"] == list(range(len(p["input_ids"]))) for p in pieces)
-    assert pack(examples, max_length) == blocks
-    with pytest.raises(ValueError, match="longer than max_length"):
-        pack(examples, 8)
-
-
-def test_packing_is_best_fit_decreasing():
-    def ex(n: int, tag: int) -> dict:
-        return {"input_ids": [tag] * n, "labels": [tag] * n}
-
-    # Next-fit in this order needs 4 blocks (6 | 5+4 | 3+2+5 | 5); best-fit decreasing fills 3 to 10.
-    lengths = [6, 5, 4, 3, 2, 5, 5]
-    blocks = pack([ex(n, i) for i, n in enumerate(lengths)], 10)
-    assert sorted(len(b["input_ids"]) for b in blocks) == [10, 10, 10]
-    # The longest goes first and each next one where it leaves the least room: 6+4, 5+5, 5+3+2.
-    assert sorted(sorted(set(b["input_ids"])) for b in blocks) == [[0, 2], [1, 5], [3, 4, 6]]
-
-
-@pytest.fixture(scope="module")
-def packed_case(tok, examples):
-    """A block of three conversations plus a tiny random Llama per attention implementation."""
-    block = pack(examples[:3], 4096)[0]
-    models = {}
-    for impl in ("sdpa", "eager"):
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=512,
-            attn_implementation=impl,
-        )
-        models[impl] = LlamaForCausalLM(config).eval()
-        assert models[impl].config._attn_implementation == impl
-    return block, models
-
-
-def alone_logits(model, block) -> list[torch.Tensor]:
-    with torch.no_grad():
-        return [model(input_ids=torch.tensor([s["input_ids"]])).logits[0] for s in segments(block)]
-
-
-def split_logits(logits: torch.Tensor, block: dict) -> list[torch.Tensor]:
-    sizes = [len(s["input_ids"]) for s in segments(block)]
-    return list(torch.split(logits[0], sizes))
-
-
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_packed_row_equals_conversations_alone_via_position_ids(packed_case, impl):
-    """transformers derives the block-diagonal mask from position_ids: no attention_mask, use_cache=False."""
-    block, models = packed_case
-    ids, positions = torch.tensor([block["input_ids"]]), torch.tensor([block["position_ids"]])
-    with torch.no_grad():
-        logits = models[impl](input_ids=ids, position_ids=positions, use_cache=False).logits
-    for packed, alone in zip(split_logits(logits, block), alone_logits(models[impl], block), strict=True):
-        torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_packed_row_equals_conversations_alone_via_explicit_mask(packed_case, impl):
-    """packed_attention_mask works whatever use_cache is."""
-    block, models = packed_case
-    positions = torch.tensor([block["position_ids"]])
-    with torch.no_grad():
-        logits = (
-            models[impl](
-                input_ids=torch.tensor([block["input_ids"]]),
-                position_ids=positions,
-                attention_mask=packed_attention_mask(positions),
-            )
-        ).logits
-    for packed, alone in zip(split_logits(logits, block), alone_logits(models[impl], block), strict=True):
-        torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
-
-
-def test_packed_detection_is_skipped_with_a_kv_cache(packed_case):
-    """Why use_cache=False (or the explicit mask) is required: with the config default use_cache=True the model
-    makes a DynamicCache, transformers then skips packed detection and later conversations see earlier ones.
-    If this starts failing, transformers has changed and the rule can be relaxed."""
-    block, models = packed_case
-    ids, positions = torch.tensor([block["input_ids"]]), torch.tensor([block["position_ids"]])
-    with torch.no_grad():
-        logits = models["sdpa"](input_ids=ids, position_ids=positions).logits
-    packed, alone = split_logits(logits, block)[1], alone_logits(models["sdpa"], block)[1]
-    assert not torch.allclose(packed, alone, atol=1e-3)
-
-
-def test_packed_loss_equals_per_conversation_losses(packed_case):
-    """Label 0 of each conversation is ignored, so no loss term predicts across a conversation boundary."""
-    block, models = packed_case
-    model = models["eager"]
-    with torch.no_grad():
-        packed = model(
-            input_ids=torch.tensor([block["input_ids"]]),
-            position_ids=torch.tensor([block["position_ids"]]),
-            labels=torch.tensor([block["labels"]]),
-            use_cache=False,
-        ).loss
-        total, count = 0.0, 0
-        for s in segments(block):
-            n = sum(label != IGNORE_INDEX for label in s["labels"][1:])
-            loss = model(input_ids=torch.tensor([s["input_ids"]]), labels=torch.tensor([s["labels"]])).loss
-            total, count = total + loss.item() * n, count + n
-    assert packed.item() == pytest.approx(total / count, abs=1e-5)
 
 
 def test_saved_dataset_carries_the_given_fingerprint(tmp_path):
