@@ -23,6 +23,13 @@ parameter (../shared/FACTS.md: 16 B/param for mixed-precision Adam):
 - buffers, while backward runs (DeepSpeed frees them at its end): ZeRO-1/2 gradient buckets
   (reduce_bucket_size x w, twice with overlap_comm); ZeRO-3 reduce and prefetch buckets, and with N > 1 the
   gathered weights of two layers or an embedding.
+- ZeRO-3 with optimizer offload, while backward hands each gradient's partition to the host (DeepSpeed 0.19,
+  stage3.py: partition_grads, _offload_grad_partition_at_boundary): a GPU copy of the partition read back from
+  the pinned host buffer (w bytes) and its squared norm taken in float64 in pieces of OFFLOAD_NORM_ELEMENTS
+  (_constant_buffered_norm2), for the largest trained tensor: w*L/N + 8*min(L/N, 2.5e8) beside its gradient,
+  every saved activation and the reduce bucket (the logits are freed by then). For the 7B's 102,400 x 4,096
+  embedding on one rank, 0.78 + 1.86 GiB: with it the plan gives 13.3 GiB for 20 layers at 1 x 2,048, measured
+  13.01 (bench/RESULTS.md, issue #26; 11.2 without), and 11.1 for FACTS.md's 14 layers at 4 x 512 (10.6).
 - optimizer step (ZeRO-1/2/3 without offload): the trained gradients flattened (w*T/N) and cast to fp32
   (4*T/N) next to everything above. On one GPU ZeRO-2 thus peaks at 22 B/param in the step (FACTS.md).
 - activations per token and layer, what autograd saves in a DeepSeek/Llama decoder layer with SDPA
@@ -51,7 +58,7 @@ HOST_USABLE of the machine's RAM.
 
 Calibration (tests/test_plan.py): ACTIVATION_FACTOR is fitted to FACTS.md's H200 points where activations
 matter (LoRA 30 layers 8 x 512: 45.4 GiB; torch AdamW 24 and 30 layers 4 x 512: 107.6 and 130.6 GiB); the
-model then gives 116.8 GiB for ZeRO-2 24 layers (measured 116.8, FACTS.md and bench/RESULTS.md) and 10.9 GiB
+model then gives 116.8 GiB for ZeRO-2 24 layers (measured 116.8, FACTS.md and bench/RESULTS.md) and 11.1 GiB
 GPU / 66.6 GiB host for ZeRO-3 offload 14 layers (measured 10.6 / 69). With snaketune's masters, varlen
 attention and the plain loss it gives 101.2 / 119.5 / 36.9 GiB for 24 layers, 30 layers and 30-layer LoRA
 (measured 96.2 / 116.2 / 37.6, bench/RESULTS.md issue #7).
@@ -108,6 +115,9 @@ STATE_8BIT_BYTES = 2 + 8 / 256
 """snaketune.train.adam8bit.BYTES_PER_PARAM (kept here so that the plan does not import torch)."""
 STATE_4BIT_BYTES = 1 + 8 / 128
 """snaketune.train.backward_step.BYTES_PER_PARAM["4bit"]: m and v in 4 bits, an fp32 scale per 128 for each."""
+OFFLOAD_NORM_ELEMENTS = 250_000_000
+"""DeepSpeed's ZeRO-3 takes an offloaded gradient partition's norm in float64 pieces of this many elements
+(stage3.py, _constant_buffered_norm2's buffer_size; no setting changes it)."""
 HOST_USABLE = 0.9
 """Share of the machine's RAM a training may plan to use (the OS, Snakemake and page cache keep the rest)."""
 ENV_HOST_MEMORY = "SNAKETUNE_HOST_MEMORY_GIB"
@@ -329,6 +339,14 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
         # 2^25 elements at a time, snaketune.train.backward_step) are not counted: 21.48 GiB measured against 21.75
         # planned for the 30-layer 7B at 1 x 2,048 on one H200 (bench/RESULTS.md, issue #26).
         forward_backward = weights + optim + transient_grad + acts + logits
+    elif stage == 3 and s.offload_optimizer:
+        # The largest gradient's partition on its way to the host: its GPU copy and its float64 norm pieces, with
+        # every activation still saved but the logits gone (the loss's backward is done).
+        part = largest / n
+        offload = w * part + 8 * min(part, OFFLOAD_NORM_ELEMENTS)
+        forward_backward = max(
+            forward_backward, states + s.reduce_bucket * w + transient_grad + offload + acts
+        )
     elif s.master_weights and stage == 0 and s.accumulation == 1:
         # The gradients are freed after every step (DeepSpeed's zero_grad) and, with one micro-batch per step,
         # grow during backward while the activations are freed: the peak is at the start of backward, with
