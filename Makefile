@@ -46,9 +46,15 @@ run: $(STAMP)
 
 # Two workers, one test file at a time each (a file's module fixtures are built once): the end-to-end runs spend
 # much of their time in one process importing torch, so the other worker's tests fill the second core.
+# On a machine with NVIDIA GPUs the suite runs twice: every test but the `gpu`-marked ones with the GPUs hidden
+# (their runs are CPU ranks by design: golden CPU losses, 2 ranks = 1 on one machine; with a GPU visible their
+# ranks would take it), then the `gpu`-marked ones (kernels, the GPU fast path) with the GPUs visible.
 TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	if command -v nvidia-smi >/dev/null; then \
+		CUDA_VISIBLE_DEVICES= $(PYTEST) -m "not gpu" $(PYTEST_ARGS) && $(PYTEST) -m gpu $(PYTEST_ARGS); \
+	else $(PYTEST) $(PYTEST_ARGS); fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
