@@ -1,10 +1,10 @@
-"""The report: summary.json fields from a fixture results tree of two experiments, self-contained HTML that a
-real browser renders (headless Chromium), Markdown, number formatting; and the real workflow ending in it."""
+"""The report: summary.json fields from a fixture results tree of two experiments (tests/report_tree.py),
+self-contained HTML that a real browser renders (headless Chromium), Markdown, number formatting; and the real
+workflow ending in it."""
 
 from __future__ import annotations
 
 import base64
-import csv
 import json
 import shutil
 import subprocess
@@ -16,222 +16,12 @@ import pytest
 import yaml
 
 from conftest import clone_run, run_snakemake
+from report_tree import KEY, make_results, write_json, write_text
 from snaketune.report import build as report
-from snaketune.report.inputs import ExperimentFiles, ReportInputs
 from snaketune.report.render import fmt, fmt_duration, fmt_pct
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-KEY = "0123456789abcdef"
-
-# ---- a hand-made results tree --------------------------------------------------------------------
-
-EXPERIMENTS = {
-    # name: (base val loss, tuned val loss, base accuracy, tuned accuracy, world size, tokens/s, mfu, memory)
-    "default": (6.8950, 0.9322, 0.0, 0.796875, 3, 2968.3, None, [0.664, 0.666, 0.655]),
-    "lora": (6.8950, 1.8500, 0.0, 0.40625, 2, 3510.0, 0.0123, [0.61, 0.62]),
-}
-
-
-def _write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    return path
-
-
-def _json(path: Path, obj) -> Path:
-    return _write(path, json.dumps(obj, indent=2))
-
-
-def make_results(root: Path) -> ReportInputs:
-    """Every file the report reads, shaped like the stages write them, with known figures."""
-    r = root / "results"
-    _json(
-        r / "data/raw/source.json",
-        {"source": "builtin", "messages": 2827, "splits": [], "sha256": {"messages.parquet": "89" * 32}},
-    )
-    _write(r / "data/raw/SHA256SUMS", f"{'89' * 32}  messages.parquet\n")
-    _json(
-        r / "data/conversations/stats.json",
-        {
-            "trees": 600,
-            "messages": 2827,
-            "messages_kept": 2405,
-            "paths": "top1",
-            "split_source": "hash",
-            "conversations": {"train": 530, "validation": 26},
-            "trees_by_split": {"train": 530, "validation": 26},
-            "turns_mean": {"train": 2.9208, "validation": 3.1538},
-            "by_language": {"train": {"en": 365, "de": 58}, "validation": {"en": 14, "de": 5}},
-            "dropped": {"deleted": 126, "review_failed": 122, "orphan": 0},
-            "paths_dropped": {"no_exchange": 44, "duplicate": 0},
-            "paths_trimmed_prompter": 60,
-        },
-    )
-    split = {
-        "conversations": 530,
-        "sequences": 65,
-        "tokens": 15656,
-        "loss_tokens": 5377,
-        "truncated": 0,
-        "truncated_pct": 0.0,
-        "mean_conversation_tokens": 29.54,
-        "max_conversation_tokens": 68,
-        "pad_fraction_unpadded_to_max": 0.884611,
-        "pad_fraction_packed": 0.059135,
-    }
-    _json(
-        r / f"tokenized/{KEY}/stats.json",
-        {
-            "settings": {
-                "max_length": 256,
-                "packing": True,
-                "assistant_only_loss": True,
-                "chat_template": "deepseek",
-            },
-            "splits": {
-                "train": split,
-                "validation": {**split, "conversations": 26, "tokens": 857, "loss_tokens": 300},
-            },
-            "conversation_files_sha256": {"train": "aa" * 32, "validation": "bb" * 32},
-            "tokenizer_files_sha256": {"tokenizer.json": "cc" * 32},
-            "chat_template_sha256": "dd" * 32,
-        },
-    )
-    files = []
-    for name, (base, tuned, acc0, acc1, world, tps, mfu, memory) in EXPERIMENTS.items():
-        _json(
-            r / f"train/{name}/summary.json",
-            {
-                "experiment": name,
-                "steps": 120,
-                "world_size": world,
-                "device": "cpu" if mfu is None else "NVIDIA H200",
-                "precision": "float32",
-                "zero_stage": 2,
-                "global_batch_size": 24,
-                "micro_batch_size": 4,
-                "gradient_accumulation_steps": 24 // (4 * world),
-                "parameters": 1037440,
-                "trainable_parameters": 1037440 if name == "default" else 16384,
-                "lora": name == "lora",
-                "final_train_loss": 0.0583,
-                "final_val_loss": tuned,
-                "tokens_per_s_per_gpu": tps,
-                "loss_tokens_per_s_per_gpu": tps / 3,
-                "mfu": mfu,
-                "peak_memory_gib_per_rank": memory,
-                "wall_time_s": 155.4,
-                "seed": 1234,
-                "run_key": f"run{name}",
-            },
-        )
-        with open(_write(r / f"train/{name}/metrics.csv", ""), "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(
-                ["step", "train/loss", "train/lr", "train/grad_norm", "train/tokens_seen",
-                 "perf/tokens_per_s_per_gpu", "perf/loss_tokens_per_s_per_gpu", "perf/mfu",
-                 "memory/max_allocated_gib", "val/loss"]
-            )  # fmt: skip
-            for step in range(5, 125, 5):
-                val = tuned + (base - tuned) * (1 - step / 120) ** 3 if step % 40 == 0 else ""
-                writer.writerow(
-                    [step, 6.0 * (0.97**step), 3e-3 * (1 - step / 130), 1.0 / step**0.5, step * 24 * 256,
-                     tps, tps / 3, "" if mfu is None else mfu, max(memory), val]
-                )  # fmt: skip
-        em = {
-            which: {
-                "n": 64,
-                "correct": round(acc * 64),
-                "accuracy": acc,
-                "by_task": {"add": {"n": 32, "correct": round(acc * 32), "accuracy": acc}},
-                "by_lang": {"en": {"n": 64, "correct": round(acc * 64), "accuracy": acc}},
-            }
-            for which, acc in (("base", acc0), ("tuned", acc1))
-        }
-        em.update(
-            n=64,
-            seed=1,
-            examples=[
-                {
-                    "task": "add",
-                    "lang": "en",
-                    "prompt": "What is 3 + 4?",
-                    "answer": "3 + 4 = 7.",
-                    "base": "x",
-                    "tuned": "3 + 4 = 8.",
-                }
-            ],
-        )
-        _json(
-            r / f"eval/{name}/metrics.json",
-            {
-                "experiment": name,
-                "model": "builtin-tiny",
-                "base_model": "random init of builtin-tiny (seed 1234, float32): the train stage's start",
-                "device": "cpu",
-                "dtype": "float32",
-                "validation": {
-                    "rows": 4,
-                    "loss_tokens": 300,
-                    "base": {"loss": base, "perplexity": 2.718281828**base},
-                    "tuned": {"loss": tuned, "perplexity": 2.718281828**tuned},
-                    "loss_change_pct": 100 * (tuned - base) / base,
-                },
-                "generation": {"prompts": 2, "max_new_tokens": 32, "decoding": "greedy"},
-                "exact_match": em,
-                "versions": {
-                    "torch": "2.13.0+cpu",
-                    "deepspeed": "0.19.8",
-                    "transformers": "5.23.0",
-                    "datasets": "5.2.0",
-                    "peft": "0.21.2",
-                },  # fmt: skip
-            },
-        )
-        _write(
-            r / f"eval/{name}/generations.jsonl",
-            json.dumps(
-                {
-                    "prompt": "What is 3 + 4?",
-                    "base": "let let <b>",
-                    "tuned": "3 + 4 = 7.",
-                    "expected": "3 + 4 = 7.",
-                }
-            )
-            + "\n"
-            + json.dumps(
-                {"prompt": "Tell me a joke | please", "base": "", "tuned": "6 + 6", "expected": None}
-            )
-            + "\n",
-        )
-        files.append(
-            ExperimentFiles(
-                name,
-                r / f"train/{name}/summary.json",
-                r / f"train/{name}/metrics.csv",
-                r / f"eval/{name}/metrics.json",
-                r / f"eval/{name}/generations.jsonl",
-                r / f"tokenized/{KEY}",
-            )
-        )
-    bench = root / "benchmarks"
-    header = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
-    _write(bench / "download.tsv", header + "0.70\t0:00:00\t111.7\t1\t1\t1\t0\t0\t0\t0.5\n")
-    _write(bench / "train/default.tsv", header + "173.76\t0:02:53\t3678.32\t1\t1\t1\t0\t0\t0\t214.14\n")
-    _write(bench / "eval/default.tsv", header + "9.5\t0:00:09\tNA\t1\t1\t1\t0\t0\t0\t10.1\n")
-    config = {
-        "dataset": {"source": "builtin", "builtin_seed": 0},
-        "experiments": {n: {} for n in EXPERIMENTS},
-    }
-    return ReportInputs(
-        experiments=files,
-        source=r / "data/raw/source.json",
-        sha256sums=r / "data/raw/SHA256SUMS",
-        conversations=r / "data/conversations/stats.json",
-        config=config,
-        benchmarks=bench,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -326,7 +116,7 @@ def _export_dir(root: Path) -> Path:
                 "failing": failing,
             }
         )
-    _json(
+    write_json(
         d / "metrics.json",
         {
             "model": "default-sft",
@@ -345,7 +135,7 @@ def _export_dir(root: Path) -> Path:
             "time_s": 3.0,
         },
     )
-    _write(d / "replies.jsonl", "")
+    write_text(d / "replies.jsonl", "")
     return d
 
 
