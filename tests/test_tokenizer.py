@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from chat_data import SYLLABLES
 from snaketune.data.tokenizer import (
     BOS,
     DEEPSEEK_CHAT_TEMPLATE,
@@ -24,7 +25,6 @@ from snaketune.data.tokenizer import (
 )
 
 VOCAB = 320  # small enough that the 300 synthetic conversations fill it
-SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "qu", "th", "er", "an", "in", "on", "ch"]
 # Enough distinct pseudo-words that the BPE fills its vocabulary, plus non-ASCII to exercise the byte fallback.
 WORDS = ["".join(random.Random(i).choice(SYLLABLES) for _ in range(1 + i % 4)) for i in range(300)] + [
     "¿qué",
