@@ -19,9 +19,11 @@
 #   spy       carry .whl2, .tao and py-spy's wheel in .x26: full30_inbwd under py-spy (native frames, every thread of
 #             every process, $RATE samples/s), its collapsed stacks into spy_raw.txt.gz: where the host's time goes
 #             when the GPU waits on it (python3 bench/spy_summary.py spy_raw.txt.gz reads them)
+#   tests     carry .whl2 and .tao: the gpu-marked tests (kernels, 4-bit Adam, the fast path) on the GPU, then
+#             test_fast_path's other tests with the GPU hidden, as `make test` runs them on a GPU machine
 #   bash bench/device_in_backward.sh PHASE
 set -uo pipefail
-PHASE=${1:?usage: bench/device_in_backward.sh bench|speed|converge|memory|profile|spy}
+PHASE=${1:?usage: bench/device_in_backward.sh bench|speed|converge|memory|profile|spy|tests}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; exec > >(tee -a "$OUT/device_$PHASE.log") 2>&1
 R=$PWD
 S=/tmp/smollm2
@@ -42,10 +44,19 @@ cases() {  # $CASES of bench/throughput_cases.py in the work dir $WORK
 install() {
     [ -f /tmp/site/.in_backward ] && return
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl2/*.whl .tao/*.whl ${1:-} || exit 1
+        .whl2/*.whl .tao/*.whl $(ls .rm/c1/gguf-*.whl 2>/dev/null) || exit 1
     touch /tmp/site/.in_backward
 }
 case $PHASE in
+tests)
+    install
+    GPU_TESTS=${GPU_TESTS:-tests/test_adam4bit.py tests/test_kernels.py tests/test_fast_path.py}
+    timeout -k 10 "${LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider -rs --durations=15 -m gpu $GPU_TESTS
+    echo "=== $(date -u +%T) gpu tests exit $?"
+    CUDA_VISIBLE_DEVICES= timeout -k 10 "${HIDDEN_LIMIT_S:-200}" python3 -m pytest -q -p no:cacheprovider -rs \
+        --durations=10 -m "not gpu" tests/test_fast_path.py
+    echo "=== $(date -u +%T) hidden-GPU tests exit $?"
+    ;;
 speed)
     install
     python3 bench/adam4bit_speed.py
@@ -86,7 +97,7 @@ memory)
     cp /tmp/backward_step.py.orig $BS
     ;;
 bench)
-    install .rm/c1/gguf-*.whl
+    install
     mkdir -p $S
     python3 -c 'import lzma, shutil; shutil.copyfileobj(lzma.open(".rm/c1/oasst_real.hf_rows.jsonl.xz"), open("/tmp/smollm2/oasst_real.hf_rows.jsonl", "wb"))'
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -94,7 +105,7 @@ bench)
     cases
     ;;
 converge)
-    install .rm/c1/gguf-*.whl
+    install
     [ -f $S/oasst_real.hf_rows.jsonl ] || python3 -c 'import lzma, shutil; shutil.copyfileobj(lzma.open(".rm/c1/oasst_real.hf_rows.jsonl.xz"), open("/tmp/smollm2/oasst_real.hf_rows.jsonl", "wb"))'
     cat $S/part_* | python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)' > "$GGUF"
     echo "$GGUF_SHA256  $GGUF" | sha256sum -c || exit 1
