@@ -340,8 +340,6 @@ def test_plan_counts_the_triton_loss(case, layers, overrides):
     assert setup.triton_loss == (train["loss_kernel"] == "triton")
     est = memory.estimate(deepseek(layers), setup)
     assert_planned(est.peak_allocated_gib, result["peak_gib"], est)
-    if setup.triton_loss:
-        assert est.logits_gib == pytest.approx((2 * 4096 * 102400 + 8 * 4096) / 2**30)
 
 
 # QLoRA and 8-bit Adam states on one H200 (bench/RESULTS.md, issue #16; bench/runs/2026-12-01_h200_quantized): the
