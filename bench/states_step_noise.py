@@ -41,7 +41,7 @@ def main() -> None:
             w -= d
             if step > WARM:
                 ratios.append(((before - w4).abs().mean() / d.abs().mean()).item())
-        stored = v4.qmap[states4bit._unpack(v4.codes)] * v4.scale.repeat_interleave(BLOCK)
+        stored = v4.dequantize().view(-1)
         print(
             f"{rounding}: mean |step| / fp32 Adam's (steps {WARM + 1}-{STEPS}) {sum(ratios) / len(ratios):.3f}; "
             f"drift along the mean {(w4.mean() / w.mean()).item():.3f}; E[v] {(stored.mean() / v.mean()).item():.3f}; "
