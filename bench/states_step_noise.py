@@ -1,8 +1,9 @@
 """The 4-bit AdamW update's steps against fp32 Adam's on synthetic gradients (issue #26; CPU, about a minute):
 per-element gradient scales spanning decades within each block of 128 (as on real weights), a mean beside the
 noise, 300 steps at lr 1e-4, fp32 weights; snaketune.train.states4bit.update against torch's arithmetic of AdamW.
-Prints, for each rounding of the states: the mean |step| over steps 51-300 against fp32 Adam's, the drift along the
-gradients' mean against fp32 Adam's, E[v] and the median 1/sqrt(v) of the stored v against the exact v.
+Prints, for each rounding of the states (stochastic with v unbiased in its fourth root, snaketune's, or in v; nearest):
+the mean |step| over steps 51-300 against fp32 Adam's, the drift along the gradients' mean against fp32 Adam's, E[v]
+and the median 1/sqrt(v) of the stored v against the exact v.
 
     PYTHONPATH=workflow python3 bench/states_step_noise.py
 """
@@ -22,8 +23,8 @@ BETAS, EPS, LR = (0.9, 0.999), 1e-8, 1e-4
 def main() -> None:
     torch.manual_seed(0)
     scale = torch.exp(torch.randn(N) * 1.5) * 1e-3
-    for rounding in states4bit.ROUNDINGS:
-        states4bit.ROUNDING = rounding
+    for rounding, domain in (("stochastic", "fourth_root"), ("stochastic", "v"), ("nearest", "v")):
+        states4bit.ROUNDING, states4bit.V_ROUNDED_IN = rounding, domain
         w4, w = torch.zeros(N), torch.zeros(N)
         m4 = states4bit.zeros((N,), True, BLOCK, "cpu")
         v4 = states4bit.zeros((N,), False, BLOCK, "cpu")
@@ -43,7 +44,7 @@ def main() -> None:
                 ratios.append(((before - w4).abs().mean() / d.abs().mean()).item())
         stored = v4.dequantize().view(-1)
         print(
-            f"{rounding}: mean |step| / fp32 Adam's (steps {WARM + 1}-{STEPS}) {sum(ratios) / len(ratios):.3f}; "
+            f"{rounding} (v unbiased in {domain}): mean |step| / fp32 Adam's (steps {WARM + 1}-{STEPS}) {sum(ratios) / len(ratios):.3f}; "
             f"drift along the mean {(w4.mean() / w.mean()).item():.3f}; E[v] {(stored.mean() / v.mean()).item():.3f}; "
             f"median 1/sqrt(v) {(stored.clamp_min(1e-30).rsqrt().median() / v.rsqrt().median()).item():.3f}"
         )

@@ -107,10 +107,14 @@ def test_qlora_saves_adapters_and_a_model_merged_into_the_unquantized_base(qlora
 STATE_STEPS = 20
 IN_BACKWARD_RTOL = 1e-4
 """As tests/test_training.py's RTOL: the same arithmetic in another order (2 ranks, the step inside backward)."""
-FOUR_BIT_RTOL = 0.035
-"""4-bit m and v against fp32 ones, final validation loss on the tiny model after 20 steps at lr 3e-3, measured
-(torch 2.13.0+cpu): +2.0% with snaketune's states (stochastic rounding, v in states4bit.V_CODES); +4.9% rounded to
-nearest, +5.3% with torchao's k/16 map for v: each of those fails here."""
+FOUR_BIT_RTOL = 0.09
+"""4-bit m and v against fp32 ones, final validation loss on the tiny model after 20 steps at lr 3e-3 (torch
+2.13.0+cpu): +4.7 / +6.7 / +6.8 / +4.7% with snaketune's states (train.seed 1234, 1, 2, 3); with v rounded unbiased in
+v instead of its fourth root +2.0 / +5.2% (seeds 1234, 1), to nearest +4.9%, with torchao's k/16 map for v +5.3%
+(seed 1234). At this early, high-lr point the seeds spread as far as the variants do, so this end-to-end test only
+bounds the 4-bit path's error; tests/test_states4bit.py tells the roundings and maps apart (exact averages, a v far
+below its block's max, the steps' size), and on the real model the fourth root is what follows fp32 Adam
+(bench/RESULTS.md, issue #26)."""
 
 
 @pytest.fixture(scope="module")

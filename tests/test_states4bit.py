@@ -19,12 +19,14 @@ V_MAPS = {"torchao": None, "snaketune": states4bit.V_CODES}
 """v's code maps: torchao's linear one (k/16) and snaketune's (2^-15 .. 1), which new states take."""
 
 
-def decaying_block(step_fn, device: str, v_codes: tuple[float, ...] | None = None) -> tuple[float, float]:
+def decaying_block(
+    step_fn, device: str, v_codes: tuple[float, ...] | None = None
+) -> tuple[float, float, float]:
     """4-bit m and v over a (96, 256) tensor (192 blocks of 128) against their exact averages: one element per block
     keeps its gradient (so its v, the block's scale, stays put); the others get one gradient, then none for 8 steps,
     so their exact m and v decay by beta1 and beta2 a step. `step_fn(p, g, m, v, step)` runs one update at lr 0; v
-    takes `v_codes` as its map (torchao's if None). The mean dequantized m and v of the decaying elements over their
-    exact means."""
+    takes `v_codes` as its map (torchao's if None). The mean dequantized m, v and v's fourth root of the decaying
+    elements over their exact means."""
     shape = (96, 256)
     torch.manual_seed(3)
     p = torch.zeros(shape, device=device)
@@ -40,15 +42,23 @@ def decaying_block(step_fn, device: str, v_codes: tuple[float, ...] | None = Non
         exact_m.lerp_(g, 1 - BETAS[0])
         exact_v.lerp_(g * g, 1 - BETAS[1])
     others = ~held
+    stored_v = v.dequantize().view(shape)[others]
     return (
         (m.dequantize().view(shape)[others].mean() / exact_m[others].mean()).item(),
-        (v.dequantize().view(shape)[others].mean() / exact_v[others].mean()).item(),
+        (stored_v.mean() / exact_v[others].mean()).item(),
+        (stored_v.sqrt().sqrt().mean() / exact_v[others].sqrt().sqrt().mean()).item(),
     )
 
 
-def check_exact_averages(rounding: str, ratio_m: float, ratio_v: float) -> None:
+def check_exact_averages(rounding: str, ratio_m: float, ratio_v: float, ratio_root4: float) -> None:
+    """Rounded stochastically, m follows its exact average, and v's fourth root (states4bit.V_ROUNDED_IN) its exact
+    fourth root; v itself then runs above its exact average (x^4 is convex; after 8 steps of decay 1.11 with
+    snaketune's map, codes a factor of 2 apart), as the steps' size needs (test_the_steps_follow_fp32_adams_in_size).
+    Rounded to nearest, both stay far above."""
+    print(f"m {ratio_m:.4f}, v {ratio_v:.4f}, v's fourth root {ratio_root4:.4f}")
     if rounding == "stochastic":
-        assert abs(ratio_m - 1) < 0.03 and abs(ratio_v - 1) < 0.03, (ratio_m, ratio_v)
+        assert abs(ratio_m - 1) < 0.03 and abs(ratio_root4 - 1) < 0.03, (ratio_m, ratio_root4)
+        assert 1 < ratio_v < 1.2, ratio_v
     else:  # the bias stochastic rounding removes (the test fails without it): measured 2.35 and 1.27
         assert ratio_m > 1.5 and ratio_v > 1.2, (ratio_m, ratio_v)
 
@@ -72,11 +82,60 @@ def test_4bit_states_follow_their_exact_averages_when_the_block_max_holds(roundi
     check_exact_averages(rounding, *decaying_block(step, "cpu", V_MAPS[v_map]))
 
 
+def step_size_ratios(step_fn, device: str, seed: int, steps: int = 40) -> list[float]:
+    """4-bit m and v fed noisy gradients whose scales span decades within each block of 128 (as on real weights),
+    `step_fn(p, g, m, v, step)` updating them at lr 0: per step, the first-order decrease of the loss the update
+    would make, sum(g * m / sqrt(v)), with v the stored 4-bit v's EMA over the exact one's (m exact in both: v's
+    share alone)."""
+    n = 128 * 128
+    gen = torch.Generator(device=device).manual_seed(seed)
+    scale = torch.exp(torch.randn(n, device=device, generator=gen) * 1.5)
+    mean = torch.randn(n, device=device, generator=gen) * 0.5
+    p = torch.zeros(n, device=device)
+    m4, v4 = states4bit.zeros((n,), True, 128, device), states4bit.zeros((n,), False, 128, device)
+    m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    ratios = []
+    for step in range(1, steps + 1):
+        g = (mean + torch.randn(n, device=device, generator=gen)) * scale
+        m = m.lerp(g, 1 - BETAS[0])
+        exact = v.lerp(g * g, 1 - BETAS[1])
+        stored = v4.dequantize().view(-1).lerp(g * g, 1 - BETAS[1])
+        ratios.append(((g * m / stored.sqrt()).sum() / (g * m / exact.sqrt()).sum()).item())
+        v = exact
+        step_fn(p, g, m4, v4, step)
+    return ratios
+
+
+def check_step_sizes(domain: str, ratios: list[float]) -> None:
+    late = sum(ratios[10:]) / len(ratios[10:])
+    if domain == "fourth_root":
+        assert abs(late - 1) < 0.02, late
+    else:  # the bias the fourth root removes (v unbiased, 1/sqrt(v) not): measured +7.3%
+        assert late > 1.04, late
+
+
+@pytest.mark.parametrize("domain", states4bit.V_DOMAINS)
+def test_the_steps_follow_fp32_adams_in_size(domain, monkeypatch):
+    """v rounded stochastically so that v is unbiased makes 1/sqrt(v) biased up (Jensen), and the stored v's error
+    lasts: on real weights the steps ran 4% larger than fp32 Adam's by step 18, and the run memorized faster
+    (bench/RESULTS.md, issue #26). Rounded so that v's fourth root is unbiased (states4bit.V_ROUNDED_IN), the
+    steps' size follows fp32 Adam's within 2% (measured -0.5%); rounded in v, they run 4% or more above."""
+    monkeypatch.setattr(states4bit, "V_ROUNDED_IN", domain)
+    one = torch.tensor(1.0)
+
+    def step(p, g, m, v, step):
+        states4bit.update(
+            p, g, m, v, divisor=one, step=step, lr=0.0, betas=BETAS, eps=1e-8, weight_decay=0.0, seed=step
+        )
+
+    check_step_sizes(domain, step_size_ratios(step, "cpu", seed=0))
+
+
 @pytest.mark.parametrize("v_map", V_MAPS)
 def test_a_v_far_below_its_block_max_keeps_its_size(v_map):
     """One update from zero states: in each block of 128 one gradient of 1, the others 0.03 (v 1/1,111 of the
     block's max, as a gradient's square spans decades within a block of real weights). snaketune's map keeps those v
-    at their exact mean (rounded stochastically between 2^-10 and 2^-9 of the max); torchao's linear map puts every
+    near their exact mean (rounded stochastically between 2^-11 and 2^-10 of the max, in the fourth root: 1.6% above); torchao's linear map puts every
     one at its lowest code, 1/16 of the max: 69x too large, and their steps 8x too small."""
     shape = (96, 256)
     one = torch.tensor(1.0)

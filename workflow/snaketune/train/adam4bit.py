@@ -6,9 +6,9 @@ absmax scale per block of 128 elements, a 16-entry code map), so checkpoints do 
 writes their `codes` and `scale` buffers and reads the codes' values from the state's own map (new v states carry
 snaketune's, states4bit.V_CODES; a state saved with torchao's goes on with it). The arithmetic is torchao's
 `single_param_adam` (decoupled weight decay, lerp of m and v, bias correction, stochastic rounding into bf16
-weights); the new m and v round to their codes stochastically (snaketune.train.states4bit: why, and the same update
-in torch for the CPU), or to the nearest code as torchao's `quantize_4bit_with_qmap` does where states4bit.ROUNDING
-says `nearest`.
+weights); the new m and v round to their codes stochastically, v in its fourth root (snaketune.train.states4bit:
+why, and the same update in torch for the CPU), or to the nearest code as torchao's `quantize_4bit_with_qmap` does
+where states4bit.ROUNDING says `nearest`.
 
 Why not torchao's compiled update: measured on one H200 (bench/RESULTS.md, issue #26), its kernels per tensor
 (chunked to bound the fp32 temporaries) took 122 ms of GPU time per step of the 30-layer 7B, and the host's work per
@@ -37,13 +37,15 @@ ROWS = 4
 
 
 @triton.jit
-def _quantize(x, qmap_ptr, rand, STATES_SR: tl.constexpr):
+def _quantize(x, qmap_ptr, rand, STATES_SR: tl.constexpr, ROOT4: tl.constexpr):
     """The 4-bit code of x (normalized by its block's absmax) in the sorted 16-entry map. STATES_SR (the default,
     snaketune's choice): rounded stochastically between the two entries around x, up with probability (x - below) /
-    (above - below) from 8 random bits, so the dequantized state is x in expectation (x below the first entry takes
-    the first, beyond the last the last). Else torchao's quantize_4bit_with_qmap: the nearest entry (a tie rounded
-    up), by compares against the midpoints as scalars. (Codes in closed form for a known map, k/16 or 2^(k - 15),
-    took 17-24% more GPU time than these compares on an H200: bench/RESULTS.md, issue #26.)"""
+    (above - below) from 8 random bits, so the dequantized state is x in expectation; with ROOT4 (v, where
+    states4bit.V_ROUNDED_IN says fourth_root) the same in x^(1/4), so that x^(1/4) is unbiased instead
+    (snaketune.train.states4bit: why). x below the first entry takes the first, beyond the last the last. Else
+    torchao's quantize_4bit_with_qmap: the nearest entry (a tie rounded up), by compares against the midpoints as
+    scalars. (Codes in closed form for a known map, k/16 or 2^(k - 15), took 17-24% more GPU time than these compares
+    on an H200: bench/RESULTS.md, issue #26.)"""
     codes = tl.zeros(x.shape, dtype=tl.int32)
     if STATES_SR:
         for k in tl.static_range(1, 16):  # the last entry at or below x (the first where x is below it)
@@ -51,6 +53,10 @@ def _quantize(x, qmap_ptr, rand, STATES_SR: tl.constexpr):
         below = tl.load(qmap_ptr + codes)  # 16 entries: gathers from L1
         above = tl.load(qmap_ptr + tl.minimum(codes + 1, 15))
         u = ((rand & 255).to(tl.float32) + 0.5) * (1.0 / 256.0)
+        if ROOT4:  # v >= 0 and the map's entries > 0
+            x = tl.sqrt(tl.sqrt(x))
+            below = tl.sqrt(tl.sqrt(below))
+            above = tl.sqrt(tl.sqrt(above))
         # x below the first entry: x - below < 0, never up; at or above the last: above == below
         codes += ((x - below) > u * (above - below)).to(tl.int32)
     else:
@@ -76,7 +82,7 @@ def _round_bf16(x, rand, STOCHASTIC: tl.constexpr):
 def _adamw4bit(
     p_ptr, g_ptr, m_codes, m_scale, v_codes, v_scale, m_qmap, v_qmap, partial_ptr, divisor_ptr, n_blocks,
     lr, beta1, beta2, eps, decay, step_size, bc2_sqrt, seed,
-    STOCHASTIC: tl.constexpr, STATES_SR: tl.constexpr, ROWS: tl.constexpr,
+    STOCHASTIC: tl.constexpr, STATES_SR: tl.constexpr, V_ROOT4: tl.constexpr, ROWS: tl.constexpr,
     HALF: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # int32 offsets: update() refuses tensors of 2^31 elements or more
@@ -115,11 +121,11 @@ def _adamw4bit(
     # one 32-bit draw per element: bits 0-15 round the weight, 16-23 its m, 24-31 its v
     r0 = tl.randint(seed, even).to(tl.uint32)
     r1 = tl.randint(seed, odd).to(tl.uint32)
-    mq = (_quantize(m0 / m_abs[:, None], m_qmap, r0 >> 16, STATES_SR) << 4) | _quantize(
-        m1 / m_abs[:, None], m_qmap, r1 >> 16, STATES_SR
+    mq = (_quantize(m0 / m_abs[:, None], m_qmap, r0 >> 16, STATES_SR, False) << 4) | _quantize(
+        m1 / m_abs[:, None], m_qmap, r1 >> 16, STATES_SR, False
     )
-    vq = (_quantize(v0 / v_abs[:, None], v_qmap, r0 >> 24, STATES_SR) << 4) | _quantize(
-        v1 / v_abs[:, None], v_qmap, r1 >> 24, STATES_SR
+    vq = (_quantize(v0 / v_abs[:, None], v_qmap, r0 >> 24, STATES_SR, V_ROOT4) << 4) | _quantize(
+        v1 / v_abs[:, None], v_qmap, r1 >> 24, STATES_SR, V_ROOT4
     )
     tl.store(m_codes + byte, mq.to(tl.uint8), mask=mask)
     tl.store(v_codes + byte, vq.to(tl.uint8), mask=mask)
@@ -175,7 +181,7 @@ def update(
         partial, divisor, n_blocks,
         lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, seed,
         STOCHASTIC=p.dtype == torch.bfloat16, STATES_SR=states4bit.ROUNDING == "stochastic",
-        ROWS=ROWS, HALF=BLOCK // 2,
+        V_ROOT4=states4bit.V_ROUNDED_IN == "fourth_root", ROWS=ROWS, HALF=BLOCK // 2,
     )  # fmt: skip
     # One launch, no read-modify-write: the host's time per tensor bounds the 7B's step (module docstring).
     torch.sum(partial, dim=0, out=sq_out)
