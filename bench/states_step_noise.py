@@ -44,7 +44,8 @@ def main() -> None:
                 ratios.append(((before - w4).abs().mean() / d.abs().mean()).item())
         stored = v4.dequantize().view(-1)
         print(
-            f"{rounding} (v unbiased in {domain}): mean |step| / fp32 Adam's (steps {WARM + 1}-{STEPS}) {sum(ratios) / len(ratios):.3f}; "
+            f"{rounding} (v unbiased in {domain}): mean |step| / fp32 Adam's (steps {WARM + 1}-{STEPS}) "
+            f"{sum(ratios) / len(ratios):.3f}; "
             f"drift along the mean {(w4.mean() / w.mean()).item():.3f}; E[v] {(stored.mean() / v.mean()).item():.3f}; "
             f"median 1/sqrt(v) {(stored.clamp_min(1e-30).rsqrt().median() / v.rsqrt().median()).item():.3f}"
         )

@@ -1,7 +1,7 @@
 """The 4-bit AdamW update in one Triton pass (snaketune.train.adam4bit) against torchao's update, whose states it
 reads and writes: rounding the states to nearest as torchao does, the same codes and scales and the same weights in
-fp32; rounding them stochastically (snaketune's default), m and v that follow their exact averages where nearest
-rounding leaves them far above; unbiased stochastic rounding into bf16, the squared gradient norm; and the step in
+fp32; rounding them stochastically (snaketune's default), m and v's fourth root that follow their exact averages
+where nearest rounding leaves them far above, and steps whose size follows fp32 Adam's; unbiased stochastic rounding into bf16, the squared gradient norm; and the step in
 backward with the kernel against the step with the same update in torch (snaketune.train.states4bit).
 
 On a CUDA GPU; on a machine without one the kernel tests also run under Triton's interpreter

@@ -16,11 +16,12 @@ v rounds stochastically in its fourth root (V_ROUNDED_IN): up with probability (
 is off its exact value by a relative error s that lasts (codes a factor of 2 apart; the EMA keeps most of the stored
 value each step). Rounded so that x^p is unbiased, to second order in s, v's mean runs (1 - p) s^2 / 2 high, which
 shrinks the steps by (1 - p) s^2 / 4, while 1/sqrt(v) runs (1 + 2p) s^2 / 8 high: the steps' size is off by
-(4p - 1) s^2 / 8, zero at p = 1/4. Unbiased in v itself (p = 1), the steps ran 4-5% larger than fp32 Adam's by
-step 20 on the real model's gradients, p = 1/2 +1.5%, the log (p = 0) -1%, 1/sqrt(v) (p = -1/2) -3.7%, the
-fourth root within 0.4% (bench/v_rounding_shadow.py); and the real model's 50-step SFT on a GPU with v unbiased in v
-memorized faster than fp32 Adam (training loss -1.6% in the last quarter), with the fourth root +0.7% (every step
-within 1%, two seeds; bench/RESULTS.md, issue #26). v's mean then runs a few % above its exact average
+(4p - 1) s^2 / 8, zero at p = 1/4. Measured on the real SmolLM2-135M's gradients (bench/v_rounding_shadow.py, 30
+steps, the steps' first-order decrease of the loss against fp32 Adam's): up to +5.1% with v unbiased in v (p = 1),
++1.8% for p = 1/2, -1.7% for the log (p = 0), -5.0% for 1/sqrt(v) (p = -1/2), within 0.4% for the fourth root
+(the median element's step: up to 1.9% small; in v up to 3.2% large). In the real model's 50-step SFT on a GPU, v
+unbiased in v memorized faster than fp32 Adam (training loss -1.6% in the last quarter); with the fourth root every
+step is within 1% (two seeds; bench/RESULTS.md, issue #26). v's mean then runs a few % above its exact average
 (tests/test_states4bit.py).
 
 Random bits: one 32-bit draw per element from a generator seeded with the update's seed (a stream per step and
