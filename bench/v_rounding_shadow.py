@@ -99,7 +99,7 @@ def main() -> None:
                 absmax = blocks.amax(dim=1).clamp_(min=1e-12)
                 rand = torch.randint(-(2**31), 2**31, blocks.shape, dtype=torch.int32)
                 codes = quantize(blocks / absmax[:, None], state.qmap, rand >> 24, power)
-                state.codes.copy_(((codes.view(-1, 2)[:, 0] << 4) | codes.view(-1, 2)[:, 1]).to(torch.uint8))
+                state.codes.copy_(states4bit._pack(codes.flatten()))  # torchao's nibble order, as the update
                 state.scale.copy_(absmax)
             ratios[power] = mine / exact
             medians[power] = torch.cat(per_element)[sample].median().item()
