@@ -8,7 +8,8 @@
 # ├── data/preferences/<pairs>/    train.parquet, validation.parquet, stats.json     (rule preferences)
 # ├── tokenized/<data key>/        train/, validation/ (Arrow, save_to_disk), stats.json (rule tokenize)
 # ├── tokenized_pairs/<pairs key>/ train/, validation/ (one row per pair), stats.json (rule tokenize_pairs)
-# ├── plan/<experiment>.json       memory per GPU and host, what fits, the strategy train uses (rule plan)
+# ├── plan/[dpo/|eval/]<experiment>.json  memory per GPU and host, what fits, the strategy a stage uses
+# │                                (rules plan, plan_dpo, plan_eval)
 # ├── train/<experiment>/          model/ (HF safetensors), metrics.csv, tb/, summary.json (rule train)
 # ├── preference/<experiment>/     reference.parquet, reference.json: cached reference log-probs (rule reference)
 # ├── dpo/<experiment>/            model/, metrics.csv, tb/, summary.json: preference-tuned (rule dpo)
@@ -16,7 +17,9 @@
 # ├── export/<experiment>/<model>/ <experiment>-<model>-{bf16,q8_0,q4_k_m}.gguf, metrics.json, replies.jsonl (rule export)
 # ├── provenance/                  manifest.json (rule manifest); <rule>[/<wildcards>].json per job (not outputs)
 # └── report/                      index.html, report.md, summary.json, *.png          (rule report)
-#     checkpoints/<experiment>/    resumable DeepSpeed checkpoints (not an output: survives failures)
+#     checkpoints/<experiment>/    resumable DeepSpeed checkpoints (not an output: survives failures; removed
+#                                  once the stage's outputs are in place unless train.keep_final_checkpoint)
+#     hub_revisions.json           hub revisions pinned to commits (snaketune.hub), reused by later runs
 # logs/ and benchmarks/ mirror the rules.
 
 import re
@@ -34,6 +37,7 @@ report: "workflow/report/workflow.rst"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/common_report.smk"
+include: "workflow/rules/common_train.smk"
 include: "workflow/rules/common_plan.smk"
 include: "workflow/rules/common_preference.smk"
 

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from snaketune.config.choices import DEFAULT_EVAL_PROMPTS, ConfigError
+from snaketune.config.evaluation import EvalConfig
 from snaketune.config.load import load_config, to_dict
-from snaketune.config.schema import EvalConfig, ModelConfig
+from snaketune.config.schema import ModelConfig
 from snaketune.data.builtin import eval_examples, expected_answer
 from snaketune.data.tokenization import load_tokenizer
 from snaketune.evaluation import evaluate

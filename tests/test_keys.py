@@ -140,7 +140,7 @@ def test_code_hash_follows_imports(tmp_path, monkeypatch):
     (pkg / "sub" / "deeper" / "j.py").write_text("z = 1\n")
     monkeypatch.setattr(keys, "PACKAGE_DIR", pkg)
     monkeypatch.setattr(keys, "STAGE_MODULES", {"s": ("snaketune.a",)})
-    caches = (keys._source, keys.imported_modules, keys.stage_modules)
+    caches = (keys._source, keys.module_source_hash, keys.imported_modules, keys.stage_modules)
 
     def fresh_hash():
         for fn in caches:
@@ -163,12 +163,33 @@ def test_code_hash_follows_imports(tmp_path, monkeypatch):
             assert fresh_hash() == before
         for module in ("c.py", "sub/deeper/f.py", "sub/deeper/i.py"):
             path = pkg / module
-            path.write_text(path.read_text() + "# a comment counts: the hash is of the bytes\n")
+            # What cannot change an output keeps the hash: a comment, a docstring, formatting.
+            code = path.read_text()
+            path.write_text(f'"""A module docstring."""\n# a comment\n\n{code.replace(" = ", "=")}\n')
+            assert fresh_hash() == before, module
+            path.write_text(code + "W = 3\n")  # code counts
             assert fresh_hash() != before, module
             before = fresh_hash()
     finally:
         for fn in caches:
             fn.cache_clear()
+
+
+def test_code_hash_ignores_docstrings_not_strings():
+    """A docstring of a module, class or function (and a dataclass field's attribute docstring) is dropped; a string
+    the code uses is not. No module of the package reads `__doc__`, which would make a docstring behaviour."""
+    src = 'import x\n\nclass A:\n    """doc"""\n    f: int = 1\n    """field doc"""\n\n    def g(self):\n        """g"""\n        return "text"\n'
+    strip = keys._DropDocstrings()
+    dump = lambda code: ast.dump(strip.visit(ast.parse(code)))  # noqa: E731
+    assert dump(src) == dump(src.replace('"""doc"""', '"""other"""').replace('"""g"""', "# g"))
+    assert dump(src) != dump(src.replace('"text"', '"other text"'))
+    users = [
+        p
+        for p in keys.PACKAGE_DIR.rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if getattr(node, "attr", getattr(node, "id", None)) == "__doc__"
+    ]
+    assert not users, users
 
 
 def test_dag_time_imports_are_light():

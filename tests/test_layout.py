@@ -22,7 +22,7 @@ LAYERS = (
         "snaketune.device_memory",
     ),  # infrastructure every stage uses
     ("snaketune.config",),  # allowed values, dataclasses, loading, DeepSpeed files
-    ("snaketune.keys", "snaketune.provenance"),  # names of cached outputs, records of jobs
+    ("snaketune.keys", "snaketune.provenance", "snaketune.hub"),  # cache names, job records, pinned revisions
     ("snaketune.data",),  # download -> tokenized pairs
     ("snaketune.model",),  # building blocks of training, reference and evaluation
     ("snaketune.plan",),  # the memory plan
@@ -40,6 +40,7 @@ NO_TORCH = (
     "snaketune.device_memory",
     "snaketune.config",
     "snaketune.keys",
+    "snaketune.hub",
     "snaketune.data",
     "snaketune.plan",
     "snaketune.report",

@@ -9,13 +9,19 @@ from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
-from snaketune import keys  # noqa: E402
+from snaketune import hub, keys  # noqa: E402
+from snaketune.config import owners  # noqa: E402
 from snaketune.config.choices import ConfigError  # noqa: E402
 from snaketune.config.load import load_config, to_dict
+from snaketune.config.paths import check_input_paths
 from snaketune.io import sha256_file  # noqa: E402
 
 try:
     CFG = load_config(config)
+    # Local inputs that do not exist stop the workflow here, before any job (snaketune.config.paths says why).
+    check_input_paths(CFG)
+    # Hub revisions pinned to commits once (snaketune.hub): what every stage loads and every key names.
+    CFG = hub.pin_config(CFG, hub.Pins())
 except ConfigError as e:
     raise WorkflowError(f"Invalid configuration: {e}") from None
 # Defaults live in the typed config (snaketune.config.schema), not in the schema.
@@ -28,11 +34,13 @@ TOKENIZERS = {keys.tokenizer_id(exp.model): exp.model for exp in EXPERIMENTS.val
 
 
 def all_targets():
-    """The report: it depends on every experiment's training and evaluation, and on the data stages."""
+    """The report (it depends on every experiment's training and evaluation, and on the data stages) and the memory
+    plans (the preflight checks, which no stage reads)."""
     return [
         "results/report/index.html",
         "results/report/report.md",
         "results/report/summary.json",
+        *plan_targets(),
     ]
 
 
@@ -79,11 +87,12 @@ def base_model_input(model):
 
 
 def download_params():
+    """The source and what that source reads (keys.source_identity: a file by its content, a hub dataset by its
+    commit, the builtin sample by its generator's settings)."""
     ds = CFG.dataset
     return {
         "source": ds.source,
-        "builtin_trees": ds.builtin_trees,
-        "builtin_seed": ds.builtin_seed,
+        **keys.source_identity(ds),
         "code": keys.code_hash("download"),
     }
 
@@ -119,10 +128,9 @@ def fetch_tokenizer_input(wildcards):
 
 def fetch_tokenizer_params(wildcards):
     model = TOKENIZERS[wildcards.tokenizer]
-    name = model.pretrained if model.tokenizer == "auto" else model.tokenizer
     return {
-        "name": name,
-        "revision": model.revision,
+        "name": model.tokenizer_name,
+        "revision": model.tokenizer_hub_revision,
         "trust_remote_code": model.trust_remote_code,
         "code": keys.code_hash("tokenizer"),
     }
@@ -144,70 +152,3 @@ def tokenize_params(wildcards):
 
 def tokenized_dir(exp):
     return f"results/tokenized/{keys.data_key(exp)}"
-
-
-# ---- train ---------------------------------------------------------------------------------------
-
-
-def train_input(wildcards):
-    exp = experiment(wildcards)
-    return {
-        "data": tokenized_dir(exp),
-        "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
-        "deepspeed": exp.train.deepspeed,
-        "plan": plan_path(exp),
-        **base_model_input(exp.model),
-    }
-
-
-def train_params(wildcards):
-    """Everything that changes the trained model; its hash names the checkpoint directory, so a changed
-    setting never resumes a stale run."""
-    exp = experiment(wildcards)
-    spec = {
-        "model": to_dict(exp.model),
-        "train": to_dict(exp.train),
-        "max_length": exp.tokenize.max_length,
-        "data_key": keys.data_key(exp),
-        "deepspeed_sha256": sha256_file(exp.train.deepspeed),
-        "code": keys.code_hash("train"),
-    }
-    return {**spec, "run_key": keys.short_hash(spec)}
-
-
-def train_gpus(wildcards):
-    """Snakemake's gpu counter; snakemake-executor-plugin-slurm turns it into --gpus, GPUs per JOB, so a
-    job of several nodes asks through train_gres (GPUs per node) instead and gets 0 here.
-    """
-    train = experiment(wildcards).train
-    return train.gpus if train.nodes == 1 else 0
-
-
-def train_nodes(wildcards):
-    """Nodes of the train job (the SLURM plugin's --nodes); more than one needs SLURM."""
-    return experiment(wildcards).train.nodes
-
-
-def train_gres(wildcards):
-    """`gpu:N`, N per node, for a job of several nodes (SLURM's --gres); None (no such resource) for one."""
-    train = experiment(wildcards).train
-    return f"gpu:{train.gpus}" if train.nodes > 1 else None
-
-
-def train_threads(wildcards):
-    """The experiment's share of the cores, as its GPUs are a share of those Snakemake may grant at once
-    (--resources gpu=N; without it, all experiments' GPUs), so that experiments train side by side: with
-    --cores 16 --resources gpu=4 a 2-GPU experiment gets 8, one that takes every GPU all 16. The ranks split
-    them (snaketune.train.launch). One when there is no --cores: --report evaluates threads, and workflow.cores
-    raises without it.
-    """
-    try:
-        cores = workflow.cores
-    except WorkflowError:
-        return 1
-    limit = getattr(workflow.global_resources.get("gpu"), "value", None)
-    if limit is None:
-        limit = sum(exp.train.gpus for exp in EXPERIMENTS.values())
-    if limit < 1:
-        return cores
-    return max(1, cores * min(experiment(wildcards).train.gpus, limit) // limit)

@@ -11,84 +11,90 @@ from snaketune.plan import search as plan
 if CFG.gpu_ids is not None:
     os.environ.setdefault(gpus.ENV_GPUS, ",".join(CFG.gpu_ids))
 
-
-def plan_path(exp):
-    return f"results/plan/{exp.name}.json"
-
-
-def candidate_deepspeed_files():
-    """The shipped DeepSpeed files that train.strategy auto chooses among (snaketune.plan.search.STRATEGIES)."""
-    names = sorted({s.deepspeed_file for s in plan.STRATEGIES})
-    return {
-        name: f"config/deepspeed/{name}"
-        for name in names
-        if Path(f"config/deepspeed/{name}").exists()
-    }
+PLANS = {"train": "", "dpo": "dpo/", "evaluate": "eval/"}
+"""The memory plans, one per stage that needs GPU memory, each a rule of its own (plan, plan_dpo, plan_eval) so that
+a setting of one stage never reruns another's plan. Each stage makes its plan again where it starts, from the same
+settings (snaketune.plan.search.stage_plan)."""
 
 
-def plan_input(wildcards):
-    """The configured DeepSpeed file; with train.strategy auto also the files it chooses among, so that an
-    edit to one reruns the plan (and through it training)."""
-    exp = experiment(wildcards)
-    return _plan_files(exp.train, exp.model)
+def plan_path(exp, stage):
+    return f"results/plan/{PLANS[stage]}{exp.name}.json"
 
 
-def _plan_files(train, model):
-    """The DeepSpeed files, and a GGUF model's imported directory (the plan reads its config.json)."""
-    files = {"deepspeed": train.deepspeed, **base_model_input(model)}
-    if train.strategy == "auto":
-        files.update(
-            {
-                Path(name).stem: path
-                for name, path in candidate_deepspeed_files().items()
-            }
-        )
+def plan_targets():
+    """Every memory plan: the preflight check of each stage that needs GPU memory, and its record. No stage reads
+    them (snaketune.plan.search.stage_plan says why), so `all` asks for them."""
+    return [
+        plan_path(exp, stage)
+        for exp in EXPERIMENTS.values()
+        for stage in PLANS
+        if stage != "dpo" or exp.preference.enabled
+    ]
+
+
+def plan_input(stage):
+    """The stage's DeepSpeed file and, with train.strategy auto, the files it chooses among (an edit to one reruns
+    the plan); a GGUF model's imported directory (the plan reads its config.json)."""
+
+    def files(wildcards):
+        exp = experiment(wildcards)
+        found = base_model_input(exp.model)
+        if stage == "evaluate":
+            return found
+        train = stage_train(exp, stage)
+        found["deepspeed"] = train.deepspeed
+        if train.strategy == "auto":
+            found.update(
+                {Path(name).stem: path for name, path in plan.candidate_files().items()}
+            )
+        return found
+
     return files
 
 
-def plan_params(wildcards):
-    """What the memory of the training depends on (its change reruns the plan and, as the plan is an input
-    of train, training). The other shipped DeepSpeed files only feed the "what would fit" message unless
-    train.strategy is auto."""
-    exp = experiment(wildcards)
-    return {
-        "experiment": exp.name,
-        "model": to_dict(exp.model),
-        "train": to_dict(exp.train),
-        "max_length": exp.tokenize.max_length,
-        "gpu_memory_gib": CFG.gpu_memory_gib,
-        "evaluation": {
-            "batch_size": CFG.eval.batch_size,
-            "max_new_tokens": CFG.eval.max_new_tokens,
-            "quantize": exp.train.lora.quantize,
-        },
-        "candidate_files": candidate_deepspeed_files(),
-        "code": keys.code_hash("plan"),
-    }
-
-
-def plan_dpo_path(exp):
-    return f"results/plan/dpo/{exp.name}.json"
-
-
-def plan_dpo_input(wildcards):
-    exp = experiment(wildcards)
-    return _plan_files(exp.dpo_train, exp.model)
-
-
-def plan_dpo_params(wildcards):
-    """The preference stage's memory: its merged train settings (train with preference.train over it), rows of
-    both sides of a pair. A plan of its own, so that a preference setting never reruns SFT training.
+def plan_params(stage):
+    """What the stage's memory depends on (snaketune.config.owners: the train keys of facet MEMORY, or EVAL_MEMORY
+    and the eval section for the evaluate stage), where it runs, and nothing else: a change reruns this plan, and
+    the stage itself only where the change is also its own (no stage reads a plan file).
     """
-    exp = experiment(wildcards)
-    return {
-        "experiment": exp.name,
-        "model": to_dict(exp.model),
-        "train": to_dict(exp.dpo_train),
-        "max_length": 2 * exp.preference.max_length,
-        "gpu_memory_gib": CFG.gpu_memory_gib,
-        "evaluation": None,
-        "objective": "preference",  # its own log-probabilities, not train.loss_kernel
-        "candidate_files": candidate_deepspeed_files(),
-        "code": keys.code_hash("plan"),
-    }
+
+    def params(wildcards):
+        exp = experiment(wildcards)
+        spec = {
+            "experiment": exp.name,
+            "model": owners.model_settings(exp.model),
+            "gpu_memory_gib": CFG.gpu_memory_gib,
+            "code": keys.code_hash("plan"),
+        }
+        if stage == "evaluate":
+            return {
+                **spec,
+                "objective": "evaluate",
+                "max_length": exp.tokenize.max_length,
+                "train": owners.train_settings(exp.train, owners.EVAL_MEMORY),
+                "evaluation": {
+                    "batch_size": CFG.eval.batch_size,
+                    "max_new_tokens": CFG.eval.max_new_tokens,
+                },
+            }
+        train = stage_train(exp, stage)
+        return {
+            **spec,
+            # The preference stage: rows of both sides of a pair, its own log-probabilities (not train.loss_kernel).
+            "objective": "sft" if stage == "train" else "preference",
+            "max_length": (
+                exp.tokenize.max_length
+                if stage == "train"
+                else 2 * exp.preference.max_length
+            ),
+            "train": {
+                **owners.train_settings(train, owners.MEMORY),
+                "gpus": train.gpus,
+                "nodes": train.nodes,
+            },
+            # Paths only: their content matters under train.strategy auto (plan_input), else they feed the "what
+            # would fit" message.
+            "candidate_files": plan.candidate_files(),
+        }
+
+    return params

@@ -76,9 +76,6 @@ def reference_input(wildcards):
         "data": pairs_dir(exp),
         "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
         "deepspeed": exp.dpo_train.deepspeed,
-        # The plan's memory cap and strategy (train.strategy auto), by its content: a plan_dpo rerun for a new
-        # learning rate writes the same choice, and the params below hold what the choice depends on.
-        "plan": ancient(plan_dpo_path(exp)),
     }
     if exp.preference.reference == "sft":
         files["policy"] = f"results/train/{exp.name}/model"
@@ -87,44 +84,16 @@ def reference_input(wildcards):
     return files
 
 
-# The train keys that cannot change a model's log-probabilities without training: the reference stage leaves them
-# out of its params, so that a new learning rate or step count reruns DPO but reuses the reference.
-REFERENCE_UNUSED_TRAIN = (
-    "learning_rate",
-    "min_lr_ratio",
-    "warmup_steps",
-    "weight_decay",
-    "adam_betas",
-    "grad_clip",
-    "max_steps",
-    "epochs",
-    "global_batch_size",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "log_every",
-    "eval_every",
-    "optimizer_kernel",
-    "optimizer_states",
-    "loss_kernel",
-    "fused_cross_entropy",
-)
-
-
 def reference_params(wildcards, exp=None):
-    """What the reference log-probabilities depend on: which model (the SFT model is an input; the base is named
-    here), the DPO stage's model construction (LoRA and its quantization, kernels, attention, precision, ZeRO,
-    micro-batch, seed) and the pairs (by their key). Not beta, nor the optimizer's or the schedule's settings.
+    """What the reference log-probabilities depend on (snaketune.config.owners: the preference stage's train keys of
+    facet LOGPROBS: how the model is built and computes, its seed), which model (the SFT model is an input; the base
+    is named here) and the pairs (by their key). Not beta, nor the optimizer's or the schedule's settings.
     `exp` instead of wildcards: reference_dir names the outputs by this run key.
     """
     exp = exp or experiment(wildcards)
-    train = {
-        k: v
-        for k, v in to_dict(exp.dpo_train).items()
-        if k not in REFERENCE_UNUSED_TRAIN
-    }
     spec = {
-        "model": to_dict(exp.model),
-        "train": train,
+        "model": owners.model_settings(exp.model),
+        "train": train_settings(exp, "reference", owners.LOGPROBS),
         "preference": {
             "reference": exp.preference.reference,
             "max_length": exp.preference.max_length,
@@ -132,7 +101,6 @@ def reference_params(wildcards, exp=None):
         "max_length": exp.preference.max_length,
         "pairs_key": keys.pairs_key(exp),
         "deepspeed_sha256": sha256_file(exp.dpo_train.deepspeed),
-        "gpu_memory_gib": CFG.gpu_memory_gib,  # with train.strategy auto the plan's choice depends on it
         "code": keys.code_hash("reference"),
     }
     return {**spec, "run_key": keys.short_hash(spec)}
@@ -146,17 +114,17 @@ def dpo_input(wildcards):
         "policy": f"results/train/{exp.name}/model",
         "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
         "deepspeed": exp.dpo_train.deepspeed,
-        "plan": plan_dpo_path(exp),
     }
 
 
 def dpo_params(wildcards):
-    """Everything that changes the preference-tuned model; its hash names the checkpoint directory."""
+    """What the preference-tuned weights depend on (the preference stage's train keys of facet WEIGHTS, the
+    preference keys); its hash names the checkpoint directory."""
     exp = experiment(wildcards)
     preference = {k: v for k, v in to_dict(exp.preference).items() if k != "train"}
     spec = {
-        "model": to_dict(exp.model),
-        "train": to_dict(exp.dpo_train),
+        "model": owners.model_settings(exp.model),
+        "train": train_settings(exp, "dpo", owners.WEIGHTS),
         "preference": preference,
         "max_length": exp.preference.max_length,
         "pairs_key": keys.pairs_key(exp),
@@ -164,17 +132,3 @@ def dpo_params(wildcards):
         "code": keys.code_hash("dpo"),
     }
     return {**spec, "run_key": keys.short_hash(spec)}
-
-
-def dpo_gpus(wildcards):
-    train = experiment(wildcards).dpo_train
-    return train.gpus if train.nodes == 1 else 0
-
-
-def dpo_nodes(wildcards):
-    return experiment(wildcards).dpo_train.nodes
-
-
-def dpo_gres(wildcards):
-    train = experiment(wildcards).dpo_train
-    return f"gpu:{train.gpus}" if train.nodes > 1 else None

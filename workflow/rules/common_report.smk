@@ -31,9 +31,6 @@ def evaluate_input(wildcards):
         "summary": f"results/train/{exp.name}/summary.json",
         "data": tokenized_dir(exp),
         "tokenizer": f"{tokenizer_dir(exp)}/tokenizer.json",
-        "plan": plan_path(
-            exp
-        ),  # gpu_memory_gib (the allocator cap) and the evaluation's batch size
         "conversations": "results/data/conversations/validation.parquet",  # eval.prompts auto
         **base_model_input(exp.model),  # the base model is evaluated too
     }
@@ -49,7 +46,7 @@ def evaluate_params(wildcards):
     exp = experiment(wildcards)
     return {
         **to_dict(CFG.eval),
-        "model": to_dict(exp.model),
+        "model": owners.model_settings(exp.model),
         "seed": exp.train.seed,
         "chat_template": exp.tokenize.chat_template,
         "builtin_dataset": exp.dataset.source == "builtin",

@@ -27,6 +27,7 @@ rule evaluate:
     threads: 2
     resources:
         gpu=1,
+        gpu_memory_mib=gpu_memory_mib(),
     params:
         spec=evaluate_params,
     script:

@@ -60,12 +60,13 @@ rule reference:
         "../../envs/train.yaml"
     threads: train_threads
     resources:
-        gpu=dpo_gpus,
-        nodes=dpo_nodes,
-        gres=dpo_gres,
+        **runtime_resources("reference"),
+        gpu=stage_gpus("reference"),
+        nodes=stage_nodes("reference"),
+        gres=stage_gres("reference"),
     params:
         spec=reference_params,
-        checkpoints=lambda wc: f"results/checkpoints/{wc.experiment}/reference",
+        checkpoints=checkpoints_dir("reference"),
     script:
         "../scripts/reference.py"
 
@@ -96,11 +97,12 @@ rule dpo:
         "../../envs/train.yaml"
     threads: train_threads
     resources:
-        gpu=dpo_gpus,
-        nodes=dpo_nodes,
-        gres=dpo_gres,
+        **runtime_resources("dpo"),
+        gpu=stage_gpus("dpo"),
+        nodes=stage_nodes("dpo"),
+        gres=stage_gres("dpo"),
     params:
         spec=dpo_params,
-        checkpoints=lambda wc: f"results/checkpoints/{wc.experiment}/dpo",
+        checkpoints=checkpoints_dir("dpo"),
     script:
         "../scripts/dpo.py"

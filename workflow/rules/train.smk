@@ -26,12 +26,15 @@ rule train:
     conda:
         "../../envs/train.yaml"
     threads: train_threads
+    # Where it runs and its bookkeeping (checkpoint and logging cadence): resources, which no rerun trigger
+    # compares, so changing them neither reruns a finished training nor renames its checkpoints.
     resources:
-        gpu=train_gpus,
-        nodes=train_nodes,
-        gres=train_gres,
+        **runtime_resources("train"),
+        gpu=stage_gpus("train"),
+        nodes=stage_nodes("train"),
+        gres=stage_gres("train"),
     params:
         spec=train_params,
-        checkpoints=lambda wc: f"results/checkpoints/{wc.experiment}",
+        checkpoints=checkpoints_dir("train"),
     script:
         "../scripts/train.py"

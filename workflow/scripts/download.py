@@ -6,13 +6,15 @@ from snaketune.io import atomic_files
 
 def main(smk):
     spec = smk.params.spec
+    builtin = spec.get("builtin", {})
     # All three files or none: they are written into a staging directory and renamed into place together.
     with atomic_files(*smk.output) as (messages, _, _):
         materialize(
             spec["source"],
             messages.parent,
-            builtin_trees=spec["builtin_trees"],
-            builtin_seed=spec["builtin_seed"],
+            builtin_trees=builtin.get("trees", 1000),
+            builtin_seed=builtin.get("seed", 0),
+            revision=spec.get("revision", "main"),
         )
 
 

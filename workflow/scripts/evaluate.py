@@ -1,20 +1,34 @@
 import _stage
 
-import json
+import os
 from pathlib import Path
 
 import torch
 
 from snaketune import gpus
 from snaketune.evaluation.evaluate import evaluate
+from snaketune.plan.budget import memory_cap_gib
+from snaketune.plan.search import stage_plan
 
 
 def main(smk):
     spec = dict(smk.params.spec)
     spec.pop("code")
     torch.set_num_threads(smk.threads)
-    plan = json.loads(Path(smk.input.plan).read_text())
-    # The memory plan's batch size: eval.batch_size, or the largest that fits under gpu_memory_gib.
+    # The evaluate stage's memory plan, made here as rule plan_eval makes it: eval.batch_size, or the largest that
+    # fits under gpu_memory_gib.
+    cap = memory_cap_gib(smk.resources)
+    plan = stage_plan(
+        experiment=smk.wildcards.experiment,
+        model=spec["model"],
+        train={"lora": {"quantize": spec["quantize"]}},
+        max_length=spec["max_prompt_tokens"],
+        deepspeed_config=None,
+        gpu_memory_gib=cap,
+        evaluation={"batch_size": spec["batch_size"], "max_new_tokens": spec["max_new_tokens"]},
+        objective="evaluate",
+        allow_download=not os.environ.get("HF_HUB_OFFLINE"),
+    )
     spec["batch_size"] = (plan.get("evaluate") or {}).get("batch_size", spec["batch_size"])
     preference = {}
     if hasattr(smk.input, "dpo_model"):
@@ -34,7 +48,7 @@ def main(smk):
             conversations_dir=Path(smk.input.conversations).parent,
             metrics_out=smk.output.metrics,
             generations_out=smk.output.generations,
-            memory_cap_gib=plan.get("gpu_memory_gib"),
+            memory_cap_gib=cap,
         )
 
 

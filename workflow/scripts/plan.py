@@ -10,7 +10,7 @@ def main(smk):
     spec.pop("code")
     write_plan(
         **spec,
-        deepspeed_config=smk.input.deepspeed,
+        deepspeed_config=getattr(smk.input, "deepspeed", None),
         out=smk.output.plan,
         # A hub model's config.json (a few kB) when it is not cached yet; offline, the plan is "unknown".
         allow_download=not os.environ.get("HF_HUB_OFFLINE"),

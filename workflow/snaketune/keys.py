@@ -10,6 +10,7 @@ stats.json and checked again by the training stage before it trusts the data.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import re
 from functools import cache
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from snaketune.config.load import to_dict
 from snaketune.config.schema import DatasetConfig, ExperimentConfig, ModelConfig, TokenizeConfig
-from snaketune.io import stable_json
+from snaketune.io import sha256_file, stable_json
 
 # Where each stage starts running package code. code_hash() follows the `snaketune` imports of these modules
 # (snakemake#2192: Snakemake itself does not see edits to modules a script imports), so a module a stage
@@ -38,7 +39,7 @@ STAGE_MODULES = {
     "pairs": ("snaketune.data.pairs",),
     "reference": ("snaketune.train.launch", "snaketune.preference.reference"),
     "dpo": ("snaketune.train.launch", "snaketune.preference.dpo"),
-    "evaluate": ("snaketune.evaluation.evaluate", "snaketune.gpus"),
+    "evaluate": ("snaketune.evaluation.evaluate", "snaketune.gpus", "snaketune.plan.search"),
     "export": ("snaketune.export.export", "snaketune.data.prompts"),
     "report": ("snaketune.report.build",),
     "manifest": ("snaketune.provenance",),
@@ -122,12 +123,39 @@ def stage_modules(stage: str) -> tuple[str, ...]:
     return tuple(sorted(seen))
 
 
+class _DropDocstrings(ast.NodeTransformer):
+    """Removes every statement that is a bare string (docstrings, and the attribute docstrings under dataclass
+    fields): Python evaluates them and throws them away. Nothing in the package reads `__doc__`
+    (tests/test_keys.py checks), so they cannot change an output."""
+
+    def visit(self, node):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            kept = [
+                s
+                for s in body
+                if not (
+                    isinstance(s, ast.Expr)
+                    and isinstance(s.value, ast.Constant)
+                    and isinstance(s.value.value, str)
+                )
+            ]
+            node.body = kept or [ast.Pass()]
+        return self.generic_visit(node)
+
+
+@cache
 def module_source_hash(module: str) -> str:
-    return hashlib.sha256(_source(module)).hexdigest()
+    """Hash of what a module does: its syntax tree without docstrings, comments, formatting or line numbers. A
+    change that cannot alter an output (a reworded docstring, a comment, reformatting) keeps the hash; any change of
+    code changes it. Parsing every module a stage runs costs a few milliseconds each, once per DAG."""
+    tree = _DropDocstrings().visit(ast.parse(_source(module)))
+    return hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()
 
 
 def code_hash(stage: str) -> str:
-    """Hash of the source of every module a stage runs (byte for byte: a comment edit counts too)."""
+    """Hash of what every module a stage runs does (`module_source_hash`), so that editing a module a stage
+    imports reruns it (snakemake#2192) unless the edit is a comment, a docstring or formatting."""
     return _short("".join(f"{m}:{module_source_hash(m)}\n" for m in stage_modules(stage)), 16)
 
 
@@ -135,13 +163,43 @@ def tokenizer_id(model: ModelConfig) -> str:
     """Directory name under results/tokenizer/ for the experiment's tokenizer."""
     if model.uses_builtin_tokenizer:
         return "builtin"
-    name = model.pretrained if model.tokenizer == "auto" else model.tokenizer
+    name = model.tokenizer_name
     slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")[-40:]
-    return f"{slug}-{_short(stable_json([name, model.revision, model.trust_remote_code]), 8)}"
+    return f"{slug}-{_short(stable_json([name, model.tokenizer_hub_revision, model.trust_remote_code]), 8)}"
+
+
+@cache
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    return sha256_file(path)
+
+
+def source_digest(path: str) -> str:
+    """sha256 of a local dataset file, hashed once per file version (size and mtime) per process."""
+    st = Path(path).stat()
+    return _file_digest(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+def source_identity(dataset: DatasetConfig) -> dict:
+    """What the downloaded data is, as far as the settings can tell when Snakemake builds the DAG: a local file by
+    its content (a renamed file is the same data; an edited one is not), a hub dataset by its commit (snaketune.hub
+    pins it), the builtin sample by its generator's settings. Only the keys that source reads: a builtin setting
+    does not change a file's data."""
+    src = dataset.source
+    if src == "builtin":
+        return {"builtin": {"trees": dataset.builtin_trees, "seed": dataset.builtin_seed}}
+    if src.startswith("hub:"):
+        return {"hub": src.removeprefix("hub:"), "revision": dataset.revision}
+    return {"file_sha256": source_digest(src), "suffix": "".join(Path(src).suffixes[-2:])}
 
 
 def dataset_spec(dataset: DatasetConfig) -> dict:
-    return to_dict(dataset)
+    """The dataset's part of a data cache key: what the data is and how conversations are made of it."""
+    rest = {
+        k: v
+        for k, v in to_dict(dataset).items()
+        if k not in ("source", "revision", "builtin_trees", "builtin_seed")
+    }
+    return {**source_identity(dataset), **rest}
 
 
 def data_key(exp: ExperimentConfig) -> str:
@@ -149,7 +207,6 @@ def data_key(exp: ExperimentConfig) -> str:
     spec = {
         "dataset": dataset_spec(exp.dataset),
         "tokenizer": tokenizer_id(exp.model),
-        "tokenizer_spec": [exp.model.base, exp.model.tokenizer, exp.model.revision],
         "tokenize": to_dict(exp.tokenize),
         "code": [code_hash(s) for s in ("download", "conversations", "tokenizer", "tokenize")],
     }
@@ -164,7 +221,6 @@ def pairs_key(exp: ExperimentConfig) -> str:
         "pairs": exp.preference.pairs,
         "max_length": exp.preference.max_length,
         "tokenizer": tokenizer_id(exp.model),
-        "tokenizer_spec": [exp.model.base, exp.model.tokenizer, exp.model.revision],
         "chat_template": exp.tokenize.chat_template,
         "code": [code_hash(s) for s in ("download", "conversations", "preferences", "tokenizer", "pairs")],
     }

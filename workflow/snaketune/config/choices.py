@@ -36,6 +36,9 @@ def gguf_model_dir(path: str) -> str:
     return f"{MODELS_DIR}/{stem}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""owner/name, as the hub spells repository ids."""
+
 SOURCE_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 """snaketune.data.messages.SUFFIXES (kept here so that the config does not import pandas)."""
 
@@ -117,3 +120,13 @@ PREFERENCE_LOSSES = ("dpo", "ipo")
 REFERENCES = ("sft", "base")
 
 BF16_OPTIMIZERS = ("auto", "snaketune", "deepspeed")
+
+
+def check_revision(key: str, revision: str) -> None:
+    """A hub revision names a branch, tag or commit; huggingface_hub uses it as a path in its cache."""
+    if not re.match(r"^[\w][\w.\-/]*$", revision) or ".." in revision:
+        fail(
+            key,
+            f"{revision!r} is not a git revision; allowed: a branch, tag or commit "
+            "(letters, digits, '_', '-', '.', '/'; no '..', not starting with '/' or '.')",
+        )

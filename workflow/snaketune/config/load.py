@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.config.choices import EXPERIMENT_NAME, ConfigError, fail
+from snaketune.config.evaluation import EvalConfig
+from snaketune.config.export import ExportConfig
+from snaketune.config.preference import PreferenceConfig
 from snaketune.config.schema import (
     Config,
     DatasetConfig,
-    EvalConfig,
     ExperimentConfig,
-    ExportConfig,
     LoraConfig,
     ModelConfig,
-    PreferenceConfig,
     TokenizeConfig,
     TrainConfig,
 )

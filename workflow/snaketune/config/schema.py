@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 from snaketune.config.choices import (
     ATTENTIONS,
     BF16_OPTIMIZERS,
-    BUILTIN_EVAL_QUESTIONS,
     BUILTIN_MODELS,
     CHAT_TEMPLATES,
     FP8,
@@ -26,25 +25,27 @@ from snaketune.config.choices import (
     OPTIMIZER_KERNELS,
     OPTIMIZER_STATES,
     OPTIMIZER_STEPS,
-    PAIR_MODES,
     PATHS_MODES,
     PRECISIONS,
-    PREFERENCE_LOSSES,
     QUANTIZE,
-    REFERENCES,
     SOURCE_SUFFIXES,
     STRATEGIES,
     TREE_STATES,
+    check_revision,
     fail,
     gguf_model_dir,
 )
+from snaketune.config.evaluation import EvalConfig
 from snaketune.config.export import ExportConfig
+from snaketune.config.preference import PreferenceConfig
 
 
 @dataclass(frozen=True)
 class DatasetConfig:
     source: str = "builtin"
     """`builtin` | `hub:<dataset id>` | path to a local .jsonl or .parquet file in the oasst1 message schema."""
+    revision: str = "main"
+    """Hub revision (branch, tag or commit) of a `hub:` dataset, pinned to a commit once (snaketune.hub)."""
     builtin_trees: int = 1000
     """Number of message trees the builtin generator makes (only for source `builtin`)."""
     builtin_seed: int = 0
@@ -70,6 +71,7 @@ class DatasetConfig:
             )
         if src.startswith("hub:") and not re.match(r"^hub:[\w.-]+(/[\w.-]+)?$", src):
             fail("dataset.source", f"{src!r} is not a hub dataset id (expected hub:<owner>/<name>)")
+        check_revision("dataset.revision", self.revision)
         if self.paths not in PATHS_MODES:
             fail("dataset.paths", f"{self.paths!r} is not allowed; allowed: {', '.join(PATHS_MODES)}")
         if not 0.0 < self.validation_fraction < 1.0:
@@ -92,7 +94,9 @@ class ModelConfig:
     tokenizer: str = "auto"
     """`auto` (the model's own; the builtin BPE for builtin-tiny and arch:*) | a hub id | a local directory."""
     revision: str = "main"
-    """Hub revision (branch, tag or commit) for hub models and tokenizers."""
+    """Hub revision (branch, tag or commit) of hub models and tokenizers, pinned to a commit once (snaketune.hub)."""
+    tokenizer_revision: str | None = None
+    """Hub revision of `tokenizer` where it names another hub repository than `base`; None: `revision`."""
     trust_remote_code: bool = False
     """Allow code shipped with a hub model to run. Off unless you trust the model's authors."""
     num_layers: int | None = None
@@ -113,13 +117,9 @@ class ModelConfig:
             fail("model.base", f"{self.base!r} is unknown; allowed arch: models: arch:deepseek-llm-7b")
         if self.num_layers is not None and (self.num_layers < 1 or not self.base.startswith("arch:")):
             fail("model.num_layers", "must be >= 1 and is only allowed with an arch: model")
-        # A hub revision names a branch, tag or commit; huggingface_hub uses it as a path in its cache.
-        if not re.match(r"^[\w][\w.\-/]*$", self.revision) or ".." in self.revision:
-            fail(
-                "model.revision",
-                f"{self.revision!r} is not a git revision; allowed: a branch, tag or commit "
-                "(letters, digits, '_', '-', '.', '/'; no '..', not starting with '/' or '.')",
-            )
+        check_revision("model.revision", self.revision)
+        if self.tokenizer_revision is not None:
+            check_revision("model.tokenizer_revision", self.tokenizer_revision)
 
     @property
     def is_builtin(self) -> bool:
@@ -134,6 +134,15 @@ class ModelConfig:
         """What from_pretrained reads: model.base, or for a GGUF file the hub-format directory rule import_gguf
         makes of it (snaketune.model.gguf)."""
         return gguf_model_dir(self.base) if self.is_gguf else self.base
+
+    @property
+    def tokenizer_name(self) -> str:
+        """What the tokenizer is loaded from: the model's own (`pretrained`) or model.tokenizer."""
+        return self.pretrained if self.tokenizer == "auto" else self.tokenizer
+
+    @property
+    def tokenizer_hub_revision(self) -> str:
+        return self.revision if self.tokenizer == "auto" else self.tokenizer_revision or self.revision
 
     @property
     def uses_builtin_tokenizer(self) -> bool:
@@ -290,7 +299,9 @@ class TrainConfig:
     checkpoint_every: int = 40
     """Write a resumable DeepSpeed checkpoint every this many optimizer steps (0 = never)."""
     keep_checkpoints: int = 2
-    """How many of the newest complete checkpoints to keep."""
+    """How many of the newest complete checkpoints to keep while the stage runs."""
+    keep_final_checkpoint: bool = False
+    """Keep the last checkpoint once the stage's outputs are in place; else it goes then, with superseded runs'."""
     log_every: int = 5
     """Log metrics every this many optimizer steps."""
     eval_every: int = 40
@@ -371,88 +382,6 @@ def checkpointed_layers(value: bool | int | None, layers: int) -> int:
             f"{value} layers, but the model has {layers} decoder layers; allowed: true, false or 1..{layers}",
         )
     return value
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    prompts: tuple[str, ...] | str = "auto"
-    """User messages answered greedily by every model, side by side in the report; `auto`: the builtin questions
-    on the builtin data, else the first user messages of AUTO_PROMPTS validation conversations."""
-    max_new_tokens: int = 32
-    """Most tokens generated per prompt (greedy decoding stops earlier at the end-of-sequence token)."""
-    builtin_examples: int = 64
-    """Builtin dataset only: questions scored by exact match (0 turns the accuracy off; at most 320)."""
-    batch_size: int = 8
-    """Sequences per forward pass for the validation loss and per generate() call."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.prompts, str):
-            if self.prompts != "auto":
-                fail("eval.prompts", f"{self.prompts!r} is not allowed; allowed: auto or a list of prompts")
-        elif not self.prompts:
-            fail("eval.prompts", "must be a list of at least one prompt, or auto")
-        for prompt in () if isinstance(self.prompts, str) else self.prompts:
-            if not isinstance(prompt, str) or not prompt.strip():
-                fail("eval.prompts", f"{prompt!r} is not a non-empty string")
-        if not 1 <= self.max_new_tokens <= 4096:
-            fail("eval.max_new_tokens", f"{self.max_new_tokens} must be between 1 and 4096")
-        if not 0 <= self.builtin_examples <= BUILTIN_EVAL_QUESTIONS:
-            fail(
-                "eval.builtin_examples",
-                f"{self.builtin_examples} is not allowed; allowed: 0 (off) to {BUILTIN_EVAL_QUESTIONS} (the builtin "
-                "data's distinct questions with tasks in rotation)",
-            )
-        if self.batch_size < 1:
-            fail("eval.batch_size", f"{self.batch_size} must be >= 1")
-
-
-@dataclass(frozen=True)
-class PreferenceConfig:
-    enabled: bool = True
-    """Tune the SFT model on oasst's ranked replies after SFT (stages preferences, tokenize_pairs, reference, dpo)."""
-    pairs: str = "best_vs_rest"
-    """`best_vs_rest`: each best-ranked reply against each worse sibling; `all`: every pair of different ranks."""
-    max_length: int = 128
-    """Tokens per side of a pair (conversation so far + reply); longer sides lose the oldest turns first."""
-    loss: str = "dpo"
-    """`dpo` (Rafailov et al. 2023) | `ipo` (Azar et al. 2023, on length-averaged log-probabilities)."""
-    beta: float = 0.1
-    """Strength of the KL penalty towards the reference (DPO's beta, IPO's tau)."""
-    reference: str = "sft"
-    """The model the log-ratios are taken against, its log-probabilities cached once: `sft` | `base`."""
-    sft_weight: float = 1.0
-    """Add this times the chosen reply's mean next-token loss to each pair's loss (RPO; TRL's rpo_alpha): keeps the
-    chosen replies likely while the rejected ones fall. 0: the plain DPO/IPO loss."""
-    train: dict = field(
-        default_factory=lambda: {
-            "learning_rate": 1.0e-3,
-            "max_steps": 200,
-            "global_batch_size": 24,
-            "micro_batch_size": 4,
-            "warmup_steps": 10,
-            "eval_every": 50,
-            "checkpoint_every": 50,
-        }
-    )
-    """Overrides of the train section for the preference stage (learning_rate, max_steps, lora, ...), merged over
-    `train`; a `preference.train` given replaces this default, which suits the embedded default's tiny model (a 7B
-    wants ~5e-7 for full fine-tuning, ~5e-6 to 2e-5 with LoRA)."""
-
-    def __post_init__(self) -> None:
-        if self.pairs not in PAIR_MODES:
-            fail("preference.pairs", f"{self.pairs!r} is not allowed; allowed: {', '.join(PAIR_MODES)}")
-        if self.loss not in PREFERENCE_LOSSES:
-            fail("preference.loss", f"{self.loss!r} is not allowed; allowed: {', '.join(PREFERENCE_LOSSES)}")
-        if self.reference not in REFERENCES:
-            fail(
-                "preference.reference", f"{self.reference!r} is not allowed; allowed: {', '.join(REFERENCES)}"
-            )
-        if not self.beta > 0:
-            fail("preference.beta", f"{self.beta} must be > 0")
-        if self.sft_weight < 0:
-            fail("preference.sft_weight", f"{self.sft_weight} must be >= 0 (0 is the plain loss)")
-        if not 16 <= self.max_length <= 131072:
-            fail("preference.max_length", f"{self.max_length} must be between 16 and 131072")
 
 
 @dataclass(frozen=True)

@@ -174,11 +174,23 @@ def numel(p: torch.Tensor) -> int:
     return p.numel()
 
 
-def apply_lora(net: PreTrainedModel, lora: LoraConfig, *, fp32_adapters: bool = True) -> PreTrainedModel:
+LORA_SEED_OFFSET = 0x10AA
+"""The adapters' initial weights come from train.seed plus this: a stream of their own, not a replay of the one a
+builtin model's weights were drawn from."""
+
+
+def apply_lora(
+    net: PreTrainedModel, lora: LoraConfig, *, fp32_adapters: bool = True, seed: int | None = None
+) -> PreTrainedModel:
     """Wrap with peft LoRA adapters on the configured modules; only adapters stay trainable. `fp32_adapters`
-    (peft's default) keeps them in fp32 when the model is bf16; else they take the model's dtype."""
+    (peft's default) keeps them in fp32 when the model is bf16; else they take the model's dtype. `seed`
+    (train.seed) draws the adapters' initial weights, the same on every rank (peft draws them from torch's global
+    generator: unseeded, a hub model's adapters began the same whatever train.seed said)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
+
+    if seed is not None:
+        torch.manual_seed(seed + LORA_SEED_OFFSET)
 
     present = {name.rsplit(".", 1)[-1] for name, _ in net.named_modules()}
     missing = [t for t in lora.targets if t not in present]

@@ -116,9 +116,9 @@ def resolve_arch(model: dict, *, allow_download: bool = False) -> tuple[Arch | N
     # A GGUF file: the hub-format directory rule import_gguf made of it (an input of the plan rules).
     path = Path(gguf_model_dir(base) if base.lower().endswith(GGUF_SUFFIX) else base) / "config.json"
     if not path.is_file():
-        found = _hub_config(base, model.get("revision", "main"), allow_download)
+        found, why = _hub_config(base, model.get("revision", "main"), allow_download)
         if found is None:
-            return None, f"unknown: skipped (no config.json for {base!r} in the hub cache, none downloaded)"
+            return None, f"unknown: skipped (no config.json for {base!r} in the hub cache; {why})"
         path = found
     try:
         return arch_from_hf_config(json.loads(path.read_text())), f"{path}"
@@ -126,17 +126,19 @@ def resolve_arch(model: dict, *, allow_download: bool = False) -> tuple[Arch | N
         return None, f"unknown: skipped ({path}: {e})"
 
 
-def _hub_config(repo_id: str, revision: str, allow_download: bool) -> Path | None:
+def _hub_config(repo_id: str, revision: str, allow_download: bool) -> tuple[Path | None, str]:
+    """(config.json's path, "") or (None, why not): the plan says why where it has to stop for it."""
     try:
         from huggingface_hub import hf_hub_download, try_to_load_from_cache
     except ImportError:
-        return None
+        return None, "huggingface_hub is not installed"
     try:
         cached = try_to_load_from_cache(repo_id, "config.json", revision=revision)
         if isinstance(cached, str):
-            return Path(cached)
-        if allow_download:
-            return Path(hf_hub_download(repo_id, "config.json", revision=revision))
-    except Exception as e:  # noqa: BLE001 - no network, bad id, gated repo: the plan is then unknown
+            return Path(cached), ""
+        if not allow_download:
+            return None, "downloads are off (HF_HUB_OFFLINE)"
+        return Path(hf_hub_download(repo_id, "config.json", revision=revision)), ""
+    except Exception as e:  # noqa: BLE001 - no network, bad id, gated repo: the plan is unknown, or an error (search)
         log.info("config.json of %s not available: %s", repo_id, e)
-    return None
+        return None, f"the download failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

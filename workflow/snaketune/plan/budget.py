@@ -70,3 +70,10 @@ def detect_budget(gpu_memory_gib: float | None, *, devices=None, host_gib: float
             host_gib,
         )
     return Budget(None, "no GPU: CPU ranks, nothing to check", host_gib)
+
+
+def memory_cap_gib(resources) -> float | None:
+    """gpu_memory_gib as a stage gets it: the Snakemake resource gpu_memory_mib (0: none). Where a stage runs is no
+    param of it, so a new cap reruns the plan rules (the preflight check), never a finished stage."""
+    mib = int(getattr(resources, "gpu_memory_mib", 0) or 0)
+    return mib / 1024 if mib else None

@@ -70,10 +70,12 @@ def make_plan(
     objective: str = "sft",
 ) -> dict:
     """The plan as a JSON-able dict; `fits` is False when the chosen strategy does not fit (then `message`
-    says what would), None when there is nothing to check against. `evaluation` ({"batch_size",
-    "max_new_tokens"}, the eval section) adds the evaluate stage's plan (`plan_evaluation`). The preference
-    stage has a plan of its own (rule plan_dpo, `objective` preference): its merged train settings, rows of both
-    sides of a pair, and its own log-probabilities instead of the SFT loss (`setup_for`)."""
+    says what would), None when there is nothing to check against. The preference stage has a plan of its own
+    (rule plan_dpo, `objective` preference): its merged train settings, rows of both sides of a pair, and its own
+    log-probabilities instead of the SFT loss (`setup_for`). The evaluate stage's (rule plan_eval, `objective`
+    evaluate, `evaluation` {"batch_size", "max_new_tokens"}) plans its batch size alone (`plan_evaluation`).
+    Where train.strategy is auto or gpu_memory_gib is set, an architecture or a GPU budget that is not known here
+    is an error (PlanError): the plan cannot do what the config asks of it, and must not pass unplanned."""
     plan: dict[str, Any] = {
         "experiment": experiment,
         "gpu_memory_gib": gpu_memory_gib,
@@ -82,24 +84,46 @@ def make_plan(
     }
     arch, source = resolve_arch(model, allow_download=allow_download)
     plan["model"]["source"] = source
+    _check_plannable(arch, source, train, gpu_memory_gib, budget, objective)
     if arch is None:
         plan.update(_unplanned(train, deepspeed_config, source), arch=None)
         return plan
     plan["arch"] = dataclasses.asdict(arch)
+    if objective == "evaluate":
+        precision = train.get("precision", "auto")
+        if precision == "auto":
+            precision = "fp32" if budget.gpu_gib is None else "bf16"
+        evaluation = {**(evaluation or {}), "quantize": (train.get("lora") or {}).get("quantize", "none")}
+        ev = plan_evaluation(arch, evaluation, max_length=max_length, precision=precision, budget=budget)
+        status = ev.get("message") or f"evaluate: batch size {ev['batch_size']}"
+        plan.update(evaluate=ev, fits=ev["fits"], message=ev.get("message"), status=status)
+        plan["model"].update(params=arch.params())
+        return plan
     stage = plan_training(arch, train, max_length, deepspeed_config, budget, candidate_files, objective)
     plan.update(stage)
     plan["model"].update(
         params=stage["configured"]["estimate"]["params"],
         trainable=stage["configured"]["estimate"]["trainable"],
     )
-    precision = stage["precision"]
-    if evaluation is not None:
-        plan["evaluate"] = plan_evaluation(
-            arch, evaluation, max_length=max_length, precision=precision, budget=budget
-        )
-        if plan["fits"] is not False and plan["evaluate"]["fits"] is False:
-            plan.update(fits=False, message=plan["evaluate"]["message"], status="evaluation does not fit")
     return plan
+
+
+def _check_plannable(arch, source: str, train: dict, gpu_memory_gib, budget: Budget, objective: str) -> None:
+    """PlanError where the config asks for a plan (train.strategy auto, or a memory cap) that cannot be made."""
+    auto = train.get("strategy") == "auto" and objective != "evaluate"
+    if arch is None and (auto or gpu_memory_gib is not None):
+        asked = "train.strategy: auto" if auto else f"gpu_memory_gib: {gpu_memory_gib:g}"
+        raise PlanError(
+            f"{asked} needs the model's architecture, which is not known here: {source}. Make its config.json "
+            "available (a hub-format directory as model.base, or run once with network access so that the hub "
+            "cache has it), or remove the setting"
+        )
+    if auto and budget.gpu_gib is None:
+        raise PlanError(
+            "train.strategy: auto picks the fastest strategy that fits the GPUs, but there is no GPU memory to plan "
+            "for: no CUDA device is visible and gpu_memory_gib is not set. Set gpu_memory_gib (GiB, or a card: "
+            "rtx4090, h200) or train.strategy: as_configured"
+        )
 
 
 def _unplanned(train: dict, deepspeed_config: str, source: str) -> dict:
@@ -349,6 +373,34 @@ def format_table(plan: dict) -> str:
         )
     lines.append(f"chosen: {plan['chosen']['name']} ({plan['chosen']['deepspeed_config']}); {plan['status']}")
     return "\n".join(lines)
+
+
+DEEPSPEED_DIR = Path("config/deepspeed")
+
+
+def candidate_files(root: str | Path = DEEPSPEED_DIR) -> dict[str, str]:
+    """The shipped DeepSpeed files that train.strategy auto chooses among (STRATEGIES), name -> path, those that
+    exist under `root`."""
+    names = sorted({s.deepspeed_file for s in STRATEGIES})
+    return {name: str(Path(root) / name) for name in names if (Path(root) / name).is_file()}
+
+
+def stage_plan(*, out: str | Path | None = None, **kwargs) -> dict:
+    """A stage's plan, made where the stage starts (snaketune.train.launch, the evaluate stage) from the same
+    settings and code as its plan rule's, against the GPUs this machine offers: its strategy (train.strategy auto),
+    memory cap and batch size. The plan rules' files are the preflight check and the record; no stage reads them,
+    so that a plan rerun for where a stage runs never reruns the stage (a Snakemake input that an upstream rerun
+    marks updated would). Refuses, as the plan rule does, what does not fit; `out` also writes it."""
+    plan = make_plan(budget=detect_budget(kwargs["gpu_memory_gib"]), **kwargs)
+    if plan.get("configured"):
+        log.info("memory plan for %s:\n%s", plan["experiment"], format_table(plan))
+    if plan["fits"] is False:
+        raise PlanError(plan["message"])
+    if out is not None:
+        from snaketune.io import write_json
+
+        write_json(out, plan)
+    return plan
 
 
 def write_plan(*, out: str | Path, **kwargs) -> dict:

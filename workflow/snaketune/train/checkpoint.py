@@ -76,6 +76,24 @@ def run_key(settings_key: str, inputs: Mapping[str, object]) -> str:
     return f"{settings_key}-{digest[:8]}"
 
 
+_RUN = re.compile(r"^[0-9a-f]{16}(-[0-9a-f]{8})?$")
+"""A run's directory under a stage's checkpoint root (`run_key`; apply_plan's under strategy auto); other entries (the preference stages' roots under
+the train stage's) are not runs."""
+
+
+def remove_runs(root: str | Path, *, keep: Path | None = None) -> list[Path]:
+    """Remove every run's checkpoint directory under `root` but `keep`: called once a stage's outputs are in place,
+    when its own checkpoints are done with and a superseded run's can never be resumed (its settings or inputs
+    differ). Returns the directories removed."""
+    root = Path(root)
+    removed = []
+    for d in sorted(root.iterdir()) if root.is_dir() else ():
+        if d.is_dir() and _RUN.match(d.name) and (keep is None or d.resolve() != Path(keep).resolve()):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from snaketune import device_memory, gpus
 from snaketune.plan.apply import apply_plan, check_devices
-from snaketune.plan.budget import host_memory_gib
+from snaketune.plan.budget import host_memory_gib, memory_cap_gib
 from snaketune.train import hosts
 
 log = logging.getLogger(__name__)
@@ -358,6 +358,7 @@ def train_job(
     staging directory that is renamed into place once training has ended (checkpoints are not outputs).
     `plan`: the stage's memory plan (results/plan/<experiment>.json; results/plan/dpo/ for the dpo rule)."""
     from snaketune.io import atomic_files
+    from snaketune.train.checkpoint import remove_runs
 
     run_spec = apply_plan(run_spec, plan)
     ckpt_dir = Path(checkpoints) / run_spec["run_key"]
@@ -374,6 +375,11 @@ def train_job(
             plan=plan,
             module=module,
         )
+    # The outputs are in place: the stage's checkpoints have done their work, a superseded run's and (unless kept)
+    # this one's.
+    keep = ckpt_dir if run_spec["train"].get("keep_final_checkpoint") else None
+    for removed in remove_runs(checkpoints, keep=keep):
+        log.info("removed checkpoint directory %s", removed)
 
 
 def train_rule_job(
@@ -388,13 +394,20 @@ def train_rule_job(
     """The train, reference and dpo rules' scripts: the run spec from the rule's params (spec) and inputs (data,
     tokenizer, deepspeed, plan), `extra` keys added, then train_job with the rule's outputs (default: model,
     metrics, tb, summary; all in one directory) and resources."""
+    from snaketune.config.owners import full_train
+    from snaketune.plan.search import candidate_files, stage_plan
     from snaketune.train.checkpoint import run_key  # torch: imported only where a training is launched
 
     spec = smk.params.spec
+    resources = smk.resources
+    gres = getattr(resources, "gres", None)  # gpu:N per node, for a job of several nodes (gpu is then 0)
+    gpus = int(resources.gpu) or (int(str(gres).split(":")[-1]) if gres else 1)
+    train = full_train(train or spec["train"], resources, {"gpus": gpus, "nodes": int(resources.nodes)})
     run_spec = {
         "experiment": smk.wildcards.experiment,
         "model": model,
-        "train": train or spec["train"],
+        # The settings the params hold, with the bookkeeping the resources hold (snaketune.config.owners).
+        "train": train,
         "data_dir": smk.input.data,
         "tokenizer_dir": str(Path(smk.input.tokenizer).parent),
         "deepspeed_config": smk.input.deepspeed,
@@ -403,11 +416,25 @@ def train_rule_job(
         "run_key": run_key(spec["run_key"], dict(smk.input.items())),
         **extra,
     }
+    # The stage's memory plan, made here as its plan rule makes it (stage_plan says why it is not an input).
+    # The preference stages' rows hold both sides of a pair.
+    sft = smk.rule == "train"
+    plan = stage_plan(
+        experiment=smk.wildcards.experiment,
+        model=spec["model"],
+        train=train,
+        max_length=spec["max_length"] * (1 if sft else 2),
+        deepspeed_config=smk.input.deepspeed,
+        gpu_memory_gib=memory_cap_gib(resources),
+        candidate_files=candidate_files(),
+        objective="sft" if sft else "preference",
+        allow_download=not os.environ.get("HF_HUB_OFFLINE"),
+    )
     train_job(
         run_spec,
         checkpoints=smk.params.checkpoints,
         outputs=outputs or (smk.output.model, smk.output.metrics, smk.output.tb, smk.output.summary),
-        plan=json.loads(Path(smk.input.plan).read_text()),
+        plan=plan,
         granted=int(smk.resources.gpu),
         log_file=smk.log[0],
         threads=smk.threads,
