@@ -40,9 +40,8 @@ FROM_DPO = ("dpo", "evaluate", "export", *END)
 FROM_REFERENCE = ("reference", *FROM_DPO)
 FROM_PAIRS = ("tokenize_pairs", *FROM_REFERENCE)
 FROM_TRAIN = ("train", "export", *FROM_REFERENCE)
-# The memory plans (rules plan and plan_dpo) read the model and train settings and the DeepSpeed files; train
-# and evaluate read the first, dpo the second.
-FROM_PLAN = ("plan", *FROM_TRAIN)
+# The memory plans (rules plan, plan_dpo, plan_eval) read the memory settings and the DeepSpeed files; no stage reads
+# a plan file (each plans for itself where it starts), so a plan reruns alone unless the change is also a stage's.
 FROM_PLANS = ("plan", "plan_dpo", *FROM_TRAIN)
 FROM_TOKENIZE = ("tokenize", *FROM_TRAIN)
 # A new tokenizer remakes both tokenized caches.
@@ -57,7 +56,8 @@ def _config(override: dict) -> tuple[str, dict]:
 
 
 def _edit(path: str, old: str | None = None, new: str | None = None) -> tuple[str, tuple]:
-    """Replace `old` by `new` in a file of the copy; without them, append a comment line."""
+    """Replace `old` by `new` in a file of the copy; without them, append a line of code (a comment or a docstring
+    changes no code hash: snaketune.keys.meaning_hash)."""
     return ("file", (path, old, new))
 
 
@@ -69,14 +69,14 @@ CASES = {
     "tokenize.packing": (_config({"tokenize": {"packing": False}}), FROM_TOKENIZE),
     "model.tokenizer": (
         _config({"model": {"tokenizer": "deepseek-ai/deepseek-llm-7b-base"}}),
-        ("fetch_tokenizer", "plan", "plan_dpo", "tokenize", "tokenize_pairs", *FROM_TRAIN),
+        ("fetch_tokenizer", "tokenize", "tokenize_pairs", *FROM_TRAIN),
     ),
     "tokenizer vocabulary (rule file)": (
         _edit("workflow/rules/data.smk", "vocab_size=1024", "vocab_size=1000"),
         FROM_TOKENIZER,
     ),
     # config and files: training
-    "train.learning_rate": (_config({"train": {"learning_rate": 1.0e-3}}), FROM_PLAN),
+    "train.learning_rate": (_config({"train": {"learning_rate": 1.0e-3}}), FROM_TRAIN),
     "ZeRO config file contents": (
         _edit("config/deepspeed/zero2.json", '"reduce_bucket_size": 200000000', '"reduce_bucket_size": 5e8'),
         FROM_PLANS,
@@ -112,11 +112,14 @@ CASES = {
                 }
             }
         ),  # fmt: skip
-        ("plan_dpo", *FROM_DPO),
+        FROM_DPO,
     ),
     "added experiment": (
         _config({"experiments": {"default": {}, "lr2": {"train": {"learning_rate": 1.0e-3}}}}),
-        FROM_PLANS,  # a plan, plan_dpo, train, reference, dpo and evaluate job each, for lr2; caches are shared
+        (
+            "plan_eval",
+            *FROM_PLANS,
+        ),  # the three plans, train, reference, dpo, evaluate for lr2; caches are shared
     ),
     # the report has no options of its own: its template modules
     "report template (report_sections.py)": (_edit("workflow/snaketune/report/sections.py"), ONLY_REPORT),
@@ -146,11 +149,24 @@ CASES = {
     # which use only the allowed values (config/choices.py)
     "config/schema.py": (
         _edit("workflow/snaketune/config/schema.py"),
-        ("plan", "plan_dpo", *FROM_TRAIN),
+        ("plan", "plan_dpo", "plan_eval", *FROM_TRAIN),
+    ),
+    # what cannot change an output reruns nothing: a reworded docstring, comments and formatting (issue #42)
+    "docstring (train/metrics.py)": (
+        _edit("workflow/snaketune/train/metrics.py", '"""Training metrics', '"""The training metrics'),
+        (),
+    ),
+    "comments and formatting (train/trainer.py)": (
+        _edit(
+            "workflow/snaketune/train/trainer.py",
+            "from __future__ import annotations\n",
+            "from __future__ import annotations  # noqa\n\n\n",
+        ),
+        (),
     ),
     # records are not outputs: a new record format remakes the manifest, never a stage
     "provenance.py": (_edit("workflow/snaketune/provenance.py"), END),
-    # Snakemake's own trigger: a script newer than the outputs
+    # Snakemake's own trigger: a script newer than the outputs (even a comment: Snakemake compares its mtime)
     "workflow/scripts/evaluate.py": (_edit("workflow/scripts/evaluate.py"), ONLY_EVALUATE),
 }
 
@@ -179,7 +195,7 @@ def edited(path: Path, old: str | None, new: str | None) -> Iterator[None]:
     data, stat = path.read_bytes(), path.stat()
     text = data.decode()
     if old is None:
-        changed = text + "# edited by tests/test_reproducibility.py\n"
+        changed = text + "_EDITED_BY_TEST = True  # tests/test_reproducibility.py\n"
     else:
         assert text.count(old) == 1, f"{old!r} not found once in {path}"
         changed = text.replace(old, new)
@@ -245,29 +261,29 @@ def _records(workdir: Path) -> dict[str, dict]:
     }
 
 
-def _jobs(workdir: Path) -> list[str]:
-    """The records a run of the fast config leaves (the report's aside), by rule[/wildcards]."""
+def _jobs(workdir: Path, *, plans: bool = True) -> list[str]:
+    """The records a run of the fast config leaves (the report's aside), by rule[/wildcards]; without `plans`, those
+    behind the report (no stage reads a memory plan: each plans for itself where it starts)."""
     key = next((workdir / "results/tokenized").iterdir()).name
     pairs_key = next((workdir / "results/tokenized_pairs").iterdir()).name
     reference = next((workdir / "results/preference/default").glob("reference-*")).name.removeprefix(
         "reference-"
     )
-    return [
+    jobs = [
         "download",
         "conversations",
         "train_tokenizer",
         f"tokenize/{key}",
-        "plan/default",
         "train/default",
         "preferences/best_vs_rest",
         f"tokenize_pairs/{pairs_key}",
-        "plan_dpo/default",
         f"reference/default_{reference}",
         "dpo/default",
         "evaluate/default",
         "export/default_dpo",
         "export/default_sft",
     ]
+    return jobs + (["plan/default", "plan_dpo/default", "plan_eval/default"] if plans else [])
 
 
 def test_every_job_has_a_record(workdir):
@@ -288,7 +304,7 @@ def test_every_job_has_a_record(workdir):
     # evaluation scores models with it in its own process (the launchers of train, reference and dpo need it only
     # on a machine with GPUs: their ranks do the work).
     light = {"download", "conversations", "train_tokenizer", "tokenize", "preferences", "tokenize_pairs", "plan",
-             "plan_dpo", "report"}  # fmt: skip
+             "plan_dpo", "plan_eval", "report"}  # fmt: skip
     for name, rec in records.items():
         assert not (rec["rule"] in light and rec["imported_torch"]), name
     assert records["evaluate/default"]["imported_torch"]
@@ -296,14 +312,14 @@ def test_every_job_has_a_record(workdir):
     assert train["seeds"] == {"spec.train.seed": 1234}
     assert train["params"]["spec"]["train"]["learning_rate"] == 3.0e-3
     assert "config/deepspeed/zero2.json" in train["inputs"]
-    assert records["download"]["seeds"] == {"spec.builtin_seed": 0}
+    assert records["download"]["seeds"] == {"spec.builtin.seed": 0}
 
 
 def test_the_manifest_follows_the_records_back(workdir):
     manifest = json.loads((workdir / "results/provenance/manifest.json").read_text())
     jobs = manifest["jobs"]
     assert sorted(job["record"] for job in jobs) == sorted(
-        f"results/provenance/{name}.json" for name in _jobs(workdir)
+        f"results/provenance/{name}.json" for name in _jobs(workdir, plans=False)
     )
     # In pipeline order: every job comes after the jobs that wrote its inputs.
     written_by = {out: i for i, job in enumerate(jobs) for out in job["outputs"]}

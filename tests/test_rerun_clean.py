@@ -31,6 +31,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -73,7 +74,13 @@ SHARED_KINDS = {
 }
 STAGE_KINDS = {"export.quants": {"export": {"quants": ["q8_0"]}}}
 """Changes that rerun one stage and the report only (the reproducibility table shows it)."""
-CODE_KINDS = [kind for kind, ((what, _), _) in CASES.items() if what == "file" and kind not in SHARED_KINDS]
+CODE_KINDS = [
+    kind
+    for kind, ((what, _), stages) in CASES.items()
+    if what == "file" and stages and kind not in SHARED_KINDS
+]
+"""The code edits that rerun something (an edit that cannot change an output reruns nothing: the reproducibility
+test's)."""
 RIDERS = {"eval.prompts": [*STAGE_KINDS], "dataset.languages": CODE_KINDS}
 """Shared kind -> the kinds made with it, in both runs: the export kind with a change that reruns the export stage
 too, the code edits (every stage reruns) with the most upstream config change (dataset.paths reruns the same
@@ -97,7 +104,10 @@ RECORD_FIELDS = {"experiment", "wall_time_s", "run_key", "resumed_from_step", "t
 
 
 def test_every_change_kind_is_covered():
-    assert sorted([*EXPERIMENT_KINDS, ADDED, *SHARED_KINDS, *STAGE_KINDS, *CODE_KINDS]) == sorted(CASES)
+    no_op = [kind for kind, (_, stages) in CASES.items() if not stages]
+    assert sorted([*EXPERIMENT_KINDS, ADDED, *SHARED_KINDS, *STAGE_KINDS, *CODE_KINDS, *no_op]) == sorted(
+        CASES
+    )
     assert sorted(kind for chain in CHAINS for kind in chain) == sorted(EXPERIMENT_KINDS)
     assert sorted(kind for riders in RIDERS.values() for kind in riders) == sorted(
         [*STAGE_KINDS, *CODE_KINDS]
@@ -311,8 +321,11 @@ def test_sft_learning_rate_rerun_retrains_dpo_from_scratch(experiments):
     name, _ = TWINS["train.learning_rate"]
     dpo = json.loads((workdir / f"results/dpo/{name}/summary.json").read_text())
     assert dpo["resumed_from_step"] == 0 and dpo["start_check"]["violations"] == 0
-    base_ckpts = {p.name for p in (workdir / f"results/checkpoints/{name}/dpo").iterdir() if p.is_dir()}
-    assert len(base_ckpts) == 2, base_ckpts  # the base run's and the rerun's: another key, not a resume
+    # The base run's and the rerun's DPO ran under two run keys (another key, not a resume), and once the rerun's
+    # model was in place both runs' checkpoints were removed (train.keep_final_checkpoint is false).
+    keys = set(re.findall(r"run key (\S+):", (workdir / f"logs/dpo/{name}.log").read_text()))
+    assert len(keys) == 2, keys
+    assert not list((workdir / f"results/checkpoints/{name}/dpo").iterdir())
 
 
 # ---- kinds that change what every experiment shares, and their riders --------------------------------------
@@ -334,7 +347,7 @@ def _apply(workdir: Path, kind: str) -> tuple[str, ...]:
         (_, (path, old, _)), _ = CASES[rider]
         assert old is None, rider  # a code edit: a comment appended
         with open(workdir / path, "a") as f:
-            f.write("# edited by tests/test_rerun_clean.py\n")
+            f.write("_EDITED_BY_TEST = True  # tests/test_rerun_clean.py\n")
     if not config:
         return ()
     (workdir / "change.yaml").write_text(json.dumps(config))

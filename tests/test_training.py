@@ -381,3 +381,88 @@ def test_resume_with_another_world_size_fails(zero2_run, tiny_data, tmp_path):
         run_training(tmp_path, tiny_data, nproc=1, train_overrides=TWO_RANKS, checkpoint_dir=ckpt)
     log = (tmp_path / "train.log").read_text()
     assert "was written by 2 ranks but 1 were granted; rerun with --resources gpu=2" in log
+
+
+# ---- what changes no weight, and what must be the same on every rank ------------------------------------------
+
+
+def test_bookkeeping_changes_no_weight(base_run, tiny_data, tmp_path):
+    """Checkpoint and logging cadence are runtime and record keys (snaketune.config.owners): they neither rerun a
+    finished training nor name its checkpoints, because the weights do not depend on them. The base run's 20
+    steps again, logging every 3rd, validating every 4th, checkpointing every 5th (keeping 1): every weight equal."""
+    bookkeeping = dict(log_every=3, eval_every=4, checkpoint_every=5, keep_checkpoints=1)
+    run = run_training(tmp_path, tiny_data, nproc=1, train_overrides=bookkeeping)
+    assert [r["step"] for r in run.rows if r.get("train/loss") is not None][:3] == [3, 6, 9]
+    got = load_file(run.out_dir / "model" / "model.safetensors")
+    want = load_file(base_run.out_dir / "model" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert not [name for name in want if not torch.equal(got[name], want[name])]
+
+
+def test_train_seed_draws_the_lora_adapters(tiny_data):
+    """train.seed reaches LoRA's initial adapters (peft draws them from torch's global generator, which nothing
+    seeded for a hub model): the same seed, the same adapters; another seed, others."""
+    from snaketune.config.schema import LoraConfig
+    from snaketune.model.build import apply_lora
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_data.tokenizer_dir)
+    ids = dict(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+
+    def adapters(seed: int) -> dict:
+        net = load_model(ModelConfig(), dtype=torch.float32, seed=0, **ids)
+        torch.manual_seed(12345)  # whatever state the global generator is in must not matter
+        net = apply_lora(net, LoraConfig(enabled=True, rank=4), seed=seed)
+        return {n: p.detach().clone() for n, p in net.named_parameters() if p.requires_grad}
+
+    first, again, other = adapters(7), adapters(7), adapters(8)
+    lora_a = [n for n in first if "lora_A" in n]
+    assert lora_a and all(torch.equal(first[n], again[n]) for n in first)
+    assert not any(torch.equal(first[n], other[n]) for n in lora_a)
+
+
+def _start_check(rank: int, world: int, port: int, differ: bool, out) -> None:
+    import torch.distributed as dist
+
+    from snaketune.train.engine import check_same_start
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    net = torch.nn.Linear(4, 4)
+    torch.nn.init.constant_(net.weight, 1.0)
+    torch.nn.init.constant_(net.bias, 0.0)
+    if differ and rank == 1:
+        net.bias.data[2] = 1e-6
+    try:
+        check_same_start(net, torch.device("cpu"))
+        out.put((rank, "same"))
+    except RuntimeError as e:
+        out.put((rank, str(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_ranks_are_checked_to_start_from_the_same_weights(differ):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_start_check, args=(r, 2, port, differ, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    if differ:
+        assert all(
+            "ranks start from different trainable weights (1 tensors differ, first bias)" in r
+            for r in results.values()
+        )
+    else:
+        assert results == {0: "same", 1: "same"}

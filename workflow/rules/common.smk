@@ -9,7 +9,7 @@ from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
-from snaketune import hub, keys  # noqa: E402
+from snaketune import hub, keys, provenance  # noqa: E402
 from snaketune.config import owners  # noqa: E402
 from snaketune.config.choices import ConfigError  # noqa: E402
 from snaketune.config.load import load_config, to_dict
@@ -26,6 +26,14 @@ except ConfigError as e:
     raise WorkflowError(f"Invalid configuration: {e}") from None
 # Defaults live in the typed config (snaketune.config.schema), not in the schema.
 validate(config, schema="../schemas/config.schema.yaml", set_default=False)
+# A cached output whose files no longer have the sizes its job recorded (a truncated Arrow file) is named before
+# any job uses it, with the command that rebuilds it (snaketune.provenance). In the main process only: a job that
+# Snakemake runs elsewhere (SLURM) reads this file again.
+_changed = provenance.changed_outputs() if workflow.is_main_process else []
+if _changed:
+    raise WorkflowError(
+        "Outputs changed since their jobs wrote them:\n  " + "\n  ".join(_changed)
+    )
 
 EXPERIMENTS = CFG.experiments
 # Several experiments may share one tokenized cache (same data, tokenizer and settings).

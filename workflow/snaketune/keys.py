@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
+import os
 import re
 from functools import cache
 from pathlib import Path
@@ -144,13 +146,46 @@ class _DropDocstrings(ast.NodeTransformer):
         return self.generic_visit(node)
 
 
+def meaning_hash(source: bytes) -> str:
+    """Hash of what Python source does: its syntax tree without docstrings, comments, formatting or line numbers."""
+    tree = _DropDocstrings().visit(ast.parse(source))
+    return hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()
+
+
+MEANING_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "snaketune" / "code-meaning.json"
+"""sha256 of a module's bytes -> its meaning_hash: parsing the ~70 modules a DAG hashes costs 0.3-0.7 s, which every
+dry run would pay again. Content-addressed, so any checkout and any concurrent writer agree; unwritable: not kept."""
+
+
+@cache
+def _meanings() -> dict[str, str]:
+    try:
+        return json.loads(MEANING_CACHE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember(meanings: dict[str, str]) -> None:
+    try:
+        MEANING_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = MEANING_CACHE.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(meanings))
+        tmp.replace(MEANING_CACHE)
+    except OSError:
+        pass
+
+
 @cache
 def module_source_hash(module: str) -> str:
-    """Hash of what a module does: its syntax tree without docstrings, comments, formatting or line numbers. A
-    change that cannot alter an output (a reworded docstring, a comment, reformatting) keeps the hash; any change of
-    code changes it. Parsing every module a stage runs costs a few milliseconds each, once per DAG."""
-    tree = _DropDocstrings().visit(ast.parse(_source(module)))
-    return hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()
+    """Hash of what a module does (`meaning_hash`): a change that cannot alter an output (a reworded docstring, a
+    comment, reformatting) keeps it; any change of code changes it."""
+    source = _source(module)
+    meanings = _meanings()
+    raw = hashlib.sha256(source).hexdigest()
+    if raw not in meanings:
+        meanings[raw] = meaning_hash(source)
+        _remember(meanings)
+    return meanings[raw]
 
 
 def code_hash(stage: str) -> str:

@@ -339,6 +339,33 @@ def status(rec: Mapping[str, Any]) -> str:
     return "ok"
 
 
+def changed_outputs(root: Path = PROVENANCE_DIR) -> list[str]:
+    """One line per output that exists but no longer has the files and sizes its job's record describes (a
+    truncated Arrow file, a file deleted from a model directory): Snakemake would use it as it is, since its
+    timestamps say nothing of its content. Each line names the output, the job and the command that rebuilds it.
+    Sizes only, as `status` (when Snakemake builds the DAG: a stat per file). A missing output is not listed:
+    Snakemake remakes it, and what follows it; so removing a broken one is how to rebuild it (--forcerun cannot:
+    the Snakefile reads this before Snakemake says what it forces)."""
+    lines = []
+    for path, rec in load_records(root).items():
+        for out, entry in rec["outputs"].items():
+            now = _current_sizes(Path(out))
+            if now is None or now == _sizes(entry):
+                continue
+            was = _sizes(entry) or {}
+            differ = sorted(k for k in set(now) | set(was) if now.get(k) != was.get(k))
+            where = ", ".join(
+                f"{(Path(out) / k).as_posix() if k else out}: {now.get(k, 'missing')} bytes, "
+                f"recorded {was.get(k, 'none')}"
+                for k in differ[:3]
+            )
+            lines.append(
+                f"{out} (written by {rec['rule']}, {path}) no longer matches its record ({where}); remove it "
+                f"(rm -r {out}) and Snakemake rebuilds it and what follows"
+            )
+    return lines
+
+
 def build_manifest(targets: Iterable[str], root: Path = PROVENANCE_DIR) -> dict[str, Any]:
     """The records of the jobs behind `targets`, found by following inputs back to the jobs that wrote them."""
     records = load_records(root)

@@ -177,6 +177,8 @@ def train_settings(train: TrainConfig, facet: str, *, placement: dict | None = N
     train.nodes, gpu_memory_gib), so a stage whose result the choice reaches (WEIGHTS, LOGPROBS) holds it too."""
     out: dict = {}
     for key in facet_keys([facet]):
+        if _unread(train, key):
+            continue
         value = _value(train, key)
         if key.startswith("lora."):
             out.setdefault("lora", {})[key[5:]] = list(value) if isinstance(value, tuple) else value
@@ -185,6 +187,11 @@ def train_settings(train: TrainConfig, facet: str, *, placement: dict | None = N
     if facet in (WEIGHTS, LOGPROBS) and train.strategy == "auto" and placement is not None:
         out["placement"] = placement
     return out
+
+
+def _unread(train: TrainConfig, key: str) -> bool:
+    """A train key the stage never reads: LoRA's settings without LoRA."""
+    return key.startswith("lora.") and key != "lora.enabled" and not train.lora.enabled
 
 
 def runtime_settings(train: TrainConfig) -> dict[str, int]:
@@ -220,6 +227,8 @@ def unused(key: str, exp: ExperimentConfig) -> bool:
     """Whether the experiment's sources never read `key` (a builtin setting of a file dataset, the revision of a
     model that is not on the hub, ...): then it owns nothing for that experiment."""
     model = exp.model
+    if key.startswith("preference.") and key != "preference.enabled" and not exp.preference.enabled:
+        return True
     if key in ("dataset.builtin_trees", "dataset.builtin_seed"):
         return exp.dataset.source != "builtin"
     if key == "dataset.revision":
@@ -235,19 +244,25 @@ def unused(key: str, exp: ExperimentConfig) -> bool:
     return False
 
 
-def owners(key: str, exp: ExperimentConfig | None = None, overridden: Iterable[str] = ()) -> tuple[str, ...]:
+def owners(
+    key: str, exp: ExperimentConfig | None = None, overridden: Iterable[str] | dict = ()
+) -> tuple[str, ...]:
     """The stages whose outputs a change of `key` can change (dotted: `train.learning_rate`, `eval.batch_size`,
     `preference.train.max_steps`); () for the runtime, record and structure keys, and for a key the experiment's
     sources never read (`unused`). A train key reaches the preference stage's copy of it too, unless
     preference.train sets that key itself (`overridden`)."""
     if exp is not None and unused(key, exp):
         return ()
+    sft_train = exp.train if exp is not None else None
+    dpo_train = exp.dpo_train if exp is not None else None
+    no_dpo = exp is not None and dpo_train is None  # preference.enabled false: no preference stages
     if key.startswith("preference.train."):
-        return _train_owners(key.removeprefix("preference.train."), DPO_STAGES)
+        return () if no_dpo else _train_owners(key.removeprefix("preference.train."), DPO_STAGES, dpo_train)
     if key.startswith("train."):
         name = key.removeprefix("train.")
-        dpo = () if name in set(overridden) else _train_owners(name, DPO_STAGES)
-        return tuple(dict.fromkeys(_train_owners(name, SFT_STAGES) + dpo))
+        inherited = not no_dpo and not _overrides(overridden, name)
+        dpo = _train_owners(name, DPO_STAGES, dpo_train) if inherited else ()
+        return tuple(dict.fromkeys(_train_owners(name, SFT_STAGES, sft_train) + dpo))
     if key in OWNERS:
         return OWNERS[key]
     if key in UNOWNED:
@@ -255,8 +270,42 @@ def owners(key: str, exp: ExperimentConfig | None = None, overridden: Iterable[s
     raise KeyError(f"{key}: no owner declared in snaketune.config.owners (OWNERS, TRAIN_FIELDS or UNOWNED)")
 
 
-def _train_owners(name: str, stages: dict[str, str]) -> tuple[str, ...]:
+def _overrides(overridden, name: str) -> bool:
+    """Whether preference.train (`overridden`: its keys, lora's as a mapping) sets the train key `name`."""
+    if name.startswith("lora."):
+        lora = overridden.get("lora") if isinstance(overridden, dict) else None
+        return isinstance(lora, dict) and name[5:] in lora
+    return name in overridden
+
+
+def _train_owners(name: str, stages: dict[str, str], train: TrainConfig | None = None) -> tuple[str, ...]:
+    """The stages of one side (SFT_STAGES or DPO_STAGES) a train key reaches; none where that side never reads it
+    (`train`: that side's settings, None: the general answer) or does not run."""
+    if train is not None and _unread(train, name):
+        return ()
     facets = TRAIN_FIELDS[name]
     if PLACEMENT in facets:
         return ("plan",) if stages is SFT_STAGES else ("plan_dpo",)
     return tuple(stages[f] for f in facets if f in stages)
+
+
+def table() -> str:
+    """The published table (docs/rerun.md): every key, what it is, the stages it reruns; their downstream stages
+    rerun after them (tests/test_rerun_owners.py checks both against Snakemake's dry runs)."""
+    rows = ["| key | kind | reruns (and what follows them) |", "|---|---|---|"]
+    for key, stages in OWNERS.items():
+        rows.append(f"| `{key}` | owned | {', '.join(stages)} |")
+    for name in train_keys():
+        facets = TRAIN_FIELDS[name]
+        kind = next((f for f in (RUNTIME, RECORD, PLACEMENT) if f in facets), "owned")
+        sft = ", ".join(_train_owners(name, SFT_STAGES)) or "-"
+        dpo = ", ".join(_train_owners(name, DPO_STAGES)) or "-"
+        rows.append(f"| `train.{name}` | {kind} | {sft}; as `preference.train.{name}`: {dpo} |")
+    for key, why in UNOWNED.items():
+        kind, _, reason = why.partition(": ")
+        rows.append(f"| `{key}` | {kind} | - ({reason}) |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(table(), end="")

@@ -1,0 +1,292 @@
+"""Every config key reruns exactly its owners and what follows them (snaketune.config.owners).
+
+The test walks the config schema (workflow/schemas/config.schema.yaml), not a list: for every leaf key it changes the
+tiny config's value by one valid step (the next allowed value, a flipped switch, one more), dry-runs the finished
+tiny run (conftest.tiny_run) with the change, and compares the jobs Snakemake would run with those of a dry run that
+forces the key's owner stages (`-R`): the owners and everything Snakemake reruns after them. A key added to the
+schema without an owner fails here (owners() raises), and so does a key whose change reruns more or less than its
+owners and what follows. The report shows the resolved config, so a key of its sections owns the report too.
+
+Keys whose change adds or removes stages (UNOWNED's "structure") only have to leave every training stage alone.
+docs/rerun.md publishes the resulting table; test_the_published_table_is_current keeps it so.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, TINY_CONFIG, clone_run
+from dryrun import dry_run, job_stats
+from snaketune.config import owners
+from snaketune.config.choices import ConfigError
+from snaketune.config.load import load_config, to_dict
+from snaketune.config.paths import check_input_paths
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
+TINY = yaml.safe_load(TINY_CONFIG.read_text())
+DEFAULTS = yaml.safe_load((REPO / "config/config.yaml").read_text())
+"""config/config.yaml, which Snakemake reads before any --configfile."""
+REALDATA_TOKENIZER = REPO.parent / "shared" / "realdata" / "deepseek-llm-7b-base"
+ARGS = ("--cores", "2", "--resources", "gpu=2")
+REPORTED = ("dataset", "model", "tokenize", "train", "preference", "eval", "export")
+"""The sections of the resolved config the report shows (common_report.smk's resolved_config)."""
+TRAINING = {"download", "conversations", "tokenize", "tokenize_pairs", "train", "reference", "dpo"}
+SOURCE_FILE = "messages.parquet"
+"""dataset.source's step: the tiny run's own messages as a local file (other data for the download stage)."""
+
+
+class Together(dict):
+    """A step that sets sibling keys too (train.epochs needs max_steps unset)."""
+
+
+STEPS = {
+    "dataset.source": [SOURCE_FILE],
+    "dataset.revision": ["v2"],
+    "dataset.languages": [["en"]],
+    "dataset.tree_states": [[], ["ready_for_export", "growing"]],
+    "model.base": ["arch:deepseek-llm-7b"],
+    "model.tokenizer": [str(REALDATA_TOKENIZER)],
+    "model.revision": ["v2"],
+    "model.tokenizer_revision": ["v2"],
+    "deepspeed": ["config/deepspeed/zero3.json"],
+    "epochs": [Together(epochs=1.0, max_steps=None)],
+    "eval.prompts": [["Say tree twice.", "What is 2 + 2?"]],
+    "export.models": [["sft"]],
+    "export.quants": [["q8_0"]],
+    "export.max_kl": [{"q8_0": 0.02}],
+    "gpu_memory_gib": [24],
+    "gpu_ids": [[0]],
+}
+"""How to step a key whose type gives no obvious next value (by its full name, or by its last part)."""
+NO_STEP = {
+    "model.num_layers": "only with an arch: model; the tiny config's is builtin-tiny",
+    "train.lora.quantize": "nf4 needs LoRA on a pretrained model; the tiny config trains builtin-tiny in full",
+    "preference.train.lora.quantize": "as train.lora.quantize",
+    "experiments": "structure: adding an experiment adds its own jobs (tests/test_rerun_clean.py)",
+}
+"""Keys with no valid one-step change of the tiny config, and why (checked: each candidate step is refused)."""
+
+
+def schema_leaves(node: dict, path: tuple[str, ...] = ()):
+    """(dotted key, schema node) of every leaf of the config schema, $refs followed."""
+    if "$ref" in node:
+        node = SCHEMA["$defs"][node["$ref"].rsplit("/", 1)[-1]]
+    if "properties" in node:
+        for name, child in node["properties"].items():
+            yield from schema_leaves(child, (*path, name))
+    else:
+        yield ".".join(path), node
+
+
+LEAVES = dict(schema_leaves(SCHEMA))
+
+
+def nested(key: str, value) -> dict:
+    """{'a': {'b': value}} for 'a.b' (a Together step sets its siblings)."""
+    *parents, last = key.split(".")
+    out = dict(value) if isinstance(value, Together) else {last: value}
+    for part in reversed(parents):
+        out = {part: out}
+    return out
+
+
+def merge(base: dict, change: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in change.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def current(cfg, key: str):
+    """The tiny config's value of `key`, defaults filled in (preference.train's: the DPO stage's merged value)."""
+    exp = cfg.experiments["default"]
+    section, *rest = key.split(".")
+    if section == "preference" and rest[0] == "train":
+        value, rest = to_dict(exp.dpo_train), rest[1:]
+    elif section in ("model", "tokenize", "train", "preference"):
+        value = to_dict(getattr(exp, section))
+    elif section in ("dataset", "eval", "export"):
+        value = to_dict(getattr(cfg, section))
+    else:
+        return getattr(cfg, section)
+    for part in rest:
+        value = value[part]
+    return value
+
+
+def candidates(key: str, node: dict, value):
+    """Values one step away from `value`, in order of preference."""
+    special = STEPS.get(key) or STEPS.get(key.rsplit(".", 1)[-1])
+    if special:
+        yield from special
+        return
+    if "enum" in node:
+        allowed = node["enum"]
+        i = allowed.index(value)
+        yield from allowed[i + 1 :] + allowed[:i]
+        return
+    kind = node.get("type")
+    kind = kind[0] if isinstance(kind, list) else kind
+    if kind == "boolean":
+        yield not value
+    elif kind == "integer" or (kind == "number" and isinstance(value, int) and value > 1):
+        yield (value or 0) + 1
+        yield (value or 0) + 2  # global_batch_size: the next multiple of the micro-batch
+    elif kind == "number":
+        yield round(value * 2, 6) if value else 0.1
+        yield round(value / 2, 6)
+    elif kind == "array" and value:
+        yield value[:-1]
+
+
+@cache
+def steps(workdir: Path) -> dict[str, tuple[dict, str | None]]:
+    """key -> (the change, as a config override; None where NO_STEP) and the reason when there is no step."""
+    base = load_config(merge(DEFAULTS, TINY))
+    out = {}
+    for key, node in LEAVES.items():
+        tried = []
+        for value in candidates(key, node, current(base, key) if key != "experiments" else None):
+            change = nested(key, value)
+            try:
+                cfg = load_config(merge(merge(DEFAULTS, TINY), change))
+                check_input_paths(cfg, workdir)
+            except ConfigError as e:
+                tried.append(f"{value!r}: {e}")
+                continue
+            out[key] = (change, None)
+            break
+        else:
+            out[key] = (None, "; ".join(tried) or "no candidate")
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_run, tmp_path_factory) -> Path:
+    workdir = clone_run(tiny_run, tmp_path_factory.mktemp("owners") / "wf")
+    (workdir / SOURCE_FILE).write_bytes((workdir / "results/data/raw/messages.parquet").read_bytes())
+    return workdir
+
+
+def stats(workdir: Path, *extra: str, configs: tuple[str, ...] = ("tiny.yaml",)) -> dict[str, int]:
+    code, output = dry_run(workdir, (*extra, *ARGS, "--configfile", *configs))
+    assert code == 0, output[-3000:]
+    return job_stats(output)
+
+
+def owner_rules(key: str, change: dict, workdir: Path) -> list[str]:
+    """The rules of a key's owners for the tiny config before and after the change (a source may stop or start
+    reading a key), and the report where the key is in a section it shows."""
+    rules = set()
+    overridden = TINY["preference"]["train"]
+    for raw in (TINY, merge(TINY, change)):
+        exp = load_config(merge(DEFAULTS, raw)).experiments["default"]
+        for stage in owners.owners(key, exp, overridden=overridden):
+            if stage == "tokenizer":
+                stage = "train_tokenizer" if exp.model.uses_builtin_tokenizer else "fetch_tokenizer"
+            rules.add(stage)
+    if key.split(".")[0] in REPORTED:
+        rules.add("report")
+    present = set(stats_all(workdir))
+    return sorted(r for r in rules if r in present)
+
+
+@cache
+def stats_all(workdir: Path) -> dict[str, int]:
+    return stats(workdir, "--forceall")
+
+
+@cache
+def forced(workdir: Path, rules: tuple[str, ...]) -> dict[str, int]:
+    return stats(workdir, "-R", *rules) if rules else {}
+
+
+def test_a_finished_run_reruns_nothing(finished):
+    assert stats(finished) == {}
+
+
+@pytest.mark.parametrize("key", list(LEAVES))
+def test_a_key_reruns_its_owners_and_what_follows(finished, key):
+    change, why = steps(finished)[key]
+    if change is None:
+        assert key in NO_STEP, (
+            f"{key}: no valid one-step change ({why}); step it in STEPS or explain in NO_STEP"
+        )
+        return
+    assert key not in NO_STEP, f"{key} has a valid step {change}: remove it from NO_STEP"
+    (finished / "change.yaml").write_text(json.dumps(change))
+    got = stats(finished, configs=("tiny.yaml", "change.yaml"))
+    structure = owners.UNOWNED.get(key, "").startswith("structure")
+    if structure:
+        assert not TRAINING & set(got), f"{key} {change}: reruns {sorted(TRAINING & set(got))}"
+        return
+    rules = tuple(owner_rules(key, change, finished))
+    assert got == forced(finished, rules), f"{key} {change}: owners {rules}"
+
+
+def test_every_key_has_an_owner_entry():
+    """Every leaf of the schema is declared: owned (OWNERS, TRAIN_FIELDS) or unowned with a reason."""
+    for key in LEAVES:
+        name = key.removeprefix("experiments.")
+        if name.startswith(("train.", "preference.train.")):
+            assert name.split("train.", 1)[1] in owners.TRAIN_FIELDS, name
+        else:
+            assert name in owners.OWNERS or name in owners.UNOWNED, f"{name}: declare its owners"
+    assert sorted(owners.TRAIN_FIELDS) == sorted(owners.train_keys())
+
+
+# ---- inputs that do not exist or no longer match ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (
+            {"dataset": {"source": "exports/oasst.jsonl"}},
+            "'dataset.source': 'exports/oasst.jsonl' does not exist",
+        ),
+        ({"model": {"base": "./models/deepseek"}}, "'model.base': './models/deepseek' does not exist"),
+        (
+            {"model": {"tokenizer": "/no/such/tokenizer"}},
+            "'model.tokenizer': '/no/such/tokenizer' does not exist",
+        ),
+        (
+            {"train": {"deepspeed": "config/deepspeed/zero9.json"}},
+            "'train.deepspeed': 'config/deepspeed/zero9.json'",
+        ),
+    ],
+)
+def test_an_input_that_does_not_exist_stops_the_dry_run(finished, change, expected):
+    """Before any job, with the key, the path and what is allowed; the finished run's outputs are not touched (a
+    missing source once tokenized the old data under a new key: Snakemake skips a job whose input is missing when
+    its outputs exist)."""
+    (finished / "change.yaml").write_text(json.dumps(change))
+    code, output = dry_run(finished, (*ARGS, "--configfile", "tiny.yaml", "change.yaml"))
+    assert code != 0 and expected in output and "allowed:" in output, output[-2000:]
+
+
+def test_a_cached_output_that_changed_is_named_before_use(finished):
+    """A truncated Arrow file of the tokenized cache: the dry run names it, its job and how to rebuild it (it once
+    passed the dry run and failed inside a rank, the cache staying broken)."""
+    (arrow,) = finished.glob("results/tokenized/*/train/*.arrow")
+    data = arrow.read_bytes()
+    arrow.write_bytes(data[: len(data) // 2])
+    try:
+        code, output = dry_run(finished, (*ARGS, "--configfile", "tiny.yaml"))
+    finally:
+        arrow.write_bytes(data)
+    cache = arrow.parent.parent.relative_to(finished).as_posix()
+    assert code != 0, output[-2000:]
+    assert (
+        f"{cache} (written by tokenize" in output
+        and f"{len(data) // 2} bytes, recorded {len(data)}" in output
+    )
+    assert f"rm -r {cache}" in output
