@@ -180,6 +180,27 @@ def test_a_change_within_its_intervals_is_called_noise():
     assert cell_text(large, "tuned", "tuned") == "**80.0%** [68.0, 88.0]"
 
 
+def test_a_loss_interval_gets_a_noise_verdict(tmp_path):
+    """Where the evaluation records an interval for the loss (validation.<model>.loss_ci95), the first screen shows
+    it and judges the loss's change as it does the accuracies'."""
+    from snaketune.report.headline import measures, verdicts
+    from snaketune.report.inputs import load
+
+    _, experiments = load(make_results(tmp_path))
+    default = experiments[0]
+    for model, half in (("base", 0.2), ("tuned", 0.06), ("dpo", 0.06)):
+        loss = default.eval["validation"][model]["loss"]
+        default.eval["validation"][model]["loss_ci95"] = [loss - half, loss + half]
+    figures = measures(default)
+    assert cell_text(figures[0], "dpo", "dpo") == "**0.9930** [0.9330, 1.053]"
+    (loss_verdict,) = [v for v in verdicts(default, figures) if "validation loss" in v]
+    # 0.0608 ± hypot(0.06, 0.06) holds zero; the fall from the base, 5.902 ± hypot(0.2, 0.06), does not.
+    assert "(DPO): −5.902 [−6.111, −5.693] (−85.6%), beyond the noise;" in loss_verdict
+    assert loss_verdict.endswith(
+        "DPO's part, from 0.9322 (SFT): +0.061 [−0.024, +0.146] (+6.5%), within the noise."
+    )
+
+
 def test_wall_time_counts_overlapping_jobs_once_and_no_idle_gap():
     assert busy_seconds([(0.0, 10.0), (5.0, 15.0), (100.0, 110.0)]) == 25.0
     assert busy_seconds([(0.0, 10.0), (2.0, 3.0)]) == 10.0

@@ -29,7 +29,7 @@ class Measure:
     """Its name in summary.json: val_loss, exact_match, preference_accuracy, reward_accuracy."""
     label: str
     percent: bool
-    """A share, shown in percent (its changes in percentage points); else a loss, changes in percent."""
+    """A share, shown in percent (its changes in percentage points); else a loss (changes absolute and relative)."""
     values: dict[str, float]
     """Evaluate's model key (base, tuned, dpo) -> value."""
     intervals: dict[str, list[float]] = field(default_factory=dict)
@@ -54,7 +54,8 @@ def measures(exp: Experiment) -> list[Measure]:
             f"validation loss ({fmt(val.get('loss_tokens'))} tokens; lower is better)",
             False,
             {m: val[m]["loss"] for m in models},
-            # Not written by the evaluate stage today; shown as soon as it is.
+            # The evaluate stage writes no interval for the loss yet (its `<figure>_ci95` convention names this
+            # one); without it the verdict on the loss says so instead of judging the noise.
             {m: val[m]["loss_ci95"] for m in models if val[m].get("loss_ci95")},
         )
     ]
