@@ -1,11 +1,14 @@
-"""The report: summary.json fields from a fixture results tree of two experiments (tests/report_tree.py),
-self-contained HTML that a real browser renders (headless Chromium), Markdown, number formatting; and the real
-workflow ending in it."""
+"""The report: summary.json fields from a fixture results tree of two experiments (tests/report_tree.py), the
+first screen (each final model's figures with their intervals, the verdict, time and cost, how to reproduce),
+self-contained HTML that a real browser renders (headless Chromium) within the first screen and without sideways
+scrolling, Markdown, number formatting; and the real workflow ending in it."""
 
 from __future__ import annotations
 
 import base64
+import html
 import json
+import re
 import shutil
 import subprocess
 from dataclasses import replace
@@ -16,8 +19,9 @@ import pytest
 import yaml
 
 from conftest import clone_run, run_snakemake
-from report_tree import KEY, make_results, write_json, write_text
+from report_tree import COMMIT, DPO, GPU_SECONDS, KEY, make_results, write_json, write_text
 from snaketune.report import build as report
+from snaketune.report.headline import Measure, cell_text
 from snaketune.report.render import fmt, fmt_duration, fmt_pct
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,14 +71,26 @@ def test_summary_json_fields(built):
     assert prov["git_commit"] == "not a git checkout"
     assert set(report.PACKAGES) <= set(prov["versions"])
     assert prov["versions"]["torch"] == "2.13.0+cpu"  # as the evaluate job recorded it
+    # Only the jobs of the manifest: benchmarks/train/removed.tsv is a removed experiment's leftover.
     assert prov["wall_time_s"] == {"download": 0.7, "train/default": 173.76, "eval/default": 9.5}
     assert prov["seeds"]["default: train.seed"] == 1234
+    assert (d["final_model"], lora["final_model"]) == ("dpo", "tuned")
+    assert d["headline"]["val_loss"]["values"] == {"base": 6.895, "tuned": 0.9322, "dpo": DPO["loss"]}
+    assert (
+        d["headline"]["preference_accuracy"]["ci95"]["dpo"] == d["headline"]["reward_accuracy"]["ci95"]["dpo"]
+    )
+    run = summary["run"]
+    assert run["gpu_hours"] == pytest.approx(GPU_SECONDS / 3600)
+    assert run["gpu_devices"] == ["NVIDIA H200"] and run["jobs"] == 7
+    assert run["command"] == "snakemake --cores all --resources gpu=3 --configfile config/mine.yaml"
+    assert (run["git_commit"], run["git_dirty"]) == (COMMIT, False)
 
 
 def test_markdown_has_the_tables_and_the_improvement(built):
     out, _ = built
     md = (out / "report.md").read_text()
-    assert "Validation loss fell from **6.895** to **0.9322** (−86.5%)" in md
+    assert "Validation loss fell from **6.895** (base) to **1.850** (SFT, the final model; −73.2%)" in md
+    assert "train/removed" not in md  # the stage-time table lists the experiments of the config only
     assert "## Comparison" in md  # two experiments
     assert "![" in md and "(loss_vs_step.png)" in md
     assert "Tell me a joke \\| please" in md  # pipes in cells are escaped
@@ -86,8 +102,62 @@ def test_html_is_self_contained(built):
     page = (out / "index.html").read_text()
     assert "<script" not in page
     assert "http://" not in page and "https://" not in page and 'src="file' not in page
-    assert page.count('src="data:image/png;base64,') == 5
+    assert page.count('src="data:image/png;base64,') == 6
     assert "let let &lt;b&gt;" in page  # generated text is escaped
+
+
+def _first_screen(md: str) -> str:
+    return md[md.index("## Did it help?") : md.index("## Data")]
+
+
+def test_the_first_screen_answers_for_the_final_model(built):
+    """Before anything else: each experiment's final model (DPO where it ran, else SFT) against base and SFT with
+    95% intervals, the verdict in words, the run's time and GPU-hours, and how to make it again."""
+    out, _ = built
+    top = _first_screen((out / "report.md").read_text())
+    assert "the final model is the **DPO** model" in top and "the final model is the **SFT** model" in top
+    # Wilson's interval of 0 of 64 right reaches z² / (64 + z²) = 5.66%.
+    assert (
+        "| exact match (64 builtin questions) | 0.0% [0.0, 5.7] | 79.7% [68.3, 87.7] | **37.5%** [26.7, 49.7] |"
+        in top
+    )
+    assert (
+        "| held-out preference accuracy (128 pairs) | 50.0% [41.5, 58.5] | 55.5% [46.8, 63.8] | **96.1%** [91.2, 98.3] |"
+        in top
+    )
+    assert (
+        "| held-out reward accuracy (implicit reward against SFT) | 42.2% [34.0, 50.8] | – (reference) | **96.1%**"
+        in top
+    )
+    assert "DPO raised held-out preference accuracy from 55.5% (SFT) to **96.1%** [91.2, 98.3] (DPO)" in top
+    assert "DPO's part, from 79.7% (SFT): −42.2 points" in top  # DPO cost exact matches, beyond the noise
+    assert "no noise verdict" in top  # the evaluate stage records no interval for the loss
+    assert f"**{fmt(GPU_SECONDS / 3600, 3)} GPU-hours** (train" in top and "on NVIDIA H200" in top
+    assert (
+        f"git checkout {COMMIT}\nsnakemake --cores all --resources gpu=3 --configfile config/mine.yaml" in top
+    )
+    assert "clean (no uncommitted changes)" in top
+    # The resolved config is folded away.
+    page = (out / "index.html").read_text()
+    assert "<details><summary>The configuration as resolved" in page and "<details open" not in page
+
+
+def test_the_misses_listed_are_the_final_models(built):
+    """ "Got wrong" lists the final model's misses: DPO's for default (it answers the question SFT missed and
+    misses one SFT got), SFT's for lora."""
+    out, _ = built
+    md = (out / "report.md").read_text()
+    evaluation = md[md.index("## Evaluation") : md.index("## Preference tuning")]
+    default, lora = (
+        part[part.index("got wrong") : part.index("Sample generations")]
+        for part in evaluation.split("### Experiment lora")
+    )
+    assert "| What is 5 + 5? | 5 + 5 = 10. | 5 + 5 = 11. |" in default and "What is 3 + 4?" not in default
+    assert "| What is 3 + 4? | 3 + 4 = 7. | 3 + 4 = 8. |" in lora and "What is 5 + 5?" not in lora
+    assert (
+        "final (DPO) model got wrong (1 of 2" in evaluation
+        and "final (SFT) model got wrong (1 of 2" in evaluation
+    )
 
 
 def _export_dir(root: Path) -> Path:
@@ -243,7 +313,7 @@ def test_html_renders_in_headless_chromium(built, tmp_path):
     assert dom.returncode == 0, dom.stderr[-2000:]
     parsed = _Dom()
     parsed.feed(dom.stdout)
-    assert len(parsed.images) == 5
+    assert len(parsed.images) == 6
     for src in parsed.images:
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1]).startswith(PNG_MAGIC)
@@ -272,6 +342,79 @@ def test_html_renders_in_headless_chromium(built, tmp_path):
     assert sum(1 for count in image.histogram() if count) > 50
 
 
+LAYOUT_JS = """<script>
+// After load (images decoded): where each needle's first occurrence ends, whether the page scrolls sideways, and
+// how wide each image is drawn against its natural width. Written into the DOM for --dump-dom to carry out.
+window.addEventListener("load", () => {
+  const innermost = (el, needle) => {
+    for (const child of el.children) if (child.textContent.includes(needle)) return innermost(child, needle);
+    return el;
+  };
+  const bottoms = {};
+  for (const needle of NEEDLES) {
+    bottoms[needle] = document.body.textContent.includes(needle)
+      ? innermost(document.body, needle).getBoundingClientRect().bottom + window.scrollY : null;
+  }
+  const root = document.documentElement;
+  const pre = document.createElement("pre");
+  pre.id = "layout";
+  pre.textContent = JSON.stringify({
+    viewport: [window.innerWidth, window.innerHeight], scrollWidth: root.scrollWidth, clientWidth: root.clientWidth,
+    images: [...document.images].map(img => [img.getBoundingClientRect().width, img.naturalWidth,
+                                             Number(img.getAttribute("width"))]), bottoms,
+  });
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+def _layout(page: Path, width: int, height: int, needles: list[str], tmp_path: Path) -> dict:
+    """The report laid out by headless Chromium in a window of width x height (LAYOUT_JS's measurements)."""
+    probe = tmp_path / f"layout-{width}.html"
+    script = LAYOUT_JS.replace("NEEDLES", json.dumps(needles))
+    probe.write_text(
+        page.read_text(encoding="utf-8").replace("</body>", script + "</body>"), encoding="utf-8"
+    )
+    dom = _chromium(["--dump-dom", f"--window-size={width},{height}", probe.as_uri()], tmp_path)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    match = re.search(r'<pre id="layout">(.*?)</pre>', dom.stdout, re.DOTALL)
+    assert match, dom.stdout[-2000:]
+    layout = json.loads(html.unescape(match.group(1)))
+    # The width lays the page out; heights are measured from the top of the document, whatever part of the
+    # window headless Chromium keeps for itself.
+    assert layout["viewport"][0] == width
+    return layout
+
+
+def _final_figures(summary: dict) -> list[str]:
+    """Each experiment's final model's headline figures as the first screen shows them, intervals included."""
+    texts = []
+    for e in summary["experiments"].values():
+        for key, h in e["headline"].items():
+            m = Measure(key, h["label"], key != "val_loss", h["values"], h["ci95"], h.get("reference"))
+            texts.append(cell_text(m, e["final_model"], e["final_model"]).replace("**", ""))
+    return texts
+
+
+@pytest.mark.skipif(chromium() is None, reason="chromium is not installed (apt-get install -y chromium)")
+def test_the_first_screen_holds_the_answer_and_nothing_scrolls_sideways(built, tmp_path):
+    """At 1,280 x 800 every final model's headline figure, with its interval, ends within the first 800 px; at 1,024
+    and 1,280 px the page is no wider than the window; no plot is drawn wider than 1.1x its pixels."""
+    out, summary = built
+    needles = _final_figures(summary)
+    assert len(needles) == 6 and sum("[" in n for n in needles) == 4  # two losses without intervals
+    for width in (1024, 1280):
+        layout = _layout(out / "index.html", width, 800, needles, tmp_path)
+        assert layout["scrollWidth"] <= layout["clientWidth"], width
+        assert len(layout["images"]) == 6
+        for drawn, natural, intended in layout["images"]:
+            # Never upscaled: neither past the PNG's pixels nor past the size it was drawn for (2 pixels each).
+            assert 0 < drawn <= 1.1 * natural and drawn <= 1.1 * intended, (width, drawn, natural, intended)
+        if width == 1280:
+            for needle, bottom in layout["bottoms"].items():
+                assert bottom is not None and bottom <= 800, (needle, bottom)
+
+
 # ---- the real workflow ---------------------------------------------------------------------------
 
 
@@ -283,8 +426,13 @@ def test_workflow_ends_with_the_report_and_eval_settings_never_retrain(tiny_run,
     out = tiny_run / "results/report"
     for name in report.OUTPUTS.values():
         assert (out / name).is_file(), name
-    exp = json.loads((out / "summary.json").read_text())["experiments"]["default"]
+    summary = json.loads((out / "summary.json").read_text())
+    exp = summary["experiments"]["default"]
     assert exp["tuned_val_loss"] < exp["base_val_loss"]
+    # The first screen: the DPO model is the final one; CPU ranks held no GPU; the command names the config file.
+    assert exp["final_model"] == "dpo" and summary["run"]["gpu_hours"] == 0
+    assert summary["run"]["command"] == "snakemake --cores all --resources gpu=1 --configfile tiny.yaml"
+    assert "**CPU run**: no job held a GPU." in (out / "report.md").read_text()
     train = yaml.safe_load((tiny_run / "tiny.yaml").read_text())["train"]
     assert exp["steps"] == train["max_steps"] and exp["world_size"] == train["gpus"]
     workdir = clone_run(tiny_run, tmp_path / "wf")

@@ -157,12 +157,29 @@ def report_input(wildcards):
     return {**manifest_input(wildcards), "manifest": "results/provenance/manifest.json"}
 
 
+def invocation():
+    """--configfile (relative to the working directory when inside it) and --config as given to Snakemake: the
+    report's reproduce box. Only what changes the results: --cores and --resources are not here, so a run with
+    other ones reruns nothing."""
+    files = []
+    for f in workflow.config_settings.configfiles:
+        try:
+            files.append(Path(f).relative_to(Path.cwd()).as_posix())
+        except ValueError:
+            files.append(str(f))
+    return {
+        "configfiles": files,
+        "config_args": list(workflow.config_settings.config_args or []),
+    }
+
+
 def report_params():
     return {
         "experiments": list(EXPERIMENTS),
         "preference_experiments": list(PREFERENCE_EXPERIMENTS),
         "exports": [list(e) for e in EXPORTS],
         "config": resolved_config(),
+        "invocation": invocation(),
         # Benchmarks are not inputs (a missing one must not rerun its job): the report shows what exists.
         "benchmarks": "benchmarks",
         "code": keys.code_hash("report"),

@@ -61,6 +61,7 @@ def main(smk):
         config=spec["config"],
         benchmarks=Path(spec["benchmarks"]),
         manifest=Path(smk.input.manifest),
+        invocation=spec["invocation"],
     )
     build_report(inputs, Path(smk.output.html).parent)
 

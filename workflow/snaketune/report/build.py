@@ -6,7 +6,8 @@ and metrics.csv, its evaluation (metrics.json, generations.jsonl) and the per-jo
 - ``index.html``: self-contained (inline CSS, plots embedded as PNG data URIs, no JavaScript),
 - ``report.md``: the same content in Markdown, next to the PNG plots it references,
 - ``summary.json``: the headline figures for machines (data sizes; per experiment steps, world size, ZeRO
-  stage, final losses, tokens/s, MFU, peak memory, base and tuned validation loss, perplexity, accuracy),
+  stage, final losses, tokens/s, MFU, peak memory, base and tuned validation loss, perplexity, accuracy; the
+  final model and its headline figures with 95% intervals; the run's wall time, GPU-hours and reproduce command),
 - the plots: loss vs step and vs tokens, learning rate and gradient norm, throughput, memory per rank, and
   the preference stage's loss and reward accuracy.
 """
@@ -21,21 +22,31 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from snaketune import provenance
+from snaketune import provenance as provenance_module
 from snaketune.io import atomic_files, write_json
 from snaketune.report import plots
 from snaketune.report.export import export_section
-from snaketune.report.inputs import Experiment, ReportInputs, load, manifest_jobs, read_benchmarks
+from snaketune.report.headline import final_model, headline_section, headline_summary, run_cost
+from snaketune.report.inputs import (
+    Experiment,
+    ReportInputs,
+    current_benchmarks,
+    load,
+    manifest_jobs,
+    read_benchmarks,
+)
 from snaketune.report.preference import preference_plot, preference_section, preference_summary
 from snaketune.report.render import Para, to_html, to_markdown
-from snaketune.report.reproducibility import provenance_section, remote_code_allowed, short_commit
-from snaketune.report.sections import (
-    comparison_section,
-    data_section,
-    evaluation_section,
-    overview,
-    training_section,
+from snaketune.report.reproducibility import (
+    code_state,
+    config_sha256,
+    provenance_section,
+    remote_code_allowed,
+    reproduce_blocks,
+    reproduce_command,
+    short_commit,
 )
+from snaketune.report.sections import comparison_section, data_section, evaluation_section, training_section
 
 log = logging.getLogger("snaketune.report.build")
 
@@ -55,9 +66,8 @@ OUTPUTS = {
 PACKAGES = ("torch", "deepspeed", "transformers", "datasets", "peft", "snakemake")
 
 
-def git_commit(directory: Path) -> str:
-    """HEAD of the checkout holding `directory` (marked when tracked files have uncommitted changes)."""
-    state = provenance.git_state(directory)
+def git_commit(state: dict | None) -> str:
+    """HEAD of the report's checkout (provenance.git_state), marked when tracked files have uncommitted changes."""
     if state is None:
         return "not a git checkout"
     return state["commit"] + (" (with uncommitted changes)" if state["dirty"] else "")
@@ -89,7 +99,7 @@ def hardware() -> dict[str, Any]:
 def package_versions(recorded: dict[str, str]) -> dict[str, str]:
     """Versions of PACKAGES: those the evaluate job recorded (the environment that ran the models) first,
     then this process's (snakemake, and anything the evaluation did not record)."""
-    mine = provenance.package_versions(PACKAGES)
+    mine = provenance_module.package_versions(PACKAGES)
     return {
         name: recorded[name] if recorded.get(name) and recorded[name] != "not installed" else mine[name]
         for name in PACKAGES
@@ -148,6 +158,10 @@ def experiment_summary(exp: Experiment) -> dict[str, Any]:
         "base_accuracy": _accuracy(ev, "base"),
         "tuned_accuracy": _accuracy(ev, "tuned"),
         "dpo_accuracy": _accuracy(ev, "dpo"),
+        # The first screen: the final model (dpo where the preference stage ran, else tuned) and each headline
+        # figure per model with its 95% interval.
+        "final_model": final_model(exp),
+        "headline": headline_summary(exp),
         "preference": preference_summary(exp),
         # The GGUF files of the export stage: what each quant costs and gains (snaketune.export.export).
         "export": {
@@ -176,7 +190,7 @@ def experiment_summary(exp: Experiment) -> dict[str, Any]:
     }
 
 
-def make_summary(data: dict, experiments: list[Experiment], provenance: dict) -> dict[str, Any]:
+def make_summary(data: dict, experiments: list[Experiment], provenance: dict, run: dict) -> dict[str, Any]:
     conv = data["conversations"]
     tokenized: dict[str, Any] = {}
     for exp in experiments:
@@ -205,6 +219,8 @@ def make_summary(data: dict, experiments: list[Experiment], provenance: dict) ->
             "tokenized": tokenized,
         },
         "experiments": {exp.name: experiment_summary(exp) for exp in experiments},
+        # What the whole run took (wall time, GPU-hours) and how to make it again (command, commit, config hash).
+        "run": run,
         "provenance": provenance,
     }
 
@@ -255,11 +271,22 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
             seeds[f"{exp.name}: exact-match questions (eval_examples seed)"] = exp.eval["exact_match"].get(
                 "seed"
             )
-    benchmarks = read_benchmarks(inputs.benchmarks)
     manifest = json.loads(Path(inputs.manifest).read_text()) if inputs.manifest else {}
+    benchmarks = current_benchmarks(read_benchmarks(inputs.benchmarks), manifest)
     summary_of_jobs = manifest.get("summary", {})
+    jobs = manifest_jobs(manifest)
+    report_git = provenance_module.git_state(Path(workdir))
+    git = code_state(manifest, report_git)
+    run = {
+        **run_cost(jobs, benchmarks),
+        "command": reproduce_command(experiments, inputs.invocation),
+        "git_commit": git["commit"],
+        "git_dirty": git["dirty"],
+        "git_commits": git["commits"],
+        "config_sha256": config_sha256(inputs.config),
+    }
     provenance = {
-        "git_commit": git_commit(Path(workdir)),
+        "git_commit": git_commit(report_git),
         "generated": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "versions": package_versions(recorded),
         "hardware": hardware(),
@@ -270,14 +297,14 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
         "seeds": seeds,
         "wall_time_s": {b["job"]: b["wall_s"] for b in benchmarks},
         "manifest": str(inputs.manifest) if inputs.manifest else None,
-        "jobs": manifest_jobs(manifest),
+        "jobs": jobs,
         "jobs_without_record": manifest.get("missing", []),
         # Every value seen across the jobs, with the jobs that saw it: one entry each when they agree.
         "job_git": summary_of_jobs.get("git", {}),
         "job_hosts": summary_of_jobs.get("hosts", {}),
         "job_software": {k: v for k, v in summary_of_jobs.get("software", {}).items() if len(v) > 1},
     }
-    summary = make_summary(data, experiments, provenance)
+    summary = make_summary(data, experiments, provenance, run)
     # Every file of the report, or none: all are written into a staging directory (the plots under their own
     # names, which report.md links to) and renamed into place together.
     with atomic_files(*(out_dir / name for name in OUTPUTS.values())) as staged:
@@ -298,7 +325,7 @@ def write_report(
     """The files of OUTPUTS, into out_dir as it is (build_report gives a staging directory)."""
     plot_paths = make_plots(experiments, out_dir)
     blocks = (
-        overview(data, experiments, summary)
+        headline_section(experiments, summary, reproduce_blocks(summary["run"]))
         + data_section(data, experiments)
         + training_section(experiments, summary, plot_paths)
         + evaluation_section(experiments, summary)

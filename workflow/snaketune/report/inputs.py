@@ -45,9 +45,12 @@ class ReportInputs:
     config: dict
     """The resolved config: dataset, every experiment's model/tokenize/train, eval."""
     benchmarks: Path | None = None
-    """Directory of Snakemake's benchmark TSVs; whatever is there is reported."""
+    """Directory of Snakemake's benchmark TSVs; those of the manifest's jobs are reported (current_benchmarks)."""
     manifest: Path | None = None
     """results/provenance/manifest.json (snaketune.provenance): the record of every job behind the report."""
+    invocation: dict | None = None
+    """How Snakemake was asked to run: {"configfiles": [...], "config_args": [...]} (--configfile and --config
+    as given), for the report's reproduce box."""
 
 
 def _number(value: str) -> float | str | None:
@@ -104,6 +107,22 @@ def read_benchmarks(directory: Path | None) -> list[dict]:
     return out
 
 
+def gpus_held(job: dict) -> int:
+    """GPUs a job of the manifest held: Snakemake's gpu resource it was granted, or for a job of several nodes
+    (which asks per node through gres, with gpu 0) the GPUs it saw times its nodes; none when it saw no GPU (its
+    ranks ran on CPUs). A job without the resource, on a host with GPUs, holds none: it merely saw them."""
+    seen = len(job.get("gpus") or [])
+    if not seen:
+        return 0
+    resources = job.get("resources")
+    if resources is None:  # a record without its resources: what it saw
+        return seen
+    nodes = int(resources.get("nodes", 1) or 1)
+    if nodes > 1:
+        return seen * nodes
+    return min(int(resources.get("gpu", 0) or 0), seen)
+
+
 def manifest_jobs(manifest: dict) -> list[dict[str, Any]]:
     """One line per job of the provenance manifest, for the report's table and summary.json."""
     jobs = []
@@ -112,16 +131,36 @@ def manifest_jobs(manifest: dict) -> list[dict[str, Any]]:
         jobs.append(
             {
                 "job": f"{job['rule']}[{wildcards}]" if wildcards else job["rule"],
+                "rule": job["rule"],
                 "start": job["start"],
+                "end": job.get("end"),
                 "wall_s": job["wall_s"],
                 "host": job["host"]["hostname"],
                 "gpus": job["gpus"],
+                "gpus_held": gpus_held(job),
                 "code": job["code"],
                 "status": job["status"],
                 "record": job["record"],
+                "benchmark": next(iter(_mirrored(job)), None),
             }
         )
     return jobs
+
+
+def _mirrored(job: dict) -> list[str]:
+    """The job's benchmark name (its path under benchmarks/, without .tsv): every rule logs to logs/<name>.log
+    and benchmarks to benchmarks/<name>.tsv."""
+    return [log.removeprefix("logs/").removesuffix(".log") for log in job.get("log") or []]
+
+
+def current_benchmarks(benchmarks: list[dict], manifest: dict) -> list[dict]:
+    """The benchmarks of the jobs behind the report: those named like the log of a manifest job (_mirrored), so a
+    removed experiment's or an old cache's leftover TSV is not listed. All of them without a manifest, or with
+    one whose records name no logs."""
+    logs = {name for job in manifest.get("jobs", []) for name in _mirrored(job)}
+    if not logs:
+        return benchmarks
+    return [b for b in benchmarks if b["job"] in logs]
 
 
 @dataclass

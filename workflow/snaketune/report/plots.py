@@ -14,9 +14,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import EngFormatter, FuncFormatter  # noqa: E402
 
 COLORS = ("#0969da", "#cf222e", "#1a7f37", "#8250df", "#bc4c00", "#1b7c83", "#6e7781", "#bf3989")
+PIXEL_RATIO = 2
+"""PNG pixels per CSS pixel: sharp on 2x screens. The HTML shows each plot at its size in inches x 96 CSS pixels
+(its pHYs resolution, snaketune.report.render.png_css_size), so it is never upscaled."""
 STYLE = {
     "figure.dpi": 100,
-    "savefig.dpi": 110,
+    "savefig.dpi": 96 * PIXEL_RATIO,
     "font.size": 9.5,
     "axes.titlesize": 11,
     "axes.titleweight": "bold",
@@ -28,7 +31,8 @@ STYLE = {
     "legend.frameon": False,
     "legend.fontsize": 8.5,
 }
-SIZE = (6.2, 3.7)
+SIZE = (5.4, 3.3)
+"""Inches: 518 x 317 CSS pixels, half the report's 1,056-pixel column, so two plots sit side by side."""
 
 
 def _series(rows: Sequence[dict], x: str, y: str) -> tuple[list[float], list[float]]:
@@ -91,8 +95,10 @@ def optimizer_plot(runs: dict[str, list[dict]], path: Path) -> None:
             ax_lr.plot(*_series(rows, "step", "train/lr"), color=color, lw=1.6, label=name)
             ax_gn.plot(*_series(rows, "step", "train/grad_norm"), color=color, lw=1.4, label=name)
         ax_lr.set_title("Learning rate")
+        ax_lr.set_ylabel("learning rate")
         ax_lr.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 0.003, not EngFormatter's 3m
         ax_gn.set_title("Gradient norm")
+        ax_gn.set_ylabel("global L2 norm, before clipping")
         for ax in (ax_lr, ax_gn):
             ax.set_xlabel("optimizer step")
         if len(runs) > 1:
@@ -134,6 +140,7 @@ def throughput_plot(runs: dict[str, list[dict]], path: Path) -> None:
         if has_mfu:
             ax_mfu.set_title("Model FLOPs utilization")
             ax_mfu.set_xlabel("optimizer step")
+            ax_mfu.set_ylabel("MFU (share of peak)")
             ax_mfu.set_ylim(bottom=0)
         _save(fig, path)
 
@@ -153,6 +160,7 @@ def memory_plot(per_rank: dict[str, list[float]], devices: dict[str, str], path:
                 ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=8, padding=2)
             ranks = max(len(v) for v in per_rank.values())
             ax.set_xticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+            ax.set_xlabel("rank (process)")
             ax.grid(axis="x", visible=False)
             kinds = {("RSS (CPU)" if d == "cpu" else "allocated") for d in devices.values()}
             ax.set_ylabel(f"peak memory, GiB ({', '.join(sorted(kinds))})")

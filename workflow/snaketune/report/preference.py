@@ -64,7 +64,9 @@ def preference_plot(runs: dict[str, list[dict]], path: Path) -> None:
             ax_acc.plot(*_series(rows, "step", "dpo/reward_accuracy"), color=color, lw=1.6)
             ax_acc.plot(*_series(rows, "step", "val/reward_accuracy"), "--o", color=color, ms=4)
         ax_loss.set_title("Preference loss")
+        ax_loss.set_ylabel("loss per pair")
         ax_acc.set_title("Reward accuracy")
+        ax_acc.set_ylabel("share of pairs ranked right")
         ax_acc.set_ylim(-0.02, 1.02)
         for ax in (ax_loss, ax_acc):
             ax.set_xlabel("optimizer step")

@@ -10,6 +10,7 @@ import base64
 import html
 import math
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,13 +100,6 @@ class Table:
 
 
 @dataclass
-class Cards:
-    """Headline figures: (label, value, detail) triples; a bullet list in Markdown."""
-
-    items: list[tuple[str, str, str]]
-
-
-@dataclass
 class Figure:
     path: Path
     caption: str
@@ -121,7 +115,7 @@ class Code:
     text: str
     language: str = ""
     summary: str = ""
-    """When set, the block can be folded under this line (<details open> in HTML)."""
+    """When set, the block is folded under this line (<details>, closed, in HTML)."""
 
 
 @dataclass
@@ -131,7 +125,22 @@ class Columns:
     blocks: list
 
 
-Block = Heading | Para | Table | Cards | Figure | FigureRow | Code | Columns
+@dataclass
+class Bullets:
+    """A list of short paragraphs (same markup as Para)."""
+
+    items: list[str]
+
+
+@dataclass
+class Box:
+    """Blocks in a framed box under a title (a bold line in Markdown)."""
+
+    title: str
+    blocks: list
+
+
+Block = Heading | Para | Bullets | Table | Figure | FigureRow | Code | Columns | Box
 
 
 # ---- Markdown ------------------------------------------------------------------------------------
@@ -146,16 +155,17 @@ def to_markdown(title: str, blocks: list[Block]) -> str:
     out = [f"# {title}", ""]
     flat: list[Block] = []
     for block in blocks:
-        flat += block.blocks if isinstance(block, Columns) else [block]
+        if isinstance(block, Box):
+            flat += [Para(f"**{block.title}**"), *block.blocks]
+        else:
+            flat += block.blocks if isinstance(block, Columns) else [block]
     for block in flat:
         if isinstance(block, Heading):
             out += ["#" * block.level + " " + block.text, ""]
         elif isinstance(block, Para):
             out += [f"_{block.text}_" if block.muted else block.text, ""]
-        elif isinstance(block, Cards):
-            out += [f"- **{label}: {value}** {detail}".rstrip() for label, value, detail in block.items] + [
-                ""
-            ]
+        elif isinstance(block, Bullets):
+            out += [f"- {item}" for item in block.items] + [""]
         elif isinstance(block, Table):
             aligns = ["---:" if block.is_numeric(i) else "---" for i in range(len(block.header))]
             out.append("| " + " | ".join(_md_cell(h) for h in block.header) + " |")
@@ -181,16 +191,20 @@ CSS = """
 * { box-sizing: border-box; }
 body { margin: 0; color: var(--fg); background: #fff;
        font: 15px/1.55 -apple-system, BlinkMacSystemFont, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif; }
-main { max-width: 1120px; margin: 0 auto; padding: 36px 32px 72px; }
+main { max-width: 1120px; margin: 0 auto; padding: 28px 32px 72px; }
 h1 { font-size: 30px; margin: 0 0 2px; letter-spacing: -0.01em; }
 h2 { font-size: 22px; margin: 44px 0 12px; padding-bottom: 6px; border-bottom: 1px solid var(--line); }
 h3 { font-size: 16.5px; margin: 26px 0 8px; }
 p { margin: 8px 0 12px; }
+ul { margin: 6px 0 12px; padding-left: 22px; } li { margin: 2px 0; }
 p.muted, .subtitle { color: var(--muted); font-size: 13.5px; }
 nav.toc { margin: 14px 0 6px; font-size: 14px; }
 nav.toc a { color: var(--accent); text-decoration: none; margin-right: 16px; white-space: nowrap; }
 nav.toc a:hover { text-decoration: underline; }
-table { border-collapse: collapse; margin: 8px 0 18px; font-size: 13.5px; }
+nav.toc + h2 { margin-top: 22px; }  /* the first screen answers the question: no gap above it */
+/* A table wider than the page scrolls inside its own box; the page never scrolls sideways. */
+.table-wrap { max-width: 100%; overflow-x: auto; margin: 8px 0 18px; }
+table { border-collapse: collapse; font-size: 13.5px; }
 th, td { padding: 5px 12px; border-bottom: 1px solid var(--line); text-align: left; vertical-align: top; }
 th { background: var(--alt); font-weight: 600; border-bottom: 2px solid var(--line); }
 tbody tr:nth-child(even) td { background: #fbfcfd; }
@@ -198,23 +212,24 @@ td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; white-sp
 td.mono { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 12.5px;
           white-space: pre-wrap; word-break: break-word; max-width: 360px; }
 td.ok { box-shadow: inset 3px 0 0 var(--good); } td.bad { box-shadow: inset 3px 0 0 var(--bad); }
-.cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(190px, 1fr)); gap: 12px; margin: 18px 0 8px; }
-.card { border: 1px solid var(--line); border-radius: 10px; padding: 12px 16px; background: var(--alt); }
-.card .label { font-size: 11.5px; text-transform: uppercase; letter-spacing: 0.05em; color: var(--muted); }
-.card .value { font-size: 23px; font-weight: 650; margin-top: 2px; font-variant-numeric: tabular-nums; }
-.card .detail { font-size: 13px; color: var(--muted); }
 .figrow { display: grid; grid-template-columns: repeat(2, minmax(0, 1fr)); gap: 18px; }
 .cols { display: flex; flex-wrap: wrap; gap: 0 28px; align-items: flex-start; }
+.cols > div { min-width: 0; max-width: 100%; }
 @media (max-width: 800px) { .figrow { grid-template-columns: 1fr; } }
 figure { margin: 10px 0 20px; }
-figure img { width: 100%; height: auto; border: 1px solid var(--line); border-radius: 8px; }
+/* Plots keep the size they were drawn for (width and height attributes), shrunk only to fit: never upscaled. */
+figure img { max-width: 100%; height: auto; border: 1px solid var(--line); border-radius: 8px; }
 figcaption { font-size: 13px; color: var(--muted); margin-top: 4px; }
 code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 0.9em;
-       background: var(--alt); padding: 1px 4px; border-radius: 4px; }
+       background: var(--alt); padding: 1px 4px; border-radius: 4px; overflow-wrap: anywhere; }
 pre { background: var(--alt); border: 1px solid var(--line); border-radius: 8px; padding: 12px 14px;
       font-size: 12.5px; line-height: 1.45; overflow: auto; }
 pre code { background: none; padding: 0; }
 details summary { cursor: pointer; color: var(--accent); margin: 8px 0; }
+.box { border: 1px solid var(--line); border-left: 4px solid var(--accent); border-radius: 8px;
+       padding: 8px 16px 4px; margin: 14px 0 8px; }
+.box .title { font-weight: 600; }
+.box pre { margin: 6px 0; white-space: pre-wrap; overflow-wrap: anywhere; }
 @media print { main { max-width: none; } .figrow { grid-template-columns: 1fr 1fr; } }
 """
 
@@ -250,13 +265,37 @@ def _html_table(table: Table) -> str:
             attr = f' class="{style}"' if style else ""
             cells.append(f"<td{attr}>{_inline(text)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return (
+        f'<div class="table-wrap"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody>'
+        "</table></div>"
+    )
+
+
+CSS_PX_PER_INCH = 96
+"""CSS's reference pixel: 96 per inch (CSS Values and Units, 'px')."""
+
+
+def png_css_size(path: Path) -> tuple[int, int]:
+    """The size a PNG was drawn for, in CSS pixels: its pixels at the resolution its pHYs chunk records
+    (matplotlib writes the savefig dpi there), so a plot drawn at 2 pixels per CSS pixel is shown at half
+    its pixel width, sharp on 2x screens; its pixel size when the file records no resolution."""
+    data = Path(path).read_bytes()
+    width, height = struct.unpack(">II", data[16:24])  # IHDR, the first chunk
+    at = data.find(b"pHYs", 8)
+    if at < 0:
+        return width, height
+    per_metre, _, unit = struct.unpack(">IIB", data[at + 4 : at + 13])
+    if unit != 1 or not per_metre:  # 1: pixels per metre; 0: an aspect ratio only
+        return width, height
+    dpi = per_metre * 0.0254
+    return round(width * CSS_PX_PER_INCH / dpi), round(height * CSS_PX_PER_INCH / dpi)
 
 
 def _html_figure(fig: Figure) -> str:
+    width, height = png_css_size(fig.path)
     return (
-        f'<figure><img src="{data_uri(fig.path)}" alt="{html.escape(fig.caption)}">'
-        f"<figcaption>{_inline(fig.caption)}</figcaption></figure>"
+        f'<figure><img src="{data_uri(fig.path)}" width="{width}" height="{height}" '
+        f'alt="{html.escape(fig.caption)}"><figcaption>{_inline(fig.caption)}</figcaption></figure>'
     )
 
 
@@ -290,13 +329,8 @@ def _html_blocks(blocks: list[Block]) -> str:
                 if block.muted
                 else f"<p>{_inline(block.text)}</p>"
             )
-        elif isinstance(block, Cards):
-            cards = "".join(
-                f'<div class="card"><div class="label">{_inline(label)}</div>'
-                f'<div class="value">{_inline(value)}</div><div class="detail">{_inline(detail)}</div></div>'
-                for label, value, detail in block.items
-            )
-            parts.append(f'<div class="cards">{cards}</div>')
+        elif isinstance(block, Bullets):
+            parts.append("<ul>" + "".join(f"<li>{_inline(item)}</li>" for item in block.items) + "</ul>")
         elif isinstance(block, Table):
             parts.append(_html_table(block))
         elif isinstance(block, Figure):
@@ -306,6 +340,11 @@ def _html_blocks(blocks: list[Block]) -> str:
         elif isinstance(block, Code):
             pre = f"<pre><code>{html.escape(block.text)}</code></pre>"
             if block.summary:
-                pre = f"<details open><summary>{_inline(block.summary)}</summary>{pre}</details>"
+                pre = f"<details><summary>{_inline(block.summary)}</summary>{pre}</details>"
             parts.append(pre)
+        elif isinstance(block, Box):
+            parts.append(
+                f'<section class="box"><div class="title">{_inline(block.title)}</div>'
+                f"{_html_blocks(block.blocks)}</section>"
+            )
     return "\n".join(parts)

@@ -4,9 +4,86 @@ commit, hardware, seeds, wall time) and the record of every job behind it (snake
 from __future__ import annotations
 
 import json
+import shlex
+from typing import Any
 
+from snaketune.io import sha256_text, stable_json
 from snaketune.report.inputs import Experiment
-from snaketune.report.render import Block, Code, Heading, Para, Table, fmt, fmt_duration
+from snaketune.report.render import Block, Box, Code, Heading, Para, Table, fmt, fmt_duration
+
+SLURM_PROFILE = "workflow/profiles/slurm"
+"""The profile an experiment of several nodes runs under (config/README.md)."""
+
+
+# ---- the reproduce box ---------------------------------------------------------------------------
+
+
+def config_sha256(config: dict) -> str:
+    """sha256 of the resolved config as stable JSON (sorted keys): equal configs, equal hashes."""
+    return sha256_text(stable_json(config))
+
+
+def reproduce_command(experiments: list[Experiment], invocation: dict | None) -> str:
+    """The Snakemake command that makes these results again: the config files and --config values it was given,
+    and as many GPUs as the largest single-node stage ranked over (train.gpus is cut to the GPUs granted, so
+    the world sizes recorded are what to grant again; --cores does not change a result)."""
+    stages = [exp.summary for exp in experiments] + [exp.dpo["summary"] for exp in experiments if exp.dpo]
+    nodes = {exp.name: exp.config.get("train", {}).get("nodes", 1) for exp in experiments}
+    single = [s.get("world_size") or 0 for s in stages if nodes.get(s.get("experiment"), 1) == 1]
+    args = ["snakemake", "--cores", "all"]
+    if max(single, default=0):
+        args += ["--resources", f"gpu={max(single)}"]
+    if any(n > 1 for n in nodes.values()):
+        args += ["--profile", SLURM_PROFILE]
+    invocation = invocation or {}
+    if invocation.get("configfiles"):
+        args += ["--configfile", *invocation["configfiles"]]
+    if invocation.get("config_args"):
+        args += ["--config", *invocation["config_args"]]
+    return shlex.join(args)
+
+
+def code_state(manifest: dict, report_time: dict | None) -> dict[str, Any]:
+    """The commit the jobs behind the results ran at (the newest job's when they differ), and whether tracked
+    files had uncommitted changes; the report's own checkout when no job recorded one."""
+    jobs = [j for j in manifest.get("jobs", []) if j.get("git")]
+    if jobs:
+        newest = max(jobs, key=lambda j: j["start"])["git"]
+        commits = {j["git"]["commit"] for j in jobs}
+        dirty = any(j["git"]["dirty"] for j in jobs)
+        return {"commit": newest["commit"], "dirty": dirty, "commits": len(commits), "source": "jobs"}
+    if report_time:
+        return {**report_time, "commits": 1, "source": "report"}
+    return {"commit": None, "dirty": None, "commits": 0, "source": None}
+
+
+def reproduce_blocks(run: dict) -> list[Block]:
+    lines = [run["command"]]
+    if run["git_commit"]:
+        lines.insert(0, f"git checkout {run['git_commit']}")
+    if run["git_commit"] is None:
+        state = "not a git checkout: no commit to return to"
+    elif run["git_dirty"]:
+        state = "**dirty**: tracked files had uncommitted changes, which the commit alone does not bring back"
+    else:
+        state = "clean (no uncommitted changes)"
+    if run["git_commits"] > 1:
+        state += (
+            f"; the jobs ran at {run['git_commits']} commits (see Provenance, Jobs), this is the newest job's"
+        )
+    return [
+        Box(
+            "Reproduce",
+            [
+                Code("\n".join(lines), "sh"),
+                Para(
+                    f"Commit `{run['git_commit'] or '–'}`, {state}. Config sha256 `{run['config_sha256'][:16]}` "
+                    "(stable JSON of the resolved config under Provenance).",
+                    muted=True,
+                ),
+            ],
+        )
+    ]
 
 
 def provenance_section(
@@ -75,7 +152,8 @@ def provenance_section(
         Code(
             json.dumps(config, indent=2, sort_keys=False),
             "json",
-            summary="The configuration as resolved (defaults filled in, experiment overrides merged)",
+            summary="The configuration as resolved (defaults filled in, experiment overrides merged): "
+            f"sha256 `{config_sha256(config)[:16]}`",
         )
     )
     return blocks

@@ -8,9 +8,9 @@ import unicodedata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from snaketune.report.headline import MODEL_NAMES, final_model, training_mode
 from snaketune.report.render import (
     Block,
-    Cards,
     Cell,
     Columns,
     Figure,
@@ -39,81 +39,6 @@ def _change(base: float, tuned: float) -> str:
 
 def _acc(x: float | None) -> str:
     return fmt_pct(100.0 * x) if x is not None else "–"
-
-
-def training_mode(e: dict) -> str:
-    """How an experiment trained: full fine-tuning, LoRA or QLoRA, quantized Adam states and the in-backward step
-    where used."""
-    mode = "full fine-tuning"
-    if e["lora"]:
-        mode = "QLoRA, 4-bit NF4 base" if e.get("lora_quantize", "none") != "none" else "LoRA"
-    if e.get("optimizer_states") in ("8bit", "4bit"):
-        mode += f", {e['optimizer_states'][0]}-bit Adam states"
-    if e.get("optimizer_step") == "in_backward":
-        mode += ", step in backward"
-    if e.get("fp8", "none") != "none":
-        mode += f", FP8 matmuls ({e['fp8']})"
-    return mode
-
-
-def overview(data: dict, experiments: list[Experiment], summary: dict) -> list[Block]:
-    conv = data["conversations"]["conversations"]
-    blocks: list[Block] = [Heading(2, "Summary")]
-    for exp in experiments:
-        e = summary["experiments"][exp.name]
-        mode = training_mode(e)
-        device = e["device"] or "?"
-        text = (
-            f"**{exp.name}**: `{e['model']}` ({fmt(e['parameters'])} parameters, {mode}), "
-            f"{fmt(e['steps'])} optimizer steps on {e['world_size']} × {device} "
-            f"(ZeRO-{e['zero_stage']}, {e['precision']}) in {fmt_duration(e['train_wall_time_s'])}. "
-            f"Validation loss fell from **{fmt(e['base_val_loss'])}** to **{fmt(e['tuned_val_loss'])}** "
-            f"({fmt_pct(e['val_loss_change_pct'], signed=True)}); perplexity from {fmt(e['base_perplexity'])} "
-            f"to {fmt(e['tuned_perplexity'])}."
-        )
-        if e["val_loss_change_pct"] >= 0:
-            text = text.replace("Validation loss fell from", "Validation loss did not fall: from")
-        if e["exact_match_n"]:
-            text += (
-                f" Exact match on {e['exact_match_n']} builtin questions: {_acc(e['base_accuracy'])} → "
-                f"**{_acc(e['tuned_accuracy'])}**."
-            )
-        blocks.append(Para(text))
-    best = min(experiments, key=lambda x: summary["experiments"][x.name]["tuned_val_loss"])
-    b = summary["experiments"][best.name]
-    label = "" if len(experiments) == 1 else f" ({best.name})"
-    cards = [
-        (
-            "Validation loss" + label,
-            f"{fmt(b['base_val_loss'])} → {fmt(b['tuned_val_loss'])}",
-            f"{fmt_pct(b['val_loss_change_pct'], signed=True)}, base → fine-tuned",
-        ),
-        (
-            "Perplexity" + label,
-            f"{fmt(b['base_perplexity'])} → {fmt(b['tuned_perplexity'])}",
-            "exp(validation loss)",
-        ),
-    ]
-    if b["exact_match_n"]:
-        cards.append(
-            (
-                "Exact match" + label,
-                f"{_acc(b['base_accuracy'])} → {_acc(b['tuned_accuracy'])}",
-                f"{b['exact_match_n']} builtin questions",
-            )
-        )
-    cards.append(
-        (
-            "Throughput" + label,
-            f"{fmt(b['tokens_per_s_per_gpu'], 3)} tok/s",
-            f"per rank; MFU {fmt(b['mfu'], 3)}" if b["mfu"] is not None else "per rank (no MFU on CPU)",
-        )
-    )
-    cards.append(
-        ("Training conversations", fmt(conv.get("train")), f"{fmt(conv.get('validation'))} for validation")
-    )
-    blocks.append(Cards(cards))
-    return blocks
 
 
 def data_section(data: dict, experiments: list[Experiment]) -> list[Block]:
@@ -312,7 +237,8 @@ def evaluation_section(experiments: list[Experiment], summary: dict) -> list[Blo
         Heading(2, "Evaluation"),
         Para(
             "The base model is the starting point of training (for builtin models the exact random init the "
-            "train stage starts from); the fine-tuned model is the one training saved. Validation loss is the "
+            "train stage starts from); SFT is the model the train stage saved, DPO the preference stage's, and the "
+            "final model DPO where that stage ran, else SFT. Validation loss is the "
             "token-weighted mean over the validation split's loss-bearing tokens, masked as in training; "
             "replies are greedy and end at the end-of-sequence token.",
             muted=True,
@@ -320,93 +246,54 @@ def evaluation_section(experiments: list[Experiment], summary: dict) -> list[Blo
     ]
     several = len(experiments) > 1
     for exp in experiments:
-        e, ev = summary["experiments"][exp.name], exp.eval
+        ev = exp.eval
         if several:
             blocks.append(Heading(3, f"Experiment {exp.name}"))
-        verb = "fell" if e["val_loss_change_pct"] < 0 else "rose"
+        val, em = ev["validation"], ev.get("exact_match")
+        final = final_model(exp)
+        models = [m for m in MODEL_NAMES if m in val]
+        change = 100.0 * (val[final]["loss"] - val["base"]["loss"]) / val["base"]["loss"]
         blocks.append(
             Para(
-                f"Validation loss {verb} from **{fmt(e['base_val_loss'])}** to **{fmt(e['tuned_val_loss'])}** "
-                f"({fmt_pct(e['val_loss_change_pct'], signed=True)}) over {fmt(ev['validation']['loss_tokens'])} "
-                f"target tokens in {fmt(ev['validation']['rows'])} rows; evaluated on {ev.get('device')} in "
-                f"{ev.get('dtype')}. Base model: {ev.get('base_model')}."
+                f"Validation loss {'fell' if change < 0 else 'rose'} from **{fmt(val['base']['loss'])}** (base) to "
+                f"**{fmt(val[final]['loss'])}** ({MODEL_NAMES[final]}, the final model; "
+                f"{fmt_pct(change, signed=True)}) over {fmt(val['loss_tokens'])} target tokens in "
+                f"{fmt(val['rows'])} rows; evaluated on {ev.get('device')} in {ev.get('dtype')}. Base model: "
+                f"{ev.get('base_model')}."
             )
         )
         rows = [
-            [
-                "validation loss",
-                fmt(e["base_val_loss"]),
-                fmt(e["tuned_val_loss"]),
-                _change(e["base_val_loss"], e["tuned_val_loss"]),
-            ],
+            ["validation loss", *[fmt(val[m]["loss"]) for m in models], _change(val["base"]["loss"], val[final]["loss"])],
             [
                 "perplexity",
-                fmt(e["base_perplexity"]),
-                fmt(e["tuned_perplexity"]),
-                _change(e["base_perplexity"], e["tuned_perplexity"]),
+                *[fmt(val[m]["perplexity"]) for m in models],
+                _change(val["base"]["perplexity"], val[final]["perplexity"]),
             ],
-        ]
-        em = ev.get("exact_match")
+        ]  # fmt: skip
         if em:
             rows.append(
                 [
                     f"exact match ({em['n']} questions)",
-                    _acc(em["base"]["accuracy"]),
-                    _acc(em["tuned"]["accuracy"]),
-                    fmt_pct(100 * (em["tuned"]["accuracy"] - em["base"]["accuracy"]), signed=True).replace(
-                        "%", " pts"
-                    ),
+                    *[_acc(em[m]["accuracy"]) if m in em else "–" for m in models],
+                    fmt_pct(100 * (em[final]["accuracy"] - em["base"]["accuracy"]), signed=True).replace("%", " pts"),
                 ]
-            )
-        dpo = ev["validation"].get("dpo")
-        if dpo is not None:  # the preference-tuned model beside them
-            rows[0].append(fmt(dpo["loss"]))
-            rows[1].append(fmt(dpo["perplexity"]))
-        if em and "dpo" in em:
-            rows[2].append(_acc(em["dpo"]["accuracy"]))
-        blocks.append(
-            Table(["", "base", "fine-tuned", "change"] + (["DPO"] if dpo is not None else []), rows)
-        )
+            )  # fmt: skip
+        blocks.append(Table(["", *[MODEL_NAMES[m] for m in models], "change, final vs base"], rows))
         if em:
             tables = []
+            scored = [m for m in models if m in em]
             for field, title in (("by_task", "task"), ("by_lang", "language")):
-                groups = em["tuned"][field]
                 tables.append(
                     Table(
-                        [f"exact match by {title}", "questions", "base", "fine-tuned"],
+                        [f"exact match by {title}", "questions", *[MODEL_NAMES[m] for m in scored]],
                         [
-                            [
-                                f"`{k}`",
-                                fmt(v["n"]),
-                                _acc(em["base"][field][k]["accuracy"]),
-                                _acc(v["accuracy"]),
-                            ]
-                            for k, v in groups.items()
+                            [f"`{k}`", fmt(v["n"]), *[_acc(em[m][field][k]["accuracy"]) for m in scored]]
+                            for k, v in em[final][field].items()
                         ],
                     )
                 )
             blocks.append(Columns(tables))
-            misses = [x for x in em.get("examples", []) if x["tuned"].strip() != x["answer"].strip()]
-            if misses:
-                blocks.append(
-                    Para(
-                        f"Questions the fine-tuned model got wrong ({len(misses)}; first {min(len(misses), MAX_MISSES_SHOWN)} shown):"
-                    )
-                )
-                blocks.append(
-                    Table(
-                        ["prompt", "expected", "fine-tuned reply"],
-                        [
-                            [
-                                Cell(x["prompt"], "mono"),
-                                Cell(x["answer"], "mono"),
-                                Cell(_visible(x["tuned"]) or "(empty)", "mono"),
-                            ]
-                            for x in misses[:MAX_MISSES_SHOWN]
-                        ],
-                        numeric=[False, False, False],
-                    )
-                )
+            blocks += misses_blocks(em, final)
         blocks.append(
             Para(
                 f"Sample generations (greedy, at most {ev['generation']['max_new_tokens']} new tokens; "
@@ -418,7 +305,7 @@ def evaluation_section(experiments: list[Experiment], summary: dict) -> list[Blo
         checked = ev["generation"].get("expected", "exact") == "exact"
         blocks.append(
             Table(
-                ["prompt", "expected", "base", "fine-tuned"] + (["DPO"] if with_dpo else []),
+                ["prompt", "expected", "base", "SFT"] + (["DPO"] if with_dpo else []),
                 [
                     [
                         Cell(_visible(g["prompt"]), "mono"),
@@ -437,22 +324,52 @@ def evaluation_section(experiments: list[Experiment], summary: dict) -> list[Blo
     return blocks
 
 
+def misses_blocks(em: dict, final: str) -> list[Block]:
+    """The builtin questions the final model (DPO where it ran, else SFT) answered wrongly."""
+    misses = [x for x in em.get("examples", []) if x.get(final, "").strip() != x["answer"].strip()]
+    if not misses:
+        return []
+    name = MODEL_NAMES[final]
+    return [
+        Para(
+            f"Questions the final ({name}) model got wrong ({len(misses)} of {len(em.get('examples', []))}; first "
+            f"{min(len(misses), MAX_MISSES_SHOWN)} shown):"
+        ),
+        Table(
+            ["prompt", "expected", f"{name} reply"],
+            [
+                [Cell(x["prompt"], "mono"), Cell(x["answer"], "mono"), Cell(_visible(x.get(final, "")) or "(empty)", "mono")]
+                for x in misses[:MAX_MISSES_SHOWN]
+            ],
+            numeric=[False, False, False],
+        ),
+    ]  # fmt: skip
+
+
+def _final_figure(e: dict, key: str) -> float | None:
+    """A headline figure of an experiment's final model (summary.json's entry), None where it has none."""
+    return e["headline"].get(key, {}).get("values", {}).get(e["final_model"])
+
+
 def comparison_section(experiments: list[Experiment], summary: dict) -> list[Block]:
+    """The experiments side by side: each final model's figures (as on the first screen), then SFT's costs."""
     if len(experiments) < 2:
         return []
     rows = []
     for exp in experiments:
         e = summary["experiments"][exp.name]
+        final = e["final_model"]
         rows.append(
             [
                 f"**{exp.name}**",
                 f"`{e['model']}`"
                 + (f" ({training_mode(e)})" if training_mode(e) != "full fine-tuning" else ""),
+                MODEL_NAMES[final],
                 fmt(e["steps"]),
-                fmt(e["tuned_val_loss"]),
-                fmt_pct(e["val_loss_change_pct"], signed=True),
-                fmt(e["tuned_perplexity"]),
-                _acc(e["tuned_accuracy"]),
+                fmt(_final_figure(e, "val_loss")),
+                _change(e["base_val_loss"], e["headline"]["val_loss"]["values"][final]),
+                _acc(_final_figure(e, "exact_match")),
+                _acc(_final_figure(e, "preference_accuracy")),
                 fmt(e["tokens_per_s_per_gpu"]),
                 fmt(e["mfu"], 3),
                 fmt(e["peak_memory_gib"], 3),
@@ -461,21 +378,27 @@ def comparison_section(experiments: list[Experiment], summary: dict) -> list[Blo
         )
     return [
         Heading(2, "Comparison"),
+        Para(
+            "Each experiment's final model (DPO where the preference stage ran, else SFT); throughput, memory and "
+            "time are the SFT stage's.",
+            muted=True,
+        ),
         Table(
             [
                 "experiment",
                 "model",
-                "steps",
+                "final",
+                "SFT steps",
                 "val loss",
                 "vs base",
-                "perplexity",
                 "exact match",
+                "preference accuracy",
                 "tok/s per rank",
                 "MFU",
                 "peak GiB",
                 "train time",
             ],
             rows,
-            numeric=[False, False] + [True] * 9,
+            numeric=[False, False, False] + [True] * 9,
         ),
     ]
