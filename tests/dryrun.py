@@ -25,6 +25,9 @@ def dry_run(workdir: Path, args: Sequence[str]) -> tuple[int, str]:
             os.close(read)
             os.dup2(write, 1)
             os.dup2(write, 2)
+            # pytest's capture replaced sys.stdout and sys.stderr: write to the pipe instead.
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
             os.chdir(workdir)
             snakemake.cli.main(["-n", *args])
             code = 0

@@ -71,7 +71,8 @@ def plan_params(stage):
                 **spec,
                 "objective": "evaluate",
                 "max_length": exp.tokenize.max_length,
-                "train": owners.train_settings(exp.train, owners.EVAL_MEMORY),
+                # QLoRA's models are evaluated in 4 bits ("none" unless LoRA quantizes).
+                "train": {"lora": {"quantize": exp.train.lora.quantize}},
                 "evaluation": {
                     "batch_size": CFG.eval.batch_size,
                     "max_new_tokens": CFG.eval.max_new_tokens,

@@ -109,7 +109,10 @@ def export_params(wildcards):
         "max_new_tokens": CFG.eval.max_new_tokens,
         "max_prompt_tokens": exp.tokenize.max_length,
         "builtin_dataset": exp.dataset.source == "builtin",
-        "trust_remote_code": exp.model.trust_remote_code,
+        # What the export loads: the trained model's directory, with the model's own code where it has some.
+        "trust_remote_code": owners.model_settings(exp.model).get(
+            "trust_remote_code", False
+        ),
         "code": keys.code_hash("export"),
     }
 

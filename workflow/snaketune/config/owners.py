@@ -244,6 +244,16 @@ def unused(key: str, exp: ExperimentConfig) -> bool:
     return False
 
 
+def _reads_model(stage: str, model: ModelConfig) -> bool:
+    """Whether a stage reads the model's keys: the tokenizer stage only a tokenizer the model brings (the builtin
+    one is trained on the data, the same for builtin-tiny and arch:*), import_gguf only a GGUF file's."""
+    if stage == "tokenizer":
+        return model.tokenizer != "auto" or not model.uses_builtin_tokenizer
+    if stage == "import_gguf":
+        return model.is_gguf
+    return True
+
+
 def owners(
     key: str, exp: ExperimentConfig | None = None, overridden: Iterable[str] | dict = ()
 ) -> tuple[str, ...]:
@@ -253,6 +263,8 @@ def owners(
     preference.train sets that key itself (`overridden`)."""
     if exp is not None and unused(key, exp):
         return ()
+    if exp is not None and key.startswith("model."):
+        return tuple(s for s in OWNERS[key] if _reads_model(s, exp.model))
     sft_train = exp.train if exp is not None else None
     dpo_train = exp.dpo_train if exp is not None else None
     no_dpo = exp is not None and dpo_train is None  # preference.enabled false: no preference stages
