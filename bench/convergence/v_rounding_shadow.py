@@ -9,10 +9,11 @@ v and m exact: the first-order decrease of the loss an update would make, sum(g 
 2^20 elements ("median"). Then the spread of v within its blocks (the exact v's share per octave below its block's
 max).
 
-    .venv/bin/python bench/v_rounding_shadow.py MODEL_DIR TOKENIZED_TRAIN_DIR [--steps 30] [--powers 1 0.5 0.25 0 -0.5]
+    .venv/bin/python bench/convergence/v_rounding_shadow.py MODEL_DIR TOKENIZED_TRAIN_DIR [--steps 30] [--powers 1 0.5 0.25 0 -0.5]
 
 MODEL_DIR: the workflow's imported model (results/models/SmolLM2-135M-Instruct-Q4-1-*); TOKENIZED_TRAIN_DIR: its
-tokenized rows at 256 tokens (results/tokenized/*/train of bench/cpu_real_states.sh's workflow copy).
+tokenized rows at 256 tokens (results/tokenized/*/train of the workflow copy that `python -m bench converge_cpu_real`
+leaves in its $OUT/wf).
 """
 
 from __future__ import annotations

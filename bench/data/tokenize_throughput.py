@@ -1,13 +1,13 @@
 """Tokens/s of the tokenize stage with the real DeepSeek-LLM tokenizer on real oasst text, by thread count.
 
-The corpus: every conversation (`paths: all`, every tree state) of the real oasst samples in
-../shared/realdata/oasst (100 English oasst1 trees, 520 oasst2 trees in 30+ languages), repeated under new
+The corpus: every conversation (`paths: all`, every tree state) of the real oasst rows SNAKETUNE_BENCH_ROWS names
+(bench/transport/real_rows.py: 100 English oasst1 trees, 520 oasst2 trees in 30+ languages), repeated under new
 conversation ids until it holds about `--tokens` tokens: the length mix and languages of real oasst data, at
 the scale of the full oasst1 (~21M tokens with `paths: all`) when asked. Each thread count runs the stage
 function (`snaketune.data.tokenization.tokenize_conversations`, what the tokenize rule calls) in a fresh process,
 as the rule does, and the outputs are compared byte for byte across thread counts.
 
-    .venv/bin/python bench/tokenize_throughput.py [--tokens 5000000] [--threads 1,2]
+    python -m bench tokenize [--tokens 5000000] [--threads 1,2]     (SNAKETUNE_BENCH_ROWS, SNAKETUNE_BENCH_TOKENIZER)
 
 Prints a table: the process's wall time (Python start and imports included), the stage function's (tokenizer
 load, reading, encoding, packing, writing the Arrow files), and tokens/s over the stage (tokens written, i.e.
@@ -25,10 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-REALDATA = REPO.parent / "shared" / "realdata"
-SOURCES = ("oasst/en_100_tree.jsonl", "oasst/openpaws_oasst2.trees.jsonl")
-TOKENIZER = REALDATA / "deepseek-llm-7b-base"
+REPO = Path(__file__).resolve().parents[2]
+ROWS = Path(os.environ.get("SNAKETUNE_BENCH_ROWS", REPO / ".realdata/oasst_real.hf_rows.jsonl"))
+TOKENIZER = Path(os.environ.get("SNAKETUNE_BENCH_TOKENIZER", REPO / ".realdata"))
 
 
 def build_corpus(out: Path, tokens: int) -> dict:
@@ -43,10 +42,7 @@ def build_corpus(out: Path, tokens: int) -> dict:
     )
     from snaketune.data.readers import read_messages
 
-    frames = [
-        build_conversations(read_messages(REALDATA / s), paths="all", tree_states=()).train for s in SOURCES
-    ]
-    base = pd.concat(frames, ignore_index=True)
+    base = build_conversations(read_messages(ROWS), paths="all", tree_states=()).train
     # ~3.4 characters per token in this mix (measured once; the stage's stats give the exact count).
     chars = sum(len(m["content"]) for msgs in base["messages"] for m in msgs)
     copies = max(1, round(tokens / (chars / 3.4)))
@@ -90,8 +86,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=5_000_000)
     parser.add_argument("--threads", default="1,2")
     args = parser.parse_args()
-    if not TOKENIZER.is_dir():
-        sys.exit(f"{TOKENIZER} is absent: this benchmark needs ../shared/realdata")
+    if not (TOKENIZER / "tokenizer.json").is_file() or not ROWS.is_file():
+        sys.exit(f"needs the real tokenizer ({TOKENIZER}: SNAKETUNE_BENCH_TOKENIZER) and oasst rows ({ROWS}: "
+                 "SNAKETUNE_BENCH_ROWS); `python -m bench --help` says where they come from")  # fmt: skip
     sys.path.insert(0, str(REPO / "workflow"))
     from snaketune.io import sha256_tree
 

@@ -1,7 +1,7 @@
 """The export stage (snaketune.export.export: GGUF through llama.cpp's converter and quantizer, then scored against
 transformers) on the full-size deepseek-llm-7b architecture with random bf16 weights.
 
-Two phases, both writing into --out (bench/device_export_7b.sh runs each in its own process, so that each one's
+Two phases, both writing into --out (bench/export/export_7b.sh runs each in its own process, so that each one's
 peak memory is its own; --phase all runs both in this one):
   build   the data stages' functions on the rows file (download -> conversations -> fetch_tokenizer -> tokenize,
           as the workflow's rules call them, with config/config.yaml's settings), then the model as rule train
@@ -12,7 +12,7 @@ peak memory is its own; --phase all runs both in this one):
           export and eval defaults), every call into the converter, quantizer and scoring timed
 Each phase merges its figures into out/export_7b.json (the export's metrics.json is copied in).
 
-    python3 bench/export_7b.py --phase build|export|all --out DIR --tokenizer DIR --data ROWS.jsonl \
+    python3 bench/export/export_7b.py --phase build|export|all --out DIR --tokenizer DIR --data ROWS.jsonl \
         [--num-layers N] [--eval-tokens N] [--threads N] [--config YAML ...] [--tiny]
 """
 
@@ -33,7 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow"))
 
 from snaketune.config.load import load_config, merge_config_files  # noqa: E402

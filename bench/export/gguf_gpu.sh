@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # Issue #25's GPU figures: the llama.cpp that the export stage pins (llama-cpp-python 0.3.36's vendored copy,
-# requirements-export.txt), built with CUDA on the lent H200, and its own benchmark tool (llama-bench) on the
-# stage's GGUF files of the 7B architecture (bench/device_export_7b.sh writes them). Back-to-back calls from the
-# repo root on one warm machine (it keeps /tmp):
+# requirements-export.txt), built with CUDA, and its own benchmark tool (llama-bench) on the export stage's GGUF files
+# of the 7B architecture (`python -m bench export_7b` writes them into /tmp/export7b/out; FILES=DIR for others).
+# Two phases on one machine (it keeps /tmp):
 #
-#   bash bench/device_gguf_gpu.sh build    # carry .x25gpu (bench/prepare_gguf_gpu.sh): start the CUDA build,
-#                                          # detached (setsid): it goes on after the call returns
-#   bash bench/device_gguf_gpu.sh bench    # wait for the build, then llama-bench on every GGUF file under $FILES
+#   python -m bench gguf_gpu build    # start the CUDA build, detached (setsid): it goes on after the call returns
+#   python -m bench gguf_gpu bench    # wait for the build, then llama-bench on every GGUF file under $FILES
 #
-# The build is ggml's CUDA backend for this GPU's architecture only (sm_90: a build for every architecture takes
-# far longer) with llama.cpp's other defaults, a shared libllama and llama-bench; GGML_NATIVE=OFF as the Makefile
-# builds the stage's CPU library, so that the CPU rows are the stage's machine code. llama-bench runs each file
-# with every layer on the GPU (-ngl 99) and then on the CPU alone (-ngl 0, all cores): prompt processing of 512
-# tokens (pp512) and generation of 128 (tg128; 32 once on the CPU), the mean of REPS runs, as llama.cpp's tables
-# report them.
+# The source: $LLAMA_SRC, else the trimmed archive bench/transport/llama_cpp_src.sh makes (.carry/llama_cpp_src/),
+# else the source archive `make` downloads (.venv/src/llama_cpp_python-V.tar.gz). The build is ggml's CUDA backend
+# for this GPU's architecture only (CUDA_ARCH, default 90: H100/H200; a build for every architecture takes far
+# longer) with llama.cpp's other defaults, a shared libllama and llama-bench; GGML_NATIVE=OFF as the Makefile builds
+# the stage's CPU library, so that the CPU rows are the stage's machine code. llama-bench runs each file with every
+# layer on the GPU (-ngl 99) and then on the CPU alone (-ngl 0, all cores): prompt processing of 512 tokens (pp512)
+# and generation of 128 (tg128; 32 once on the CPU), the mean of REPS runs, as llama.cpp's tables report them.
 set -uo pipefail
-PHASE=${1:?usage: bench/device_gguf_gpu.sh build|bench}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; exec > >(tee -a "$OUT/device_gguf_gpu_$PHASE.log") 2>&1
+PHASE=${1:?usage: python -m bench gguf_gpu build|bench}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 R=$PWD
 B=/tmp/lcpp
 V=$(sed -n 's/^VERSION = "\(.*\)"$/\1/p' workflow/snaketune/export/llama_cpp.py)
@@ -27,11 +27,14 @@ WAIT_S=${WAIT_S:-540}
 echo "=== $(date -u +%T) phase $PHASE"
 case $PHASE in
 build)
-    mkdir -p $B && tar xJf "$R/.x25gpu/llama.cpp-$V-src.tar.xz" -C $B || exit 1
+    LLAMA_SRC=${LLAMA_SRC:-$(ls "$R/.carry/llama_cpp_src/llama.cpp-$V-src.tar.xz" "$R/.x25gpu/llama.cpp-$V-src.tar.xz" \
+        "$R/.venv/src/llama_cpp_python-$V.tar.gz" 2>/dev/null | head -1)}
+    [ -f "$LLAMA_SRC" ] || { echo "no llama.cpp source: set LLAMA_SRC (bench/transport/llama_cpp_src.sh)"; exit 2; }
+    mkdir -p $B && tar xf "$LLAMA_SRC" -C $B || exit 1
     nvcc --version | tail -2; cmake --version | head -1; nproc
     rm -f $B/build.rc
     setsid bash -c "cd $SRC && cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-        -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF \
+        -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90} -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF \
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
         && /usr/bin/time -v cmake --build build -j $(nproc) --target llama-bench; echo \$? > $B/build.rc" \
         > $B/build.log 2>&1 < /dev/null &

@@ -2,9 +2,9 @@
 target (ptxas ships in Triton's wheel), cuobjdump counts its SASS instructions (the loops are unrolled: close to what
 each program runs) and the registers per thread (what bounds the occupancy), for each rounding of the states and
 each way of finding v's code; with --ref FILE also a kernel from another revision (`git show REV:PATH > FILE`).
-Not a timing: bench/adam4bit_speed.py times the kernel on a GPU.
+Not a timing: bench/kernels/adam4bit_speed.py times the kernel on a GPU.
 
-    python3 bench/adam4bit_sass.py [--arch 90] [--ref /tmp/adam4bit_old.py ...]
+    python -m bench adam4bit_sass [--arch 90] [--ref /tmp/adam4bit_old.py ...]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ written, bf16 gradient read, 4-bit m and v read and written, their scales); then
 small enough that the GPU keeps up (the step in backward makes 273 such calls per 7B step, inside backward). On a
 CUDA GPU:
 
-    python3 bench/adam4bit_speed.py
+    python -m bench adam4bit_speed
 """
 
 from __future__ import annotations

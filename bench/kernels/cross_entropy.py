@@ -5,7 +5,7 @@ logits_cross_entropy) at several launch configurations, and with Liger-Kernel's 
 kernel, where liger-kernel is installed); memory beyond the logits themselves, and the bandwidth that
 reading and writing the bf16 logits once each would take as the reference.
 
-    python3 bench/cross_entropy.py [--tokens 4096] [--repeat 10]    (needs CUDA and triton; prints a table)
+    python -m bench cross_entropy [--tokens 4096] [--repeat 10]    (needs CUDA and triton; prints a table)
 
 Why: the step profile of the 24-layer full fine-tune (bench/RESULTS.md, issue #16) spends about 7 ms of a
 266 ms step in the loss's softmax, upcast and copies, and the loss holds 12 B per token and vocabulary entry
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow"))
 
 from snaketune.model import losses  # noqa: E402
 from snaketune.model.batching import IGNORE  # noqa: E402
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     bytes_ = logits.numel() * logits.element_size()
     ideal_ms = (
         2 * bytes_ / 4.0e12 * 1e3
-    )  # read + write once at 4.0 TB/s (the copy rate of bench/optimizer_step.py)
+    )  # read + write once at 4.0 TB/s (the copy rate of bench/kernels/optimizer_step.py)
     print(
         f"{torch.cuda.get_device_name()}, {args.tokens} tokens x {args.vocab} vocabulary, bf16 logits "
         f"{bytes_ / 2**30:.2f} GiB; reading and writing them once at 4.0 TB/s: {ideal_ms:.2f} ms"

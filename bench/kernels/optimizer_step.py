@@ -2,7 +2,7 @@
 gradient norm, and a plain copy as the memory-bandwidth reference, over the parameter shapes of the DeepSeek-7B
 architecture (bf16 weights and gradients, fp32 masters, m and v; 28 B of traffic per parameter for AdamW).
 
-    python3 bench/optimizer_step.py [--layers 24] [--repeat 5]    (needs CUDA and triton; prints a table)
+    python -m bench optimizer_step [--layers 24] [--repeat 5]    (needs CUDA and triton; prints a table)
 
 Why: the step profile of the 24-layer full fine-tune (bench/RESULTS.md, issue #16) spends 48.5 ms of a 273 ms
 step in the optimizer (AdamW 43.7 ms, gradient norm 4.8 ms); this measures what launch configuration and norm
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow"))
 
 from snaketune.train import optim  # noqa: E402
 

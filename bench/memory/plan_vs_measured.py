@@ -1,9 +1,6 @@
 """Predicted (snaketune.plan.search) against measured peak GPU memory of the train stage on one H200.
 
-Run ON THE DEVICE from the repository root, after the carried wheels are installed (bench/plan_vs_measured.sh
-does both; results go to $OUT):
-
-    PYTHONPATH=/tmp/site:workflow python3 bench/plan_vs_measured.py [--only NAME,NAME] [--budget-s 530]
+    python -m bench plan_vs_measured [--only NAME,NAME] [--budget-s 530] [--tiny] [--plan-only]
 
 Each case trains the deepseek-llm-7b architecture (random init, built on the GPU) for 3 optimizer steps on the
 builtin data packed into 512-token blocks, through snaketune.train.launch as the train rule does it: GPU lock,
@@ -15,10 +12,10 @@ plan's host memory with the machine's (MemTotal - MemAvailable, above the level 
 
 Cases, in the order they run (the riskiest last; one failing or timing out never stops the others):
   lora30_24g_as_configured  the plan refuses it (LoRA 30 layers, 8 x 512, no checkpointing, 24 GiB): no GPU time
-  zero2_24                  full fine-tuning, 24 layers, ZeRO-2, 4 x 2   (FACTS.md / bench/RESULTS.md: 116.8 GiB)
-  lora30                    LoRA r16 all linear, 30 layers, ZeRO-2, 8 x 1 (FACTS.md: 45.4 GiB)
+  zero2_24                  full fine-tuning, 24 layers, ZeRO-2, 4 x 2   (bench/RESULTS.md: 116.8 GiB)
+  lora30                    LoRA r16 all linear, 30 layers, ZeRO-2, 8 x 1 (an earlier harness: 45.4 GiB)
   lora30_24g_auto           the same under gpu_memory_gib 24, train.strategy auto (the plan picks checkpointing)
-  zero3_offload_14          ZeRO-3 + CPU Adam offload, 14 layers, 4 x 2, checkpointing (FACTS.md: 10.6 GiB, 69 host)
+  zero3_offload_14          ZeRO-3 + CPU Adam offload, 14 layers, 4 x 2, checkpointing (an earlier harness: 10.6 GiB, 69 host)
 DeepSpeedCPUAdam (offload) is JIT-compiled on first use; it is built in the background from the start.
 
 --tiny runs the same cases on builtin-tiny (CPU ranks without CUDA) to check this script anywhere; --plan-only
@@ -40,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow"))
 
 from snaketune.config.load import from_dict, to_dict  # noqa: E402
@@ -80,14 +77,14 @@ CASES = [
         24,
         "zero2.json",
         {"micro_batch_size": 4, "global_batch_size": 8},
-        "116.8 (FACTS.md; bench/RESULTS.md 116.77)",
+        "116.8 (bench/RESULTS.md 116.77)",
     ),
     Case(
         "lora30",
         30,
         "zero2.json",
         {"micro_batch_size": 8, "global_batch_size": 8, "lora": LORA},
-        "45.4 (FACTS.md)",
+        "45.4 (an earlier harness)",
     ),
     Case(
         "lora30_24g_auto",
@@ -102,7 +99,7 @@ CASES = [
         14,
         "zero3_offload.json",
         {"micro_batch_size": 4, "global_batch_size": 8, "gradient_checkpointing": True},
-        "10.6, host 69 (FACTS.md)",
+        "10.6, host 69 (an earlier harness)",
         limit_s=330,
     ),
     Case(

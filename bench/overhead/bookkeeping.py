@@ -14,7 +14,7 @@ afresh on every call, so the repository's own results/ are never touched; the fi
 source change) completes the run first, ~4 min on 2 CPU cores. --no-sync measures --workdir as it is.
 --profile also profiles one dry run and prints where its time goes.
 
-    .venv/bin/python bench/bookkeeping.py [--workdir /tmp/snaketune-bookkeeping] [--repeat 5]
+    python -m bench bookkeeping [--workdir /tmp/snaketune-bookkeeping] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs")
 NOTHING_TO_DO = "Nothing to be done"
 COMMANDS = {

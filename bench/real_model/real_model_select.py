@@ -1,5 +1,5 @@
-"""Pick the learning rates of config/examples/smollm2-135m-real.yaml from the sweep of bench/device_real_model.sh
-(phase `sweep`, experiments of bench/configs/real_model_sweep.yaml) and write them into the example.
+"""Pick the learning rates of config/examples/smollm2-135m-real.yaml from the sweep of bench/real_model/run.sh
+(phase `sweep`, experiments of bench/real_model/configs/real_model_sweep.yaml) and write them into the example.
 
 The rule, decided before the sweep ran (issue #24):
 - SFT: the rate with the lowest held-out validation loss of the SFT model (`validation.tuned.loss` of the evaluate
@@ -9,7 +9,7 @@ The rule, decided before the sweep ran (issue #24):
   raise the held-out validation loss by more than MAX_LOSS_RISE_PCT over the SFT model (a DPO that buys
   preferences by unlearning the replies is not what the example should ship); ties go to the lower loss.
 
-    python3 bench/real_model_select.py --example config/examples/smollm2-135m-real.yaml --out sel.json DIR...
+    python3 bench/real_model/real_model_select.py --example config/examples/smollm2-135m-real.yaml --out sel.json DIR...
 
 DIR: workflow run directories of the sweep (results/eval/<experiment>/metrics.json in each).
 """

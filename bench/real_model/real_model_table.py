@@ -1,7 +1,7 @@
-"""The tables of bench/RESULTS.md's section on the real model (issue #24), from what bench/device_real_model.sh
-brought back (its $OUT, copied to bench/runs/<date>_h200_real_model/ with the tarballs unpacked):
+"""The tables of bench/RESULTS.md's section on the real model (issue #24), from what bench/real_model/run.sh
+brought back (its $OUT, copied to bench/log/<date>_h200_real_model/ with the tarballs unpacked):
 
-    python3 bench/real_model_table.py bench/runs/2026-12-03_h200_real_model
+    python -m bench real_model_table bench/log/2026-12-03_h200_real_model
 
 Reads selection.json (the sweep), final/ and seeds/ (the workflow's runs: results/eval/<exp>/metrics.json,
 results/train|dpo/<exp>/summary.json, benchmarks/), trl_*/ (TRL's trl.json and metrics.json).

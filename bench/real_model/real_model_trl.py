@@ -1,4 +1,4 @@
-"""The outside peer of bench/device_real_model.sh (issue #24): TRL's SFTTrainer, then its DPOTrainer from that SFT
+"""The outside peer of bench/real_model/run.sh (issue #24): TRL's SFTTrainer, then its DPOTrainer from that SFT
 model, on the data of a finished workflow run of config/examples/smollm2-135m-real.yaml, scored by the workflow's
 own evaluation (snaketune.evaluation.evaluate: the same held-out conversations and pairs, masking, prompts and
 metrics), so that the two pipelines differ only in how they train.
@@ -24,7 +24,7 @@ What is the same as the workflow's stages, read from its run directory and its c
 Writes OUT/sft and OUT/dpo (hub-format), OUT/metrics.json and OUT/generations.jsonl (the evaluate stage's files),
 and OUT/trl.json (wall time of each stage from process start to the saved model, step times, losses).
 
-    python3 bench/real_model_trl.py --run DIR --config config/examples/smollm2-135m-real.yaml [more configs] \\
+    python3 bench/real_model/real_model_trl.py --run DIR --config config/examples/smollm2-135m-real.yaml [more configs] \\
         [--experiment NAME] --out OUT [--stages sft,dpo,eval] [--mode padded|packed]
 """
 
@@ -45,9 +45,10 @@ T_START = time.perf_counter()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow"))
-sys.path.insert(0, str(REPO / "bench"))
+# seed_recipe.step_timer: steps timed as the throughput peers time them
+sys.path.insert(0, str(REPO / "bench/throughput"))
 
 from seed_recipe import step_timer  # noqa: E402
 

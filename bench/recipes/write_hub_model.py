@@ -2,7 +2,7 @@
 safetensors shards of at most 5 GB (3 for the 7B), generation_config.json and the real tokenizer's
 tokenizer.json + tokenizer_config.json (no chat template), with random bf16 weights built on the GPU.
 
-    python3 bench/write_hub_model.py OUT_DIR TOKENIZER_DIR [--layers N]
+    python3 bench/recipes/write_hub_model.py OUT_DIR TOKENIZER_DIR [--layers N]     (examples.sh runs it)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "workflow"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow"))
 from snaketune.model.architectures import DEEPSEEK_LLM_7B  # noqa: E402
 
 

@@ -5,10 +5,10 @@ padding look far cheaper or far costlier than on real data. This mix has oasst1'
 user/assistant exchanges (60% / 30% / 10%), user turns of log-normal length (median 25 words, sigma 0.9) and
 assistant replies of log-normal length (median 110 words, sigma 0.8), each capped at 600 words. Words come from
 a fixed lexicon of 3,000 pseudo-words with Zipf frequencies, so a byte-level BPE learns a realistic number of
-tokens per word. bench/train_throughput.py reports the token statistics of the mix as the tokenizer sees it
+tokens per word. bench/throughput/train_throughput.py reports the token statistics of the mix as the tokenizer sees it
 (mean, median, 90th percentile, share longer than the 512-token block) next to its figures.
 
-    python bench/length_mix.py OUT.jsonl [--trees 1200] [--seed 0]
+    python3 bench/throughput/length_mix.py OUT.jsonl [--trees 1200] [--seed 0]
 
 Deterministic: everything derives from random.Random(seed).
 """

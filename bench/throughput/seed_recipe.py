@@ -1,4 +1,4 @@
-"""The seed recipe, reimplemented as the baseline of bench/train_throughput.py (issue #7).
+"""The seed recipe, reimplemented as the baseline of bench/throughput/train_throughput.py (issue #7).
 
 The recipe this project answers: the HF Trainer with a DeepSpeed config of fp16 and ZeRO stage 2 (allgather and
 reduce buckets 2e8, overlap_comm), AdamW lr 2e-5 with betas 0.9/0.999, eps 1e-8, weight decay 0.01, WarmupLR
@@ -12,7 +12,7 @@ conversation, truncated to 512), with the labels the train stage uses (assistant
 report: per-step times (CUDA-synchronized), tokens per step (positions, real, loss-bearing), peak memory,
 fp16 steps skipped for overflow, or the out-of-memory error and the step it happened at.
 
-    torchrun --standalone --nproc_per_node 1 bench/seed_recipe.py --data DIR --layers 24 --steps 14 --out a.json
+    torchrun --standalone --nproc_per_node 1 bench/throughput/seed_recipe.py --data DIR --layers 24 --steps 14 --out a.json
 
 `--tiny` runs the builtin-tiny model in fp32 (no fp16 on CPU) to check the script on any machine.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow"))
 
 from snaketune.model.architectures import BUILTIN_TINY, DEEPSEEK_LLM_7B  # noqa: E402
@@ -129,7 +129,7 @@ def build_model(layers: int, tiny: bool, vocab: int, device: torch.device, dtype
 
 def step_timer(report: dict, cuda: bool):
     """A Trainer callback that appends each optimizer step's CUDA-synchronized time to report["step_times"] and
-    each logged loss to report["losses"] (this script's and bench/trl_peer.py's report)."""
+    each logged loss to report["losses"] (this script's and bench/throughput/trl_peer.py's report)."""
     from transformers import TrainerCallback
 
     class Timer(TrainerCallback):

@@ -1,6 +1,6 @@
-"""Where a training rank's host time goes, from py-spy's collapsed stacks (bench/device_in_backward.sh spy):
+"""Where a training rank's host time goes, from py-spy's collapsed stacks (`python -m bench host_profile` writes them):
 
-    python3 bench/spy_summary.py spy_raw.txt.gz [--top 40] [--within Trainer.train]
+    python3 bench/throughput/spy_summary.py spy_raw.txt.gz [--top 40] [--within Trainer.train]
 
 For the rank process (the one running snaketune.train.trainer), each thread's samples and, per thread, the frames
 that appear in most of them (inclusive: a frame counts once per sample, wherever it sits in the stack) and the

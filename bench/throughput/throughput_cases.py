@@ -1,4 +1,4 @@
-"""The cases of bench/train_throughput.py: what each one trains, on which depth, with which settings, and which
+"""The cases of bench/throughput/train_throughput.py: what each one trains, on which depth, with which settings, and which
 TRL case it is compared with (kept apart from the runner, which imports them)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ LONG_ROWS = {"max_length": 2048}
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # "seed" (a), "train" (b) or "trl" (the outside peer, bench/trl_peer.py)
+    kind: str  # "seed" (a), "train" (b) or "trl" (the outside peer, bench/throughput/trl_peer.py)
     layers: int
     what: str
     train: dict = field(default_factory=dict)
@@ -54,7 +54,7 @@ class Case:
     peer: str | None = None
     """The trl case this (b) case is compared with in the table (same model, data and tokens per step)."""
     options: tuple[str, ...] = ()
-    """Extra command-line options of bench/trl_peer.py (trl cases)."""
+    """Extra command-line options of bench/throughput/trl_peer.py (trl cases)."""
 
 
 CASES = [
@@ -392,7 +392,7 @@ CASES = [
         "seed30",
         "seed",
         30,
-        "(a) seed recipe at the full 7B (FACTS.md: out of memory at step 2)",
+        "(a) seed recipe at the full 7B (an earlier harness: out of memory at step 2)",
         estimate_s=70,
     ),
 ]

@@ -1,25 +1,26 @@
 """Training throughput on one GPU: the seed recipe (a) against this project's train rule (b), same data.
 
-    python3 bench/train_throughput.py --out DIR [--only seed24,b24,...] [--budget-s 540] [--tiny]
+    python -m bench throughput [--only seed24,b24,...] [--no-peer] [--budget-s 540] [--tiny]
+    python3 bench/throughput/train_throughput.py --out DIR [the same options]
 
-On a GPU machine without network (bench/train_throughput.sh installs the carried wheels first). Everything
-runs on one GPU in one call, on the same data and the same tokens per optimizer step (8 sequences of 512
-positions):
-1. A copy of the workflow in --work, and bench/length_mix.py's oasst1-format dataset (1,200 threads of
-   oasst1-like lengths) as dataset.source.
+Everything runs on one GPU in one call, on the same data and the same tokens per optimizer step (8 sequences of 512
+positions); a (b) case's TRL peer (Case.peer) joins the run right after it unless --no-peer:
+1. A copy of the workflow in --work, and length_mix.py's oasst1-format dataset (1,200 threads of oasst1-like
+   lengths) as dataset.source.
 2. (b) cases: the workflow's own `train` rule, started by Snakemake as a user would
    (`snakemake results/train/<case>/summary.json --configfile bench.yaml`), on the deepseek-llm-7b
    architecture (random init) with the tokenized, packed data: download -> conversations -> train_tokenizer
-   -> tokenize -> plan -> train. Each case is an experiment of bench.yaml (bench/throughput_cases.py).
-3. (a) cases: bench/seed_recipe.py (HF Trainer, DeepSpeed fp16 ZeRO-2, micro-batch 1 x 8, every sample padded to
-   512) under torchrun, on the same conversations tokenized with packing off (snaketune.data.tokenization).
-4. trl cases: bench/trl_peer.py, TRL's SFTTrainer with Liger's kernels on the same unpacked conversations, 8 per
-   step (the outside reference a user would otherwise pick; positions reported as real tokens: no padding to 512).
+   -> tokenize -> plan -> train. Each case is an experiment of bench.yaml (throughput_cases.py).
+3. (a) cases: seed_recipe.py (HF Trainer, DeepSpeed fp16 ZeRO-2, micro-batch 1 x 8, every sample padded to 512)
+   under torchrun, on the same conversations tokenized with packing off (snaketune.data.tokenization).
+4. trl cases: trl_peer.py, TRL's SFTTrainer with Liger's kernels on the same unpacked conversations, 8 per step
+   (the outside reference a user would otherwise pick; positions reported as real tokens: no padding to 512).
 5. A table: tokens/s (positions the GPU computed, real tokens, loss-bearing tokens), MFU, seconds per step,
    peak memory (and the memory plan's prediction), each (b) case's ratio to (a) at the same depth and to its
    TRL peer (Case.peer).
 
-MFU here is FACTS.md's: 6 x parameters x positions/s / 790 TFLOP/s (the bf16 matmul rate measured on the H200);
+MFU here is 6 x parameters x positions/s / 790 TFLOP/s (the bf16 matmul rate measured on the H200: an 8192^3 bf16
+matmul on the lent machine);
 summary.json's perf/mfu (6 x non-embedding parameters + attention, real tokens, the datasheet's 989 TFLOP/s) is
 reported beside it. The first 2 optimizer steps of every case are warm-up and not timed.
 Cases run in the order given; one that fails, runs out of memory or would overrun the budget never stops the
@@ -41,9 +42,10 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow"))
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "bench/throughput"))
+sys.path.insert(0, str(REPO / "bench/overhead"))  # bookkeeping.sync: the copy of the workflow
 
 import length_mix  # noqa: E402
 from bookkeeping import sync as copy_workflow  # noqa: E402  (the workflow sources, results kept)
@@ -53,7 +55,7 @@ SEQ = 512
 STEPS = 14
 WARMUP = 2
 TINY_STEPS = 3  # --tiny: one timed step after the warm-up, enough to check the script
-MEASURED_MATMUL_FLOPS = 790e12  # ../shared/FACTS.md: 8192^3 bf16 matmul on the lent H200
+MEASURED_MATMUL_FLOPS = 790e12  # an 8192^3 bf16 matmul measured on the lent H200
 
 
 def log(msg: str) -> None:
@@ -319,6 +321,19 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def with_peers(names: list[str]) -> list[str]:
+    """The cases named, each (b) case's TRL peer right after the first case that names it (same call: the peers'
+    speed varies from machine to machine by more than the ratios' precision)."""
+    out: list[str] = []
+    for name in names:
+        if name not in out:
+            out.append(name)
+        peer = BY_NAME[name].peer
+        if peer and peer not in names and peer not in out:
+            out.append(peer)
+    return out
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/throughput-out")))
@@ -326,12 +341,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", default="", help="comma-separated case names, in the order to run")
     parser.add_argument("--budget-s", type=float, default=540)
     parser.add_argument("--tiny", action="store_true", help="builtin-tiny on CPU ranks: checks the script")
+    parser.add_argument("--no-peer", action="store_true", help="only the cases named: no TRL peers")
     args = parser.parse_args(argv)
     t0 = time.monotonic()
     names = [n for n in args.only.split(",") if n] or [c.name for c in CASES]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         parser.error(f"unknown case(s) {unknown}; cases: {', '.join(BY_NAME)}")
+    if not args.no_peer:
+        names = with_peers(names)
     cases = [BY_NAME[n] for n in names]
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work
@@ -384,12 +402,12 @@ def main(argv: list[str]) -> int:
             report.unlink(missing_ok=True)
             steps = str(TINY_STEPS if args.tiny else STEPS)
             if case.kind == "trl":
-                cmd = [sys.executable, str(REPO / "bench/trl_peer.py"), "--data", str(data / "train"),
+                cmd = [sys.executable, str(REPO / "bench/throughput/trl_peer.py"), "--data", str(data / "train"),
                        "--tokenizer", str(work / "results/tokenizer/builtin"), "--layers", str(case.layers),
                        "--steps", steps, "--out", str(report), *case.options]  # fmt: skip
             else:
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                       str(REPO / "bench/seed_recipe.py"), "--data", str(data / "train"), "--pad-id",
+                       str(REPO / "bench/throughput/seed_recipe.py"), "--data", str(data / "train"), "--pad-id",
                        str(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
                        "--vocab", str(len(tok)), "--layers", str(case.layers), "--steps", steps,
                        "--out", str(report)]  # fmt: skip

@@ -1,4 +1,4 @@
-"""The outside reference of bench/train_throughput.py (issue #16): TRL's SFTTrainer with Liger's kernels, on the
+"""The outside reference of bench/throughput/train_throughput.py (issue #16): TRL's SFTTrainer with Liger's kernels, on the
 same conversations, 8 sequences of at most 512 tokens per optimizer step, as a user of TRL would train.
 
 TRL's fastest settings that run without extra packages on the lent H200 (the issue's own side-by-side found
@@ -7,10 +7,10 @@ unpacked rows faster than packing with padding-free there: no FlashAttention-2 p
 each micro-batch of 8, loss on the assistant tokens (`completion_only_loss` over the train stage's labels),
 torch's fused AdamW; full fine-tuning in fp32 weights with bf16 autocast (mixed precision), LoRA r16 on every
 linear layer over a bf16 base. `--cap GIB` caps the allocator as gpu_memory_gib does; `--checkpointing` turns
-on gradient checkpointing. Writes the report bench/seed_recipe.py writes (per-step times, CUDA-synchronized;
-tokens per sample; peak memory; status), which bench/train_throughput.py reads the same way.
+on gradient checkpointing. Writes the report bench/throughput/seed_recipe.py writes (per-step times, CUDA-synchronized;
+tokens per sample; peak memory; status), which bench/throughput/train_throughput.py reads the same way.
 
-    python3 bench/trl_peer.py --data DIR --tokenizer DIR --layers 24 [--lora] [--cap 24 --checkpointing] --out t.json
+    python3 bench/throughput/trl_peer.py --data DIR --tokenizer DIR --layers 24 [--lora] [--cap 24 --checkpointing] --out t.json
 
 `--tiny` runs builtin-tiny on the CPU in fp32 (no Liger) to check the script on any machine.
 """
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "workflow"))
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "bench/throughput"))
 
 from seed_recipe import SEQ, PaddedSamples, build_model, step_timer  # noqa: E402
 

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Fill .x25gpu/ (git-ignored) with what bench/device_gguf_gpu.sh builds on the lent H200: the llama.cpp that
+# Fill .carry/llama_cpp_src/ (git-ignored) with what the gguf_gpu case (bench/export/gguf_gpu.sh) builds on a GPU
+# machine without network: the llama.cpp that
 # requirements-export.txt pins (vendored in llama-cpp-python's source archive, as the Makefile builds it), trimmed to
 # what a CUDA build of libllama and llama-bench reads. The archive is 77 MB; without the vocabulary files, docs,
 # tests, examples, the server and the other backends it is about 4 MB as xz. Run HERE, from the repo root:
 #
-#   bash bench/prepare_gguf_gpu.sh          # SDIST=path/to/llama_cpp_python-V.tar.gz, else pip downloads it
+#   bash bench/transport/llama_cpp_src.sh          # SDIST=path/to/llama_cpp_python-V.tar.gz, else pip downloads it
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
-D=.x25gpu
-grep -qsx '/.x25gpu/' .git/info/exclude || echo '/.x25gpu/' >>.git/info/exclude
+D=.carry/llama_cpp_src
+mkdir -p .carry
+X=$(git rev-parse --git-path info/exclude); grep -qsx "/.carry/" "$X" || echo "/.carry/" >>"$X"  # the carried folders stay untracked
 V=$(sed -n 's/^VERSION = "\(.*\)"$/\1/p' workflow/snaketune/export/llama_cpp.py)
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT

