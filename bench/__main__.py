@@ -222,14 +222,13 @@ def machine() -> dict:
             [smi, f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True, text=True
         )
         info["gpus"] = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
-    git = ["git", "-C", str(REPO)]
-    head = subprocess.run(
-        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-    )
-    info["commit"] = (head or "unknown") + (" + uncommitted changes" if dirty.stdout.strip() else "")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") if shutil.which("git") else ""  # a copy without git: no commit
+    dirty = head and git("status", "--porcelain", "--untracked-files=no")
+    info["commit"] = (head or "unknown (no git here)") + (" + uncommitted changes" if dirty else "")
     versions = {}
     for dist in PACKAGES:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
