@@ -47,7 +47,7 @@ train: {${EXTRA[$run]:-}gpus: 1, max_steps: $SFT_STEPS}
 preference: {train: {gpus: 1, max_steps: $DPO_STEPS}}
 ${TOP[$run]:-}
 YAML
-  (cd "$W" && timeout -k 10 "$left" python3 -m snakemake ${TARGET[$run]:-} --cores "$(nproc)" --resources gpu=1 \
+  (cd "$W" && timeout -k 10 "$left" python3 -m snakemake ${TARGET[$run]:-} --scheduler greedy --cores "$(nproc)" --resources gpu=1 \
     --show-failed-logs --configfile "config/examples/${EXAMPLE[$run]}.yaml" "$R/bench/recipes/configs/examples.yaml" \
     steps.yaml)
   stamp "run $run exit code $?"

@@ -37,7 +37,7 @@ for run in $RUNS; do
   [ "$LEFT" -gt 120 ] || { stamp "$run skipped ($LEFT s left)"; continue; }
   stamp "$run ($LEFT s left)"
   # The target goes before --configfile, which takes every word after it as a config file.
-  (cd "$W" && timeout -k 15 "$LEFT" python3 -m snakemake $TARGET --cores "$(nproc)" --resources gpu=1 \
+  (cd "$W" && timeout -k 15 "$LEFT" python3 -m snakemake $TARGET --scheduler greedy --cores "$(nproc)" --resources gpu=1 \
     --configfile "$CONFIG" --show-failed-logs)
   rc=$?
   stamp "$run exit code $rc"

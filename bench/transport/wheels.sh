@@ -4,7 +4,9 @@
 # pyarrow, tokenizers, ninja, psutil, py-cpuinfo, msgpack, xxhash, huggingface-hub ... are already in the image:
 # the device's KINDS.md lists them). Run HERE (a machine with PyPI access), from the repo root:
 #
-#   bash bench/transport/wheels.sh
+#   bash bench/transport/wheels.sh           # all of them (54 wheels, 54 MiB: the call carries little else)
+#   LEAN=1 bash bench/transport/wheels.sh    # without pulp (Snakemake's ILP scheduler; the cases pass
+#                                            # --scheduler greedy) and bitsandbytes (QLoRA, 8-bit states): 34 MiB
 #
 # bench/transport/setup.sh installs them there with `pip install --no-index --no-deps --target /tmp/site`.
 # The versions are the closure of requirements.txt as pip resolved it in .venv; a package that the image
@@ -54,6 +56,10 @@ PKGS=(
 PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_24_x86_64
   --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64)
+if [ -n "${LEAN:-}" ]; then
+  keep=(); for p in "${PKGS[@]}"; do [[ $p == pulp==* ]] || keep+=("$p"); done; PKGS=("${keep[@]}")
+  rm -f "$DEST"/pulp-*.whl "$DEST"/bitsandbytes-*.whl
+fi
 "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --abi cp312 --abi abi3 --abi none "${PLAT[@]}" -d "$DEST" "${PKGS[@]}"
 
@@ -72,7 +78,7 @@ fi
 # is a CUDA 13.0 build (KINDS.md), so keep libbitsandbytes_cuda130.so and the CPU one and drop the rest from the
 # wheel and its RECORD: 4 MB that travel.
 BNB=bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl
-if ! [ -f "$DEST/$BNB" ]; then
+if [ -z "${LEAN:-}" ] && ! [ -f "$DEST/$BNB" ]; then
   tmp=$(mktemp -d)
   "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi none \
     --platform manylinux_2_24_x86_64 -d "$tmp" bitsandbytes==0.50.2
@@ -96,7 +102,7 @@ fi
 
 # One version of each package (two stop the whole install there).
 "$PY" - "$DEST" <<'EOF'
-import collections, pathlib, re, sys, zipfile
+import collections, os, pathlib, re, sys, zipfile
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name as cn, parse_wheel_filename
@@ -128,7 +134,8 @@ for name, [(ver, w)] in wheels.items():
             if req.marker and not req.marker.evaluate(env):
                 continue
             dep = cn(req.name)
-            if dep not in wheels and dep not in device:
+            # LEAN: snakemake imports pulp only for its ILP scheduler, which the cases do not use (--scheduler greedy)
+            if dep not in wheels and dep not in device and not (os.environ.get("LEAN") and dep == "pulp"):
                 missing[dep].append(f"{name}=={ver}")
 if missing:
     sys.exit(f"dependencies neither in {dest} nor on the device: {dict(missing)}")
