@@ -4,7 +4,7 @@
 #   .carry/wheels, .carry/export, .carry/real, ... (any .carry/*/*.whl)  wheels, installed once into $SITE
 #     (the older names .whl*, .tao, .x25, .x26 and .rm/*/ are read too)
 #   .carry/*/oasst_real.hf_rows.jsonl.xz (or .rm/c1/...)      -> $KEEP/oasst_real.hf_rows.jsonl: SNAKETUNE_BENCH_ROWS
-#   .carry/*/tokenizer/ (or .realdata/, .x25/tokenizer/)       -> SNAKETUNE_BENCH_TOKENIZER
+#   .carry/*/tokenizer/ (or .realdata/, .x25/tokenizer/)       -> $KEEP/tokenizer: SNAKETUNE_BENCH_TOKENIZER
 #   .carry/real/smol/ (or .rm/smol/)                           -> $KEEP/smol: SNAKETUNE_BENCH_SMOL
 #   .carry/parts*/part_N_of_M (or .rm/p*/part_*, .rm/c1/part_a, .rm/c2/part_b): pieces of the xz of SmolLM2's GGUF
 #     file, kept in $KEEP/parts across calls; once all are there, joined and checked -> SNAKETUNE_BENCH_GGUF
@@ -63,8 +63,9 @@ done
     && cp .realdata/oasst_real.hf_rows.jsonl "$KEEP/"
 [ -f "$KEEP/oasst_real.hf_rows.jsonl" ] && export SNAKETUNE_BENCH_ROWS=${SNAKETUNE_BENCH_ROWS:-$KEEP/oasst_real.hf_rows.jsonl}
 for d in .carry/*/tokenizer .realdata .x25/tokenizer; do
-    [ -f "$d/tokenizer.json" ] && export SNAKETUNE_BENCH_TOKENIZER=${SNAKETUNE_BENCH_TOKENIZER:-$PWD/$d} && break
+    [ -f "$d/tokenizer.json" ] && mkdir -p "$KEEP/tokenizer" && cp "$d"/tokenizer*.json "$KEEP/tokenizer/" && break
 done
+[ -f "$KEEP/tokenizer/tokenizer.json" ] && export SNAKETUNE_BENCH_TOKENIZER=${SNAKETUNE_BENCH_TOKENIZER:-$KEEP/tokenizer}
 for d in .carry/real/smol .rm/smol; do
     [ -f "$d/config.json" ] && rm -rf "$KEEP/smol" && cp -r "$d" "$KEEP/smol" && break
 done
