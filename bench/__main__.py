@@ -287,14 +287,16 @@ def run(case: Case, args: list[str]) -> int:
 
         say("".join(f"# {k}: {v}\n" for k, v in record.items()))
         sampler = GpuSampler(out)
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        reader = threading.Thread(target=lambda: [say(line) for line in proc.stdout])
-        reader.start()
-        rc = proc.wait()
-        reader.join()
-        peak = sampler.stop()
+        try:
+            proc = subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            reader = threading.Thread(target=lambda: [say(line) for line in proc.stdout])
+            reader.start()
+            rc = proc.wait()  # Ctrl-C reaches the case too (same process group); the sampler stops below
+            reader.join()
+        finally:
+            peak = sampler.stop()
         end = datetime.datetime.now(datetime.UTC)
         say(
             f"# exit code {rc} after {(end - stamp).total_seconds():.0f} s"
