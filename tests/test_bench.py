@@ -1,4 +1,4 @@
-"""The GPU benchmark of issue #7 still runs: bench/train_throughput.py --tiny on CPU ranks (builtin-tiny, fp32),
+"""The GPU benchmark of issue #7 still runs: bench/throughput/train_throughput.py --tiny on CPU ranks (builtin-tiny, fp32),
 the seed recipe (HF Trainer + DeepSpeed ZeRO-2), the train rule through Snakemake and the TRL peer (SFTTrainer),
 one timed step each.
 Its figures mean nothing on CPU; what is checked is that both sides run on the same data and the table is
@@ -22,7 +22,7 @@ def test_train_throughput_runs_both_sides_on_cpu(tmp_path):
     out = tmp_path / "out"
     cmd = [
         sys.executable,
-        str(REPO / "bench/train_throughput.py"),
+        str(REPO / "bench/throughput/train_throughput.py"),
         "--tiny",
         "--only",
         "seed24,b24_liger,trl24",
@@ -47,7 +47,7 @@ def test_train_throughput_runs_both_sides_on_cpu(tmp_path):
 
 
 def _sweep(tmp_path: Path, results: dict[str, tuple[float, float, float]]) -> list[Path]:
-    """Sweep directories as bench/device_real_model.sh leaves them: results/eval/<experiment>/metrics.json with
+    """Sweep directories as bench/real_model/run.sh leaves them: results/eval/<experiment>/metrics.json with
     (SFT held-out loss, DPO reward accuracy, DPO's held-out loss change in %) per experiment."""
     dirs = []
     for i, (name, (loss, accuracy, rise)) in enumerate(results.items()):
@@ -70,10 +70,10 @@ def _sweep(tmp_path: Path, results: dict[str, tuple[float, float, float]]) -> li
 
 
 def test_the_real_model_sweep_picks_by_its_written_rule(tmp_path):
-    """bench/real_model_select.py: the SFT rate of lowest held-out loss; then the DPO rate of best reward accuracy
+    """bench/real_model/real_model_select.py: the SFT rate of lowest held-out loss; then the DPO rate of best reward accuracy
     among those that raise the held-out loss by at most 2% (swept under the chosen SFT rate, else the nearest);
     and the example's two learning_rate lines rewritten, nothing else."""
-    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.insert(0, str(REPO / "bench/real_model"))
     import real_model_select as sel
 
     example = tmp_path / "example.yaml"

@@ -22,7 +22,7 @@ from snaketune.plan.memory import GIB
 REPO = Path(__file__).resolve().parent.parent
 DEEPSPEED = {name: str(REPO / "config/deepspeed" / name) for name in strategies.STRATEGY_FILES.values()}
 ALL_LINEAR = setups.LORA_TARGETS
-H200_RUN = REPO / "bench/runs/2026-11-29_h200/zero2_summary.json"
+H200_RUN = REPO / "bench/log/2026-11-29_h200/zero2_summary.json"
 TOLERANCE = 0.10
 """How far over a measured peak the plan may be (a plan that refuses what fits costs speed, not a run)."""
 FITTED = 0.02
@@ -58,7 +58,7 @@ FACTS = [
         "LoRA r16 all linear, bf16, 8 x 1",
         30,
         ds_setup("zero2.json", world=1, micro_batch=8, seq_len=512, lora_rank=16, lora_targets=ALL_LINEAR),
-        # Measured with this project's trainer (bench/runs/2026-11-29_h200_plan); FACTS.md's 45.4 GiB for the
+        # Measured with this project's trainer (bench/log/2026-11-29_h200_plan); FACTS.md's 45.4 GiB for the
         # same setup came from other training code. LORA_ACTIVATION_FACTOR is fitted to it.
         37.6,
         "fitted",
@@ -115,7 +115,7 @@ def test_plan_matches_this_projects_own_h200_run():
     assert est.peak_allocated_gib * 2**30 / est.params == pytest.approx(22, rel=0.01)
 
 
-FAST_PATH_RUN = REPO / "bench/runs/2026-12-01_h200_final/throughput.json"
+FAST_PATH_RUN = REPO / "bench/log/2026-12-01_h200_final/throughput.json"
 
 
 @pytest.mark.parametrize(
@@ -154,7 +154,7 @@ def test_plan_matches_the_fast_path_on_an_h200(case, layers, micro, lora, deepsp
     assert_planned(est.peak_allocated_gib, result["peak_gib"], est)
 
 
-LIGER_RUN = REPO / "bench/runs/2026-12-01_h200_liger/throughput.json"
+LIGER_RUN = REPO / "bench/log/2026-12-01_h200_liger/throughput.json"
 
 
 @pytest.mark.parametrize(("case", "layers", "lora"), [("b24_liger", 24, False), ("lora30_liger", 30, True)])
@@ -180,7 +180,7 @@ def test_plan_counts_what_liger_saves(case, layers, lora):
 # issue #26's first H200 call (bench/RESULTS.md): the 7B's full fine-tune at 1 x 2,048 packed tokens, every layer
 # checkpointed, Liger, the Triton loss; the step in backward with 4-bit states (its update then whole-tensor, since
 # chunked: a constant of the update, not of a layer) and ZeRO-3 with DeepSpeed's CPU optimizer offload.
-LONG_ROW_RUN = REPO / "bench/runs/2026-12-03_h200_in_backward/throughput_call1_unchunked.json"
+LONG_ROW_RUN = REPO / "bench/log/2026-12-03_h200_in_backward/throughput_call1_unchunked.json"
 
 
 def _long_row(case: str, **train) -> tuple[memory.Setup, dict]:
@@ -200,7 +200,7 @@ def test_plan_matches_zero3_offload_on_an_h200():
     assert_planned(est.peak_allocated_gib, result["peak_gib"], est)
 
 
-PLAN_RUNS = str(REPO) + "/bench/runs/2026-11-29_h200_plan_{}/plan_vs_measured.json"
+PLAN_RUNS = str(REPO) + "/bench/log/2026-11-29_h200_plan_{}/plan_vs_measured.json"
 
 
 @pytest.mark.parametrize(
@@ -283,7 +283,7 @@ def test_config_json_of_a_local_model(tmp_path):
     assert arch is None and "mixture-of-experts" in source
 
 
-# The 24 GiB LoRA runs of issue #16 (bench/runs/2026-12-02_h200_checkpointing; LoRA r16 of the 7B, 8 x 512 per step,
+# The 24 GiB LoRA runs of issue #16 (bench/log/2026-12-02_h200_checkpointing; LoRA r16 of the 7B, 8 x 512 per step,
 # Liger's kernels, one H200 capped at 24 GiB): nothing fitted to these.
 CAPPED_LORA_RUNS = [
     # (case, train overrides, measured max_memory_allocated GiB)
@@ -306,7 +306,7 @@ def test_plan_counts_partial_checkpointing_and_accumulation(case, overrides, mea
     assert_planned(est.peak_allocated_gib, measured, (case, est))
 
 
-TRITON_LOSS_RUNS = REPO / "bench/runs/2026-12-02_h200_triton_loss"
+TRITON_LOSS_RUNS = REPO / "bench/log/2026-12-02_h200_triton_loss"
 TRITON_LOSS_CASES = [
     # (case, layers, train overrides), as bench/throughput_cases.py defines them; 8 x 512, Liger kernels
     ("b24_liger", 24, {}),
@@ -342,7 +342,7 @@ def test_plan_counts_the_triton_loss(case, layers, overrides):
     assert_planned(est.peak_allocated_gib, result["peak_gib"], est)
 
 
-# QLoRA and 8-bit Adam states on one H200 (bench/RESULTS.md, issue #16; bench/runs/2026-12-01_h200_quantized): the
+# QLoRA and 8-bit Adam states on one H200 (bench/RESULTS.md, issue #16; bench/log/2026-12-01_h200_quantized): the
 # QLoRA example as written through Snakemake (hub-format 7B, real oasst rows, 4,096 tokens, Liger kernels), and
 # bench/train_throughput.py's 30-layer cases. NF4's and 8-bit states' bytes are counted, nothing was fitted to these.
 QUANTIZED_RUNS = [
@@ -417,8 +417,8 @@ def test_plan_counts_8bit_states(case, changes, measured):
 # the chunked log-probabilities), nothing fitted to these.
 DPO_RUNS = [
     # (train.kernels, measured max_memory_allocated GiB, where)
-    ("torch", 16.59, "bench/runs/2026-12-01_h200_realpath_lora"),
-    ("liger", 16.54, "bench/runs/2026-12-02_h200_trust (bench/RESULTS.md, the 3 x 24 GB recipe's stages)"),
+    ("torch", 16.59, "bench/log/2026-12-01_h200_realpath_lora"),
+    ("liger", 16.54, "bench/log/2026-12-02_h200_trust (bench/RESULTS.md, the 3 x 24 GB recipe's stages)"),
 ]
 
 

@@ -83,7 +83,7 @@ def test_the_trl_peer_trains_on_the_train_stages_own_tokens_and_loss_tokens(real
     model's chat template starts a turn, and their completion masks hold exactly the train stage's loss tokens."""
     from tokenizers import Tokenizer
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench/real_model"))
     from real_model_trl import sft_rows
 
     from snaketune.model.batching import IGNORE, load_split

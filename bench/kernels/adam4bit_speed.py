@@ -1,0 +1,114 @@
+"""GPU time of the step in backward's 4-bit AdamW update (snaketune.train.adam4bit) over the tensors of the
+deepseek-llm-7b architecture (30 layers), and the bandwidth that implies (8 B per parameter moved: bf16 weight read and
+written, bf16 gradient read, 4-bit m and v read and written, their scales); then the host's time per call, on a tensor
+small enough that the GPU keeps up (the step in backward makes 273 such calls per 7B step, inside backward). On a
+CUDA GPU:
+
+    python -m bench adam4bit_speed
+"""
+
+from __future__ import annotations
+
+import torch
+from torchao.optim.subclass_4bit import OptimState4bit
+
+from snaketune.train import adam4bit, states4bit
+
+HIDDEN, INTER, VOCAB, LAYERS = 4096, 11008, 102400, 30
+SHAPES = {  # shape: tensors of it in the model
+    (VOCAB, HIDDEN): 2,  # embedding, lm_head
+    (HIDDEN, HIDDEN): 4 * LAYERS,
+    (INTER, HIDDEN): 2 * LAYERS,
+    (HIDDEN, INTER): LAYERS,
+    (HIDDEN,): 2 * LAYERS + 1,
+}
+
+
+V_MAPS = {"snaketune's (states4bit.V_CODES)": states4bit.V_CODES, "torchao's linear": None}
+
+
+def main() -> None:
+    for rounding in states4bit.ROUNDINGS:  # the states' rounding to their codes (snaketune.train.states4bit)
+        for name, codes in V_MAPS.items():
+            states4bit.ROUNDING = rounding
+            print(f"m and v rounded to their codes: {rounding}; v's map: {name}")
+            gpu_times(torch.device("cuda"), codes)
+    host_times(torch.device("cuda"))
+
+
+def gpu_times(dev: torch.device, v_codes: tuple[float, ...] | None) -> None:
+    total_ms, params = 0.0, 0
+    sq, divisor = torch.zeros((), device=dev), torch.ones((), device=dev)
+    for shape, count in SHAPES.items():
+        p = torch.randn(shape, device=dev).bfloat16()
+        g = torch.randn(shape, device=dev).bfloat16()
+        m, v = states4bit.zeros(shape, True, 128, dev), states4bit.zeros(shape, False, 128, dev, v_codes)
+
+        def step(i, p=p, g=g, m=m, v=v):
+            adam4bit.update(
+                p, g, m, v, sq_out=sq, divisor=divisor, step=i + 1, lr=1e-5, betas=(0.9, 0.95), eps=1e-8,
+                weight_decay=0.0, seed=i,
+            )  # fmt: skip
+
+        for i in range(3):
+            step(i)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(20):
+            step(i)
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / 20
+        total_ms += ms * count
+        params += p.numel() * count
+        print(f"{str(shape):>16} x {count:3d}: {ms:7.3f} ms each, {8 * p.numel() / ms / 1e6:6.0f} GB/s")
+    print(
+        f"7B ({params:,} parameters): {total_ms:.1f} ms of GPU time per step, {8 * params / total_ms / 1e6:.0f} GB/s"
+    )
+
+
+def host_times(dev: torch.device, calls: int = 2000) -> None:
+    """Microseconds of host time per call of the update and of its parts, on a (4,096,) tensor (GPU time per call
+    ~10 us: the launch queue never fills, so the loop's wall time is the host's)."""
+    import time
+
+    shape = (4096,)
+    p, g = torch.randn(shape, device=dev).bfloat16(), torch.randn(shape, device=dev).bfloat16()
+    m, v = OptimState4bit.zeros(shape, True, 128, dev), OptimState4bit.zeros(shape, False, 128, dev)
+    sq, divisor = torch.zeros((), device=dev), torch.ones((), device=dev)
+    partial = torch.zeros(8, device=dev)
+    kwargs = dict(sq_out=sq, divisor=divisor, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    step = torch.zeros(())
+
+    def whole(i):
+        adam4bit.update(p, g, m, v, step=i + 1, seed=i, **kwargs)
+
+    def launch(i):
+        adam4bit._adamw4bit[(8,)](
+            p, g, m.codes, m.scale, v.codes, v.scale, m.qmap, v.qmap, partial, divisor, 32,
+            1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, STATES_SR=True, V_ROOT4=True, ROWS=adam4bit.ROWS,
+            HALF=adam4bit.BLOCK // 2,
+        )  # fmt: skip
+
+    parts = {
+        "adam4bit.update (whole)": whole,
+        "its Triton launch alone": launch,
+        "the norm's sum into its slot (torch.sum(..., out=sq))": lambda i: torch.sum(partial, 0, out=sq),
+        "the norm's sum and add, as before (sq += partial[:8].sum())": lambda i: sq.add_(partial[:8].sum()),
+        "one torch op (sq.add_(1.0))": lambda i: sq.add_(1.0),
+        "a host tensor's += 1 (the step count)": lambda i: step.add_(1),
+    }
+    for name, fn in parts.items():
+        for i in range(50):
+            fn(i)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        host = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+        print(f"host time per call, {name}: {host:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
