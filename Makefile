@@ -7,7 +7,7 @@ CORES ?= all
 GPUS ?= 3
 SNAKEMAKE_ARGS ?=
 
-.PHONY: run test lint format clean-results
+.PHONY: run test lint format clean-results bench
 
 LLAMA_CPP := $(shell grep -E '^llama-cpp-python==' requirements-export.txt)
 # libllama for the export stage, built from llama-cpp-python's source archive (PyPI has no wheel): portable (no
@@ -66,6 +66,12 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 	$(BIN)/snakefmt Snakefile workflow/rules
+
+# A named benchmark on this machine (python -m bench --list names them): make bench CASES="cross_entropy optimizer_step"
+# [ARGS="..."]; without CASES, the list. bench/README.md says which machine each needs.
+bench: $(STAMP)
+	@if [ -z "$(CASES)" ]; then $(BIN)/python -m bench --list; \
+	else for c in $(CASES); do $(BIN)/python -m bench $$c $(ARGS) || exit 1; done; fi
 
 clean-results:
 	rm -rf results logs benchmarks .snakemake
