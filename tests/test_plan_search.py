@@ -5,6 +5,7 @@ train.strategy auto and the run it changes, the host-RAM check for offload, and 
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -83,14 +84,38 @@ def test_plan_file_for_the_cpu_default(tmp_path):
     assert make(TINY, train_dict(gpus=3), gib=24)["fits"] is True
 
 
-def test_a_hub_model_without_network_is_skipped_not_failed(monkeypatch):
+def test_a_hub_model_without_network_is_skipped_unless_the_plan_is_asked_for(monkeypatch):
+    """An architecture the plan cannot know (a hub model offline, not in the cache): skipped where nothing depends on
+    the plan; an error naming why where gpu_memory_gib or train.strategy auto ask for it (it once passed unplanned,
+    silently dropping strategy auto)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = {"base": "nobody-here/no-such-model-xyz", "revision": "main"}
     arch, why = resolve_arch(model, allow_download=False)
     assert arch is None and why.startswith("unknown: skipped")
-    result = make(model, train_dict(gpus=3), gib=24)
+    budget = Budget(24, "24 GiB GPUs", 125.0)
+    plan = dict(experiment="x", model=model, max_length=512, candidate_files=DEEPSPEED, budget=budget)
+    result = search.make_plan(
+        train=train_dict(gpus=3), deepspeed_config=DEEPSPEED["zero2.json"], gpu_memory_gib=None, **plan
+    )
     assert result["fits"] is None and result["status"].startswith("unknown: skipped")
     assert result["chosen"]["name"] == "as configured"
+    with pytest.raises(
+        search.PlanError, match=r"gpu_memory_gib: 24 needs the model's architecture.*downloads are off"
+    ):
+        make(model, train_dict(gpus=3), gib=24)
+    with pytest.raises(search.PlanError, match=r"train.strategy: auto needs the model's architecture"):
+        search.make_plan(
+            train=train_dict(gpus=3, strategy="auto"),
+            deepspeed_config=DEEPSPEED["zero2.json"],
+            gpu_memory_gib=None,
+            **plan,
+        )
+
+
+def test_strategy_auto_without_a_gpu_budget_is_an_error():
+    """train.strategy auto on a machine without GPUs and without gpu_memory_gib: nothing to choose by."""
+    with pytest.raises(search.PlanError, match=r"no CUDA device is visible and gpu_memory_gib is not set"):
+        make(TINY, train_dict(gpus=1, strategy="auto"), gib=None)
 
 
 def test_not_fitting_says_what_would_fit(tmp_path):
@@ -279,7 +304,6 @@ def test_a_config_that_does_not_fit_stops_before_training(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", memory.ENV_HOST_MEMORY: "256"}
     cmd = [
         str(Path(sys.executable).parent / "snakemake"),
-        "results/train/default/summary.json",
         "--cores",
         "1",
         "--resources",
@@ -290,14 +314,16 @@ def test_a_config_that_does_not_fit_stops_before_training(tmp_path):
     ]
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert (
-        "ERROR in rule plan: PlanError: train.gpus 3 x 23.5 GiB (gpu_memory_gib: 24 (less 0.5 GiB for the driver))"
-        in proc.stderr
-    )
+    # The SFT plan or the DPO stage's (both first, both refuse it: the DPO stage inherits train's settings).
+    assert re.search(
+        r"ERROR in rule plan(_dpo)?: PlanError: train.gpus 3 x 23.5 GiB \(gpu_memory_gib: 24 \(less 0.5 GiB for the "
+        r"driver\)\)",
+        proc.stderr,
+    ), proc.stderr[-3000:]
     assert "What would fit: zero3_offload needs" in proc.stderr, proc.stderr[-3000:]
-    # The plan runs first (priority) and its failure stops the workflow: no other job ran.
-    assert "Finished jobid" not in proc.stderr
-    assert not (workdir / "logs/train").exists() and not (workdir / "results/plan/default.json").exists()
+    # The plans run first (priority) and a failure stops the workflow: no stage ran (a plan that fits may have).
+    assert not (workdir / "results/data").exists() and not (workdir / "logs/train").exists()
+    assert not (workdir / "results/plan/default.json").exists() or not (workdir / "results/plan/dpo").exists()
 
 
 def test_8bit_states_make_a_full_fine_tune_fit_without_offload():
@@ -348,10 +374,21 @@ def test_qlora_example_plans_training_and_evaluation_in_16_gib():
         gpu_memory_gib=16,
         budget=budget,
         candidate_files=DEEPSPEED,
-        evaluation={"batch_size": 8, "max_new_tokens": 128, "quantize": "nf4"},
     )
     assert result["fits"] and result["chosen"]["name"] == "zero0+ckpt"
-    assert result["evaluate"]["fits"] and result["evaluate"]["estimate"]["weights_gib"] < 5
+    # The evaluate stage's own plan (rule plan_eval): QLoRA's models evaluated in 4 bits.
+    evaluation = search.make_plan(
+        experiment="default",
+        model={"base": "arch:deepseek-llm-7b"},
+        train={"lora": {"quantize": "nf4"}},
+        max_length=4096,
+        deepspeed_config=None,
+        gpu_memory_gib=16,
+        budget=budget,
+        evaluation={"batch_size": 8, "max_new_tokens": 128},
+        objective="evaluate",
+    )
+    assert evaluation["fits"] and evaluation["evaluate"]["estimate"]["weights_gib"] < 5
     # The same evaluation in bf16 would not fit 16 GiB even at batch size 1.
     bf16_eval = search.plan_evaluation(
         deepseek(30),
