@@ -5,8 +5,8 @@ train.strategy auto and the run it changes, the host-RAM check for offload, and 
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
