@@ -152,7 +152,9 @@ def meaning_hash(source: bytes) -> str:
     return hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()
 
 
-MEANING_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "snaketune" / "code-meaning.json"
+MEANING_CACHE = (
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "snaketune" / "code-meaning.json"
+)
 """sha256 of a module's bytes -> its meaning_hash: parsing the ~70 modules a DAG hashes costs 0.3-0.7 s, which every
 dry run would pay again. Content-addressed, so any checkout and any concurrent writer agree; unwritable: not kept."""
 
