@@ -124,12 +124,12 @@ def test_the_snakefile_and_login_node_stages_never_import_torch():
     assert json.loads(out.stdout) == [], f"importing {light} loads torch"
 
 
-def test_the_readme_layout_names_every_module():
-    """README's Layout section lists each subpackage's modules on its own entry ("  data/   messages, readers, ...",
+def test_the_layout_page_names_every_module():
+    """docs/layout.md lists each subpackage's modules on its own entry ("  data/   messages, readers, ...",
     continued on the lines below it) and each top-level module as a file name ("io.py"): a new module appears
-    there, or the README has drifted from the package (it had: seven modules were missing before this test)."""
-    readme = (keys.PACKAGE_DIR.parents[1] / "README.md").read_text()
-    block = readme.split("\n## Layout\n", 1)[1].split("```")[1]
+    there, or the page has drifted from the package (it had: seven modules were missing before this test)."""
+    readme = (keys.PACKAGE_DIR.parents[1] / "docs/layout.md").read_text()
+    block = readme.split("```")[1]
     entries: dict[str, str] = {}  # "data" -> its text; "" -> the top-level modules' lines
     current = None
     for line in block.splitlines():
@@ -147,4 +147,4 @@ def test_the_readme_layout_names_every_module():
         where, name = (parts[0], parts[1]) if len(parts) == 2 else ("", parts[0] + ".py")
         if not re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", entries.get(where, "")):
             missing.append(m)
-    assert not missing, f"README.md's Layout does not name {missing} in its subpackage's entry"
+    assert not missing, f"docs/layout.md does not name {missing} in its subpackage's entry"
