@@ -73,6 +73,7 @@ from typing import Any
 
 from snaketune.config.deepspeed import offloads, zero_stage
 from snaketune.device_memory import LAZY_MODULES_GIB
+from snaketune.model.sizes import MASTER_CHUNK_ELEMENTS, STATE_BYTES, chunk_tokens
 from snaketune.plan.arch import Arch
 
 log = logging.getLogger("snaketune.plan.search")
@@ -89,10 +90,6 @@ LOGIT_BYTES = 12
 """Per token and vocabulary entry: bf16 logits 2 + contiguous copy 2 + fp32 upcast 4 + log-softmax 4."""
 FUSED_LOGIT_BYTES = 8
 """The same for one chunk of the fused loss (snaketune.model.losses): bf16 product 2 + fp32 copy 4 + bf16 gradient 2."""
-FUSED_CHUNK_BYTES = 2**30
-"""snaketune.model.losses.CHUNK_BYTES (kept here so that the plan does not import torch)."""
-MASTER_CHUNK_ELEMENTS = 2**28
-"""snaketune.train.optim.CHUNK_ELEMENTS (the same reason)."""
 CUDA_OVERHEAD_GIB = 1.25 + LAZY_MODULES_GIB
 """What a rank holds outside PyTorch's allocator (snaketune.device_memory): measured with NVML on an H200, torch 2.11,
 2026-12-02 (bench/RESULTS.md): the CUDA context 0.60 GiB, with cuBLAS's handle and NCCL's communicator 1.21, after a
@@ -111,10 +108,10 @@ HOST_OFFLOAD_BYTES = 18
 """Host bytes per trained parameter with optimizer offload: fp32 master 4, Adam 8, fp32 grads 4, bf16 2."""
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 """Bytes per 4-bit NormalFloat weight with double quantization (snaketune.model.build.nf4_config), counted."""
-STATE_8BIT_BYTES = 2 + 8 / 256
-"""snaketune.train.adam8bit.BYTES_PER_PARAM (kept here so that the plan does not import torch)."""
-STATE_4BIT_BYTES = 1 + 8 / 128
-"""snaketune.train.backward_step.BYTES_PER_PARAM["4bit"]: m and v in 4 bits, an fp32 scale per 128 for each."""
+STATE_8BIT_BYTES = STATE_BYTES["8bit"]
+"""Adam's m and v in 8 bits per trained parameter (snaketune.train.adam8bit, torchao's 8-bit states alike)."""
+STATE_4BIT_BYTES = STATE_BYTES["4bit"]
+"""Adam's m and v in 4 bits per trained parameter (snaketune.train.backward_step)."""
 OFFLOAD_NORM_ELEMENTS = 250_000_000
 """DeepSpeed's ZeRO-3 takes an offloaded gradient partition's norm in float64 pieces of this many elements
 (stage3.py, _constant_buffered_norm2's buffer_size; no setting changes it)."""
@@ -319,7 +316,7 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
         # product, fp32 copy turned into the gradient in place, its bf16 cast), the hidden states' gradient, and
         # with several chunks the fp32 sum of the lm_head weight's gradient (its w-byte result becomes the .grad
         # that `grads` counts).
-        chunk = min(tokens, max(256, FUSED_CHUNK_BYTES // (4 * arch.vocab) // 256 * 256))
+        chunk = min(tokens, chunk_tokens(arch.vocab))
         logits = FUSED_LOGIT_BYTES * chunk * arch.vocab + a * tokens * h
         if not s.lora_rank and chunk < tokens:
             logits += 4 * arch.vocab * h
@@ -441,7 +438,7 @@ def estimate_eval(arch: Arch, e: EvalSetup) -> EvalEstimate:
         weights = a * (arch.params() - linear) + NF4_BYTES * linear + a * max(sizes)
     per_token = 2 * a * h + 4 * h + a * (2 * q + 2 * kv) + 3 * a * i
     tokens = e.batch * e.seq_len
-    chunk = min(tokens, max(256, FUSED_CHUNK_BYTES // (4 * arch.vocab) // 256 * 256))
+    chunk = min(tokens, chunk_tokens(arch.vocab))
     layer_phase = tokens * per_token + (0 if e.varlen else e.batch * e.seq_len**2 * (a + 1))
     validation = weights + max(layer_phase, tokens * a * h + 10 * chunk * arch.vocab)
     total_len = e.prompt_len + e.new_tokens

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from snaketune.model import attention, batching
 from snaketune.model.batching import IGNORE, packed_attention_mask
 from snaketune.model.build import causal_lm
-from snaketune.model.losses import causal_targets, chunk_tokens
+from snaketune.model.losses import causal_targets
+from snaketune.model.sizes import chunk_tokens
 
 LOSSES = ("dpo", "ipo")
 

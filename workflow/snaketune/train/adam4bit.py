@@ -28,10 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from snaketune.model import sizes
 from snaketune.train import states4bit
 
-BLOCK = 128
-"""Elements per quantization block (torchao's AdamW4bit default; snaketune.train.backward_step.BLOCK["4bit"])."""
+BLOCK = sizes.TORCHAO_BLOCK["4bit"]
+"""Elements per quantization block (torchao's AdamW4bit default)."""
 ROWS = 4
 """Quantization blocks per Triton program: 512 elements, 4 per thread of 4 warps (more per program spills registers)."""
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 256
+from snaketune.model import sizes
+
+BLOCK = sizes.BNB_8BIT_BLOCK
 """Elements per quantization block (bitsandbytes' block-wise optimizers)."""
 MIN_8BIT = 4096
 """bitsandbytes' min_8bit_size: smaller tensors keep fp32 m and v."""
-BYTES_PER_PARAM = 2 + 2 * 4 / BLOCK
-"""m and v in one byte each, plus one fp32 absmax per block for each (the memory plan uses this)."""
+BYTES_PER_PARAM = sizes.STATE_BYTES["8bit"]
+"""m and v in one byte each, plus one fp32 absmax per block for each (the memory plan counts it)."""
 STATE_KEYS = ("state1", "state2")
 """The state tensors that are uint8 (m, v) for tensors of MIN_8BIT elements or more."""
 

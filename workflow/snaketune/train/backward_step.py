@@ -35,17 +35,18 @@ import math
 
 import torch
 
+from snaketune.model import sizes
 from snaketune.train import states4bit
 
 STATES = ("fp32", "8bit", "4bit")
-BLOCK = {"8bit": 256, "4bit": 128}
+BLOCK = sizes.TORCHAO_BLOCK
 """Elements per quantization block: torchao's defaults for AdamW8bit and AdamW4bit."""
 MIN_QUANTIZED = 4096
 """Smaller tensors (and those not a multiple of the block) keep fp32 m and v, as torchao and bitsandbytes do."""
 CHUNK_ELEMENTS = 2**25
 """Most elements one update handles at once (`_row_chunks`): its fp32 temporaries stay near 0.5 GiB."""
-BYTES_PER_PARAM = {"fp32": 8.0, "8bit": 2 + 2 * 4 / BLOCK["8bit"], "4bit": 1 + 2 * 4 / BLOCK["4bit"]}
-"""m and v per trained parameter, with one fp32 scale per block for each (the memory plan uses these)."""
+BYTES_PER_PARAM = sizes.STATE_BYTES
+"""m and v per trained parameter, with one fp32 scale per block for each (the memory plan counts these)."""
 
 
 def require(states: str) -> None:

@@ -26,10 +26,11 @@ import functools
 import torch
 from torch.optim.adam import adam as _adam_functional
 
+from snaketune.model import sizes
 from snaketune.train import adam8bit
 
-CHUNK_ELEMENTS = 2**28
-"""Most parameters whose fp32 gradients exist at once in a step (1 GiB of fp32)."""
+CHUNK_ELEMENTS = sizes.MASTER_CHUNK_ELEMENTS
+"""Most parameters whose fp32 gradients exist at once in a step (1 GiB of fp32; the memory plan counts it)."""
 KERNELS = ("auto", "triton", "torch")
 TRITON_BLOCK = 1024
 """Elements per Triton program (4 warps): 38.8-39.0 ms for the 24-layer 7B's 5.7B parameters on one H200, 96-98%
