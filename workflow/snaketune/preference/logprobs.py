@@ -165,9 +165,9 @@ def preference_loss(
 
 
 class PreferenceModel(torch.nn.Module):
-    """What DeepSpeed trains in the preference stage: the causal LM plus the preference loss. forward(...)
-    returns the summed loss of the micro-batch's pairs (the trainer normalizes by the pairs of the global
-    batch) and keeps the sums the metrics are made of in `last`."""
+    """What DeepSpeed runs in the preference stages: the causal LM plus the preference loss. forward(...) returns the
+    summed loss of the micro-batch's pairs (the trainer normalizes by the pairs of the global batch) and the weighted
+    sums the metrics are made of; without the reference log-probabilities, the pairs' own log-probabilities."""
 
     def __init__(
         self,
@@ -186,13 +186,14 @@ class PreferenceModel(torch.nn.Module):
         self.fused = fused
         self.beta = beta
         self.loss = loss
-        self.last: dict[str, torch.Tensor] = {}
         if packed_attention:
             causal_lm(net).set_attn_implementation(attention.register())
 
     def forward(self, input_ids, labels, position_ids, reference=None, weights=None, cu_seqlens=None):
-        """The summed loss of the micro-batch's pairs; without `reference`, the pairs' summed log-probabilities and
-        token counts instead (the reference stage and the start check call the model the way training does)."""
+        """(the summed loss of the micro-batch's pairs, {metric: weighted sum, detached, float64}); without
+        `reference`, (the pairs' summed log-probabilities, their token counts) instead, both (pairs, 2): the reference
+        stage and the start check call the model the way training does. A tuple, not another type: DeepSpeed's
+        ZeRO-3 hooks reach the tensors inside tuples and dicts only."""
         policy, counts = pair_logprobs(
             self.net,
             input_ids,
@@ -209,14 +210,14 @@ class PreferenceModel(torch.nn.Module):
         )
         w = weights.to(losses.dtype)
         margin = chosen - rejected
-        self.last = {
+        sums = {
             "loss": (losses.detach() * w).sum().double(),
             "reward_accuracy": ((margin > 0).to(w.dtype) * w).sum().double(),
             "margin": (margin * w).sum().double(),
             "chosen_reward": (chosen * w).sum().double(),
             "rejected_reward": (rejected * w).sum().double(),
         }
-        return (losses * w).sum()
+        return (losses * w).sum(), sums
 
     def restore_attention(self) -> None:
         if self.packed_attention:
