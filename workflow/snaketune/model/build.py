@@ -2,7 +2,7 @@
 
 - `builtin-tiny`: LlamaForCausalLM with the DeepSeek-LLM architecture (RMSNorm, SiLU MLP, RoPE theta 1e4,
   plain multi-head attention, untied embeddings) at ~1M parameters, random init from the train seed.
-- `arch:deepseek-llm-7b`: the exact 7B architecture (../shared/FACTS.md), random init; optionally cut to
+- `arch:deepseek-llm-7b`: the exact 7B architecture (docs/facts.md), random init; optionally cut to
   `model.num_layers` for benchmarks.
 - anything else: `from_pretrained` on a hub id or local directory, safetensors only, remote code only
   when `model.trust_remote_code` is set; with `quantize: nf4` (QLoRA) its linear layers load as bitsandbytes
