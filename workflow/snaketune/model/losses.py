@@ -116,7 +116,7 @@ def _triton_cross_entropy():
     @triton.jit
     def cross_entropy_forward(
         logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, n_cols, ignore, BLOCK: tl.constexpr
-    ):  # fmt: skip
+    ):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
         cols = tl.arange(0, BLOCK)
@@ -137,7 +137,7 @@ def _triton_cross_entropy():
     @triton.jit
     def cross_entropy_backward(
         logits_ptr, stride, targets_ptr, lse_ptr, scale_ptr, n_cols, ignore, BLOCK: tl.constexpr
-    ):  # fmt: skip
+    ):
         # d(scale x loss)/d(logits) = scale x (softmax - one_hot(target)), zero on ignored rows, over the logits.
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride

@@ -82,14 +82,40 @@ def update(
     beta1, beta2 = betas
     if state["state1"].dtype == torch.uint8:
         F.optimizer_update_8bit_blockwise(
-            "adam", grad, master, state["state1"], state["state2"], beta1, beta2, 0.0, 0.0, eps, step, lr,
-            state["qmap1"], state["qmap2"], state["absmax1"], state["absmax2"], weight_decay,
-        )  # fmt: skip
+            "adam",
+            grad,
+            master,
+            state["state1"],
+            state["state2"],
+            beta1,
+            beta2,
+            0.0,
+            0.0,
+            eps,
+            step,
+            lr,
+            state["qmap1"],
+            state["qmap2"],
+            state["absmax1"],
+            state["absmax2"],
+            weight_decay,
+        )
     else:
         F.optimizer_update_32bit(
-            "adam", grad, master, state["state1"], beta1, eps, step, lr, state["state2"], beta2, 0.0, 0.0,
+            "adam",
+            grad,
+            master,
+            state["state1"],
+            beta1,
+            eps,
+            step,
+            lr,
+            state["state2"],
+            beta2,
+            0.0,
+            0.0,
             weight_decay,
-        )  # fmt: skip
+        )
 
 
 def client_optimizer(groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float):
