@@ -408,29 +408,13 @@ def build_optimizer(
     """The optimizer the trainer hands to deepspeed.initialize, built from parameters that already live where
     they train (check_placement says so after DeepSpeed has wrapped it)."""
     groups = param_groups(net, weight_decay)
+    ours = {"lr": lr, "betas": betas, "eps": 1e-8, "grad_clip": grad_clip, "states": states}
     if in_backward:
         from snaketune.train.backward_step import BackwardAdamW
 
-        return BackwardAdamW(
-            groups,
-            lr=lr,
-            betas=betas,
-            eps=1e-8,
-            grad_clip=grad_clip,
-            states=states,
-            kernel=resolve_triton("train.optimizer_kernel", kernel, device),
-        )
+        return BackwardAdamW(groups, **ours, kernel=resolve_triton("train.optimizer_kernel", kernel, device))
     if master_weights:
-        return MasterWeightAdamW(
-            groups,
-            lr=lr,
-            betas=betas,
-            eps=1e-8,
-            grad_clip=grad_clip,
-            kernel=kernel,
-            accumulate_fp32=accumulate_fp32,
-            states=states,
-        )
+        return MasterWeightAdamW(groups, **ours, kernel=kernel, accumulate_fp32=accumulate_fp32)
     if states == "8bit":
         return adam8bit.client_optimizer(groups, lr=lr, betas=betas, eps=1e-8)
     if offload and device.type == "cuda":
