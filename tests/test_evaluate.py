@@ -19,6 +19,7 @@ from snaketune.config.schema import ModelConfig
 from snaketune.data.builtin import eval_examples, expected_answer
 from snaketune.data.tokenization import load_tokenizer
 from snaketune.evaluation import evaluate
+from snaketune.evaluation import scores as scoring
 from snaketune.model import batching
 from snaketune.model.build import load_model
 
@@ -195,7 +196,7 @@ def test_exact_match_scoring():
         },
     ]
     replies = ["  3 + 4 = 7.\n", "1 + 1 ergibt 3.", "Cat cat", "The capital of Zorvia is Brelk."]
-    got = evaluate.score(examples, replies)
+    got = scoring.score(examples, replies)
     assert (got["n"], got["correct"], got["accuracy"]) == (4, 2, 0.5)  # outer whitespace only; case counts
     assert got["by_task"] == {
         "add": {"n": 2, "correct": 1, "accuracy": 0.5},
@@ -204,9 +205,9 @@ def test_exact_match_scoring():
     }
     assert got["by_lang"]["de"] == {"n": 1, "correct": 0, "accuracy": 0.0}
     assert got["by_lang"]["en"]["correct"] == 2
-    assert evaluate.exact_match(" cat cat ", "cat cat") and not evaluate.exact_match("cat cat.", "cat cat")
+    assert scoring.exact_match(" cat cat ", "cat cat") and not scoring.exact_match("cat cat.", "cat cat")
     with pytest.raises(ValueError, match="4 examples but 3 replies"):
-        evaluate.score(examples, replies[:3])
+        scoring.score(examples, replies[:3])
 
 
 def test_builtin_examples_have_the_dataset_answers():
@@ -359,23 +360,23 @@ def test_schema_knows_the_eval_section():
 def test_preference_intervals_are_wilsons_and_the_means():
     # Newcombe (1998), Statistics in Medicine 17:857, table I: 81 of 263 -> Wilson 95% interval 0.2553-0.3662;
     # 0 of 10 -> 0.0000-0.2775 (the normal approximation would give a zero-width interval there).
-    lo, hi = evaluate.wilson_interval(81, 263)
+    lo, hi = scoring.wilson_interval(81, 263)
     assert (round(lo, 4), round(hi, 4)) == (0.2553, 0.3662)
-    lo, hi = evaluate.wilson_interval(0, 10)
+    lo, hi = scoring.wilson_interval(0, 10)
     assert lo == 0.0 and round(hi, 4) == 0.2775
     # 40 pairs whose chosen reply wins 30 times by the summed log-prob and never per token, rewards against a
     # reference 0.5 nats lower on the chosen side only.
     counts = torch.tensor([[2.0, 10.0]] * 40)  # short chosen replies: less likely per token
     logprobs = torch.tensor([[-8.0, -9.0]] * 30 + [[-10.0, -9.0]] * 10)
     reference = logprobs - torch.tensor([0.5, 0.0])
-    scores = evaluate.preference_scores(logprobs, counts, reference, beta=0.1)
-    assert scores["accuracy"] == 0.75 and scores["accuracy_ci95"] == evaluate.wilson_interval(30, 40)
+    scores = scoring.preference_scores(logprobs, counts, reference, beta=0.1)
+    assert scores["accuracy"] == 0.75 and scores["accuracy_ci95"] == scoring.wilson_interval(30, 40)
     assert scores["accuracy_per_token"] == 0.0 and scores["accuracy_per_token_ci95"][0] == 0.0
     assert scores["reward_accuracy"] == 1.0 and scores["reward_margin"] == pytest.approx(0.05)
     # Every pair has the same margin: no spread, a zero-width interval.
     assert scores["reward_margin_ci95"] == pytest.approx([0.05, 0.05])
     # 1..5: mean 3, sample standard deviation sqrt(2.5) = 1.5811, standard error 1.5811 / sqrt(5) = 0.7071, so
     # 3 -+ 1.959964 x 0.7071 = 3 -+ 1.3859 (the population deviation would give 3 -+ 1.2396).
-    lo, hi = evaluate.mean_interval(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
+    lo, hi = scoring.mean_interval(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
     assert (round(lo, 4), round(hi, 4)) == (1.6141, 4.3859)
-    assert evaluate.mean_interval(torch.tensor([2.5])) == [2.5, 2.5]  # one value: no spread to estimate
+    assert scoring.mean_interval(torch.tensor([2.5])) == [2.5, 2.5]  # one value: no spread to estimate

@@ -174,7 +174,7 @@ def test_ranks_run_the_launching_workflows_own_package(tmp_path):
     from conftest import copy_workflow
 
     copy = copy_workflow(tmp_path / "copy")
-    ask = "import sys; sys.path.insert(0, sys.argv[1]); from snaketune.train.launch import rank_pythonpath as r; print(r({}))"
+    ask = "import sys; sys.path.insert(0, sys.argv[1]); from snaketune.train.processes import rank_pythonpath as r; print(r({}))"
     pythonpath = subprocess.run(
         [sys.executable, "-c", ask, str(copy / "workflow")], capture_output=True, text=True, check=True
     ).stdout.strip()

@@ -1,5 +1,5 @@
-"""snaketune.train.launch without a training run: how many ranks a grant gives, what a failed launch says went
-wrong (from the ranks' output, real torchrun's included), and how a finished rank exits."""
+"""snaketune.train.processes and .failures without a training run: how many ranks a grant gives, what a failed
+launch says went wrong (from the ranks' output, real torchrun's included), and how a finished rank exits."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from snaketune.train.launch import PACKAGE_ROOT, LaunchError, failure_cause, world_size
+from snaketune.train.failures import failure_cause
+from snaketune.train.processes import PACKAGE_ROOT, LaunchError, world_size
 
 
 def test_world_size_checks_the_granted_gpus():

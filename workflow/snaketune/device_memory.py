@@ -4,8 +4,8 @@ allocator.
 A process's device memory (what NVML and nvidia-smi report) is the caching allocator's reserved memory plus what
 lies outside it: the CUDA context and the kernel modules loaded into it (lazily, as kernels are first used),
 cuBLAS/cuBLASLt handles, NCCL's communicator buffers, Triton's modules. `torch.cuda.set_per_process_memory_fraction`
-binds the allocator alone: under a 24 GiB cap the LoRA of a 7B peaked at 21.9 GiB allocated and 24.8 GiB on the
-device (2026-12-02, one H200). So here:
+binds the allocator alone (a LoRA of the 7B capped at 24 GiB reached 24.8 GiB on the device: docs/facts.md, "Device
+memory"). So here:
 
 - `gpu_memory_gib` names the card's memory, a number of GiB or a card (`CARDS`: `rtx4090` is the 24,564 MiB an RTX
   4090 shows); a process may use that less DRIVER_RESERVE_GIB (`usable_gib`: the driver, a display, the card's other
@@ -36,16 +36,14 @@ CARDS = {
     "rtx4090": 24564 * MIB,
     "h200": 143771 * MIB,
 }
-"""Total memory of a card as nvidia-smi shows it (`memory.total`): RTX 4090 (24,564 MiB, the issue's measurement of
-a real card), H200 (143,771 MiB, measured on the lent H200s, bench/RESULTS.md)."""
+"""Total memory of a card as nvidia-smi shows it (`memory.total`; docs/facts.md, "Device memory")."""
 DRIVER_RESERVE_GIB = 0.5
 """Of a card's memory, what a training process leaves to the driver, a display server and other processes. A
 headless card with nothing else running needs less; a desktop's display takes 100-500 MiB."""
 LAZY_MODULES_GIB = 0.75
 """Device memory that kernel modules loaded after `warm_up` add outside the allocator (CUDA loads each library's
 modules when a kernel of it first runs; Triton's and Liger's kernels, FlashAttention): the allocator's cap leaves
-this much room for them. Measured on an H200 (bench/RESULTS.md, issue #22): 0.45 GiB in the 7B LoRA recipe's SFT
-(device peak 22.07 GiB, allocator reserved 20.42, 1.205 outside it at the warm-up)."""
+this much room for them: they added 0.45 GiB in the 7B LoRA recipe's SFT (docs/facts.md, "Device memory")."""
 ENV_MEMORY_CAP = "SNAKETUNE_GPU_MEMORY_GIB"
 """Set by the launcher and the in-process stages: the card's memory in GiB (gpu_memory_gib, resolved)."""
 SAMPLE_EVERY_S = 0.01

@@ -1,7 +1,7 @@
 """Which physical GPUs a job uses: one lock file per GPU, so that concurrent jobs never share one.
 
 Snakemake's `gpu` resource is only a counter: it never says *which* GPUs a job may use, so two jobs that run
-at once would both start on GPU 0 (../shared/FACTS.md; snakemake#281). Every rule that uses GPUs (train,
+at once would both start on GPU 0 (docs/facts.md, "Snakemake"; snakemake#281). Every rule that uses GPUs (train,
 evaluate) therefore takes GPUs here for its whole lifetime and hands them to its processes as
 CUDA_VISIBLE_DEVICES:
 

@@ -18,7 +18,7 @@ counts groups, pairs and every drop by reason. Both input forms (flat rows, nest
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,33 +107,11 @@ def build_preferences(
     rows: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
     for root, kept in cleaned.trees:
         tid = tree_id(root)
-        # Depth-first over prompter messages, with the path that leads to each.
-        stack: list[list[Message]] = [[root]]
-        while stack:
-            path = stack.pop()
-            node = path[-1]
-            children = kept[node.message_id]
-            stack.extend(path + [c] for c in reversed(children))
-            if node.role != "prompter" or not any(c.role == "assistant" for c in children):
-                continue
+        for path, replies in _prompts_with_replies(root, kept):
             groups += 1
-            replies = [c for c in children if c.role == "assistant"]
             ranked = [c for c in replies if c.rank is not None]  # kept children are sorted best first
             unranked_replies += len(replies) - len(ranked)
-            alternates = all(
-                m.role == ("prompter" if i % 2 == 0 else "assistant") for i, m in enumerate(path)
-            )
-            reason = None
-            if not alternates:
-                reason = "non_alternating"
-            elif len(replies) < 2:
-                reason = "fewer_than_two_replies"
-            elif len(ranked) < 2:
-                reason = "fewer_than_two_ranked"
-            elif len({c.rank for c in ranked}) < 2:
-                reason = "ranks_tied"
-            elif tid not in split_of_tree:
-                reason = "no_split"  # the tree gave no conversation (the conversations stage says why)
+            reason = _drop_reason(path, replies, ranked, in_a_split=tid in split_of_tree)
             if reason is not None:
                 drops[reason] += 1
                 continue
@@ -179,6 +157,36 @@ def build_preferences(
         "trees_with_pairs": {s: int(frames[s]["message_tree_id"].nunique()) for s in SPLITS},
     }
     return Preferences(frames["train"], frames["validation"], stats)
+
+
+def _prompts_with_replies(root: Message, kept: dict) -> Iterator[tuple[list[Message], list[Message]]]:
+    """Depth-first over a tree's prompter messages that have assistant replies: (the path that leads to the
+    message, the message itself last; its assistant replies, best first)."""
+    stack: list[list[Message]] = [[root]]
+    while stack:
+        path = stack.pop()
+        node = path[-1]
+        children = kept[node.message_id]
+        stack.extend(path + [c] for c in reversed(children))
+        if node.role == "prompter" and any(c.role == "assistant" for c in children):
+            yield path, [c for c in children if c.role == "assistant"]
+
+
+def _drop_reason(
+    path: list[Message], replies: list[Message], ranked: list[Message], *, in_a_split: bool
+) -> str | None:
+    """Why a prompt's replies give no pair (one of GROUP_DROP_REASONS), or None."""
+    if not all(m.role == ("prompter" if i % 2 == 0 else "assistant") for i, m in enumerate(path)):
+        return "non_alternating"
+    if len(replies) < 2:
+        return "fewer_than_two_replies"
+    if len(ranked) < 2:
+        return "fewer_than_two_ranked"
+    if len({c.rank for c in ranked}) < 2:
+        return "ranks_tied"
+    if not in_a_split:
+        return "no_split"  # the tree gave no conversation (the conversations stage says why)
+    return None
 
 
 def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:

@@ -26,12 +26,11 @@ CUDA when available (bf16), else CPU (fp32).
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
-import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from snaketune.config.schema import ModelConfig
 from snaketune.data.builtin import eval_examples
 from snaketune.data.prompts import resolve_prompts
 from snaketune.data.tokenization import load_tokenizer
+from snaketune.evaluation.scores import preference_scores, score
 from snaketune.io import atomic_files, write_json
 from snaketune.model import batching
 from snaketune.model.build import causal_lm
@@ -63,155 +63,192 @@ from snaketune.model.inference import (  # noqa: F401 - the stage's public names
 from snaketune.plan import memory
 from snaketune.plan.arch import arch_from_hf_config
 from snaketune.preference.logprobs import split_logprobs
+from snaketune.provenance import package_versions
 
 log = logging.getLogger("snaketune.evaluation.evaluate")
 
 EVAL_EXAMPLES_SEED = 1
 """Seed of ``builtin_data.eval_examples``: the same questions for every experiment and every run."""
-MODELS = ("base", "tuned", "dpo")
 VERSIONED_PACKAGES = ("torch", "deepspeed", "transformers", "datasets", "tokenizers", "peft", "safetensors")
 """Packages whose versions metrics.json records: the environment that ran the models (the train env)."""
-
-
-# ---- exact match ---------------------------------------------------------------------------------
-
-
-def exact_match(generated: str, answer: str) -> bool:
-    """A reply is correct when its text, stripped of outer whitespace, is exactly the expected answer."""
-    return generated.strip() == answer.strip()
-
-
-def _share(correct: int, n: int) -> dict[str, float | int]:
-    return {"n": n, "correct": correct, "accuracy": correct / n if n else None}
-
-
-def score(examples: Sequence[dict[str, str]], replies: Sequence[str]) -> dict[str, Any]:
-    """Exact-match accuracy overall, per task and per language."""
-    if len(examples) != len(replies):
-        raise ValueError(f"{len(examples)} examples but {len(replies)} replies")
-    hits = [exact_match(r, e["answer"]) for e, r in zip(examples, replies, strict=True)]
-    out: dict[str, Any] = _share(sum(hits), len(hits))
-    for field in ("task", "lang"):
-        groups: dict[str, list[bool]] = {}
-        for example, hit in zip(examples, hits, strict=True):
-            groups.setdefault(example[field], []).append(hit)
-        out[f"by_{field}"] = {k: _share(sum(v), len(v)) for k, v in sorted(groups.items())}
-    return out
-
-
-# ---- preferences ----------------------------------------------------------------------------------
-
-
-def preference_scores(
-    logprobs: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor, beta: float
-) -> dict[str, float]:
-    """Accuracy and mean margin of a model's summed log-probabilities of (chosen, rejected) pairs, the same per reply
-    token (length-normalized: a longer chosen reply has a lower sum without being less likely per token), and
-    of its implicit reward beta x (log pi - log ref)."""
-    if not len(logprobs):
-        return {"pairs": 0}
-    margin = logprobs[:, 0] - logprobs[:, 1]
-    per_token = logprobs / counts.clamp(min=1)
-    rewards = beta * (logprobs - reference)
-    reward_margin = rewards[:, 0] - rewards[:, 1]
-    wins = {
-        "accuracy": margin > 0,
-        "accuracy_per_token": per_token[:, 0] > per_token[:, 1],
-        "reward_accuracy": reward_margin > 0,
-    }
-    out: dict[str, Any] = {"pairs": len(margin)}
-    for name, won in wins.items():
-        out[name] = float(won.double().mean())
-        out[f"{name}_ci95"] = wilson_interval(int(won.sum()), len(won))
-    out["logprob_margin"] = float(margin.mean())
-    out["reward_margin"] = float(reward_margin.mean())
-    out["reward_margin_ci95"] = mean_interval(reward_margin)
-    out["chosen_reward"] = float(rewards[:, 0].mean())
-    out["rejected_reward"] = float(rewards[:, 1].mean())
-    return out
-
-
-Z95 = 1.959964
-"""The standard normal's 97.5% quantile: two-sided 95% intervals."""
-
-
-def wilson_interval(wins: int, n: int, z: float = Z95) -> list[float]:
-    """Wilson's score interval of a share (wins of n): unlike the normal approximation it stays inside [0, 1]
-    and is honest at the small n of a held-out pair set (60-200 pairs here)."""
-    if n == 0:
-        return [0.0, 1.0]
-    p = wins / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return [max(0.0, centre - half), min(1.0, centre + half)]
-
-
-def mean_interval(values: torch.Tensor, z: float = Z95) -> list[float]:
-    """Normal-approximation interval of a mean (the pairs are independent draws; n >= 30 in practice)."""
-    x = values.double()
-    mean = float(x.mean())
-    if len(x) < 2:
-        return [mean, mean]
-    half = z * float(x.std(unbiased=True)) / math.sqrt(len(x))
-    return [mean - half, mean + half]
 
 
 # ---- the stage -----------------------------------------------------------------------------------
 
 
-def package_versions() -> dict[str, str]:
-    versions = {}
-    for name in VERSIONED_PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
+@dataclass
+class _Inputs:
+    """What every model is measured on."""
+
+    tokenizer: Any
+    split: batching.TokenizedSplit
+    """The SFT data's validation split (the loss)."""
+    pairs: batching.TokenizedSplit | None
+    """The held-out preference pairs, where the preference stages ran."""
+    examples: list[dict]
+    """The builtin dataset's exact-match questions (none for other data)."""
+    asked: list[dict]
+    """The prompts generated for: {"prompt", "expected"}."""
+
+    @property
+    def texts(self) -> list[str]:
+        return [p["prompt"] for p in self.asked]
 
 
-def evaluate(
-    *,
-    model: dict,
-    seed: int,
-    chat_template: str,
-    builtin_dataset: bool,
-    tuned_dir: str | Path,
-    train_summary: str | Path,
-    tokenizer_dir: str | Path,
-    data_dir: str | Path,
-    prompts: Sequence[str] | str,
-    max_new_tokens: int,
-    builtin_examples: int,
-    batch_size: int,
-    metrics_out: str | Path,
-    generations_out: str | Path,
-    device: str | None = None,
-    memory_cap_gib: float | None = None,
-    conversations_dir: str | Path | None = None,
-    max_prompt_tokens: int | None = None,
-    dpo_dir: str | Path | None = None,
-    pairs_dir: str | Path | None = None,
-    reference: str = "sft",
-    beta: float | None = None,
-    quantize: str = "none",
-) -> dict[str, Any]:
-    """Evaluate base, fine-tuned and (with `dpo_dir`) DPO model; write metrics.json and generations.jsonl.
+@dataclass(frozen=True)
+class EvalJob:
+    """What the evaluate stage is asked to do: the eval rule's params and inputs (`evaluate` takes them as keywords)."""
+
+    model: dict
+    """The experiment's `model` settings (snaketune.config.schema.ModelConfig as a dict)."""
+    seed: int
+    """train.seed: a builtin base model's random init; checked against the train stage's summary."""
+    chat_template: str
+    """tokenize.chat_template: the prompts are rendered with it, as training rendered the data."""
+    builtin_dataset: bool
+    """The builtin dataset: its exact-match questions are asked, and its prompts' answers are known."""
+    tuned_dir: str | Path
+    """The SFT model (hub format)."""
+    train_summary: str | Path
+    """The train stage's summary.json (its seed and precision)."""
+    tokenizer_dir: str | Path
+    data_dir: str | Path
+    """The tokenized SFT data (its validation split gives the loss)."""
+    prompts: Sequence[str] | str
+    """eval.prompts: prompts to generate for, or `auto` (snaketune.data.prompts)."""
+    max_new_tokens: int
+    builtin_examples: int
+    """eval.builtin_examples: exact-match questions of the builtin dataset to ask."""
+    batch_size: int
+    """Rows per forward pass and prompts per generate() call (the memory plan's)."""
+    metrics_out: str | Path
+    generations_out: str | Path
+    device: str | None = None
+    """cpu | cuda | None (CUDA where there is one)."""
+    memory_cap_gib: float | None = None
+    """gpu_memory_gib, the card's memory: the process's device memory stays under it less the driver's share, as in
+    training (snaketune.device_memory)."""
+    conversations_dir: str | Path | None = None
+    """Where `auto` prompts come from (the validation conversations)."""
+    max_prompt_tokens: int | None = None
+    """Longer prompts are cut, keeping their end."""
+    dpo_dir: str | Path | None = None
+    """The DPO model, where the preference stages ran."""
+    pairs_dir: str | Path | None = None
+    """The tokenized preference pairs (their validation split), where the preference stages ran."""
+    reference: str = "sft"
+    """preference.reference: which model scored here the rewards are taken against, `sft` (the tuned model) or
+    `base`."""
+    beta: float | None = None
+    """preference.beta: the implicit reward's scale."""
+    quantize: str = "none"
+    """A QLoRA training's train.lora.quantize: with nf4 every model loads in 4 bits, as the base trained (what fits
+    the GPUs that trained it)."""
+
+    @property
+    def models(self) -> list[str]:
+        return ["base", "tuned"] + (["dpo"] if self.dpo_dir is not None else [])
+
+
+def evaluate(**fields) -> dict[str, Any]:
+    """Evaluate base, fine-tuned and (with `dpo_dir`) DPO model; write metrics.json and generations.jsonl; return
+    metrics.json's content. The keywords are EvalJob's fields.
 
     generations.jsonl has one row per prompt: {"prompt", "base", "tuned", ["dpo",] "expected"}; expected is the
-    builtin dataset's exact answer, or the data's own reply for auto prompts (None otherwise). The preference
-    metrics need `pairs_dir`, `beta` and `reference` (which of the models scored here the rewards are taken against:
-    `sft`, the tuned model, or `base`). `memory_cap_gib` (gpu_memory_gib, the card's memory) keeps the process's
-    device memory under it less the driver's share, as in training (snaketune.device_memory); `max_prompt_tokens` cuts longer prompts (keeping their end). With
-    `quantize` nf4 (a QLoRA training's train.lora.quantize) every model loads in 4 bits, as the base trained:
-    what fits the GPUs that trained it.
-    """
+    builtin dataset's exact answer, or the data's own reply for auto prompts (None otherwise)."""
+    job = EvalJob(**fields)
     t0 = time.perf_counter()
-    model_cfg: ModelConfig = from_dict(ModelConfig, model, "model.")
-    summary = json.loads(Path(train_summary).read_text())
-    if summary.get("seed", seed) != seed:
-        raise ValueError(f"{train_summary} was trained with seed {summary['seed']}, the params say {seed}")
-    train_dtype = DTYPES[summary["precision"]]
-    dev, dtype = pick_device(device)
+    model_cfg: ModelConfig = from_dict(ModelConfig, job.model, "model.")
+    summary = json.loads(Path(job.train_summary).read_text())
+    if summary.get("seed", job.seed) != job.seed:
+        raise ValueError(
+            f"{job.train_summary} was trained with seed {summary['seed']}, the params say {job.seed}"
+        )
+    dev, dtype = pick_device(job.device)
+    sampler, budget = _watch_device(dev, job.memory_cap_gib)
+    data = _inputs(job)
+    _log_start(dev, dtype, job.models, data)
+    results, peaks, arch = _measure_models(job, model_cfg, DTYPES[summary["precision"]], data, dev, dtype)
+    models = job.models
+    metrics: dict[str, Any] = {
+        **_identity(job, summary, model_cfg, dev, dtype),
+        "validation": _validation(results, models),
+        "preference": None if data.pairs is None else _preferences(results, models, job.reference, job.beta),
+        "generation": {
+            "prompts": len(data.asked),
+            "prompt_source": "auto" if job.prompts == "auto" else "eval.prompts",
+            # What "expected" holds: the builtin dataset's exact answer, or the data's own reply (auto prompts).
+            "expected": "exact"
+            if job.builtin_dataset
+            else ("reference reply" if job.prompts == "auto" else None),
+            "max_new_tokens": job.max_new_tokens,
+            "decoding": "greedy",
+        },
+        "exact_match": _exact_match(results, models, data.examples) if data.examples else None,
+        "memory": {
+            **_memory_record(arch, peaks, data, job, dtype, dev),
+            "device": device_memory.record(sampler, dev, budget) or None,
+        },
+        "versions": package_versions(VERSIONED_PACKAGES),
+        "time_s": {which: results[which]["time_s"] for which in models} | {"total": time.perf_counter() - t0},
+    }
+    _write(metrics, data.asked, {w: results[w]["replies"] for w in models}, job)
+    return metrics
+
+
+def _inputs(job: EvalJob) -> _Inputs:
+    pairs = None
+    if job.dpo_dir is not None or job.pairs_dir is not None:
+        pairs = batching.load_split(Path(job.pairs_dir) / "validation")
+    examples = []
+    if job.builtin_dataset and job.builtin_examples:
+        examples = eval_examples(job.builtin_examples, seed=EVAL_EXAMPLES_SEED)
+    return _Inputs(
+        tokenizer=load_tokenizer(job.tokenizer_dir, job.chat_template),
+        split=batching.load_split(Path(job.data_dir) / "validation"),
+        pairs=pairs,
+        examples=examples,
+        asked=resolve_prompts(
+            job.prompts, builtin_dataset=job.builtin_dataset, conversations_dir=job.conversations_dir
+        ),
+    )
+
+
+def _measure_models(
+    job: EvalJob, model_cfg: ModelConfig, train_dtype: torch.dtype, data: _Inputs, dev: torch.device, dtype
+) -> tuple[dict[str, dict[str, Any]], dict[str, float], Any]:
+    """Each model loaded onto the device in turn, measured (`_measure`) and freed: {model: its results}, the peak
+    memory of each phase over the models, the architecture (snaketune.plan.arch) of the first."""
+    results: dict[str, dict[str, Any]] = {}
+    peaks: dict[str, float] = {}
+    arch = None
+    for which in job.models:
+        t = time.perf_counter()
+        if which == "base":
+            net = load_base_model(
+                model_cfg,
+                data.tokenizer,
+                seed=job.seed,
+                train_dtype=train_dtype,
+                dtype=dtype,
+                device=dev,
+                quantize=job.quantize,
+            )
+        else:
+            model_dir = job.tuned_dir if which == "tuned" else job.dpo_dir
+            net = load_tuned_model(model_dir, model_cfg, dtype=dtype, device=dev, quantize=job.quantize)
+        arch = arch or arch_from_hf_config(causal_lm(net).config.to_dict())
+        results[which] = _measure(net, data, dev, peaks, job)
+        results[which]["time_s"] = time.perf_counter() - t
+        _log_model(which, results[which])
+        del net
+        release_memory()
+    return results, peaks, arch
+
+
+def _watch_device(dev: torch.device, memory_cap_gib: float | None) -> tuple[device_memory.PeakSampler, dict]:
+    """On a GPU: what lies outside the allocator started, the allocator capped under `memory_cap_gib` (the card's
+    memory), and NVML sampling the device peak while the stage runs; (sampler, budget)."""
     nvml = device_memory.device_memory(dev)
     budget: dict = {}
     if dev.type == "cuda":
@@ -219,208 +256,153 @@ def evaluate(
         capped, budget = device_memory.cap_allocator(dev, memory_cap_gib, nvml)
         if capped:
             log.info("%s", capped)
-    sampler = device_memory.PeakSampler(nvml)
-    tokenizer = load_tokenizer(tokenizer_dir, chat_template)
-    split = batching.load_split(Path(data_dir) / "validation")
-    examples = (
-        eval_examples(builtin_examples, seed=EVAL_EXAMPLES_SEED)
-        if builtin_dataset and builtin_examples
-        else []
-    )
-    asked = resolve_prompts(prompts, builtin_dataset=builtin_dataset, conversations_dir=conversations_dir)
-    texts = [p["prompt"] for p in asked]
-    pairs = None
-    if dpo_dir is not None or pairs_dir is not None:
-        pairs = batching.load_split(Path(pairs_dir) / "validation")
-    models = ["base", "tuned"] + (["dpo"] if dpo_dir is not None else [])
+    return device_memory.PeakSampler(nvml), budget
+
+
+def _log_start(dev: torch.device, dtype: torch.dtype, models: list[str], data: _Inputs) -> None:
     log.info(
         "device %s (%s); models %s; %d validation rows (%s loss tokens); %d prompts; %d exact-match questions; "
         "%s held-out pairs",
         dev,
         str(dtype).removeprefix("torch."),
         ", ".join(models),
-        len(split),
-        f"{int(split.loss_tokens.sum()):,}",
-        len(texts),
-        len(examples),
-        len(pairs) if pairs is not None else "no",
+        len(data.split),
+        f"{int(data.split.loss_tokens.sum()):,}",
+        len(data.asked),
+        len(data.examples),
+        len(data.pairs) if data.pairs is not None else "no",
     )
-    results: dict[str, dict[str, Any]] = {}
-    replies: dict[str, list[str]] = {}
-    peaks: dict[str, float] = {}
-    arch = None
-    for which in models:
-        t = time.perf_counter()
-        if which == "base":
-            net = load_base_model(
-                model_cfg,
-                tokenizer,
-                seed=seed,
-                train_dtype=train_dtype,
-                dtype=dtype,
-                device=dev,
-                quantize=quantize,
-            )
-        else:
-            net = load_tuned_model(
-                tuned_dir if which == "tuned" else dpo_dir,
-                model_cfg,
-                dtype=dtype,
-                device=dev,
-                quantize=quantize,
-            )
-        arch = arch or arch_from_hf_config(causal_lm(net).config.to_dict())
-        with peak_memory(dev, peaks, "validation"):
-            res = {"validation": validation_loss(net, split, pad_id=pad_id(tokenizer), batch_size=batch_size)}
-        if pairs is not None:
-            with peak_memory(dev, peaks, "preference"):
-                res["pair_logprobs"] = split_logprobs(
-                    net, pairs, pad_id=pad_id(tokenizer), batch_size=batch_size
-                )
-        with peak_memory(dev, peaks, "generation"):
-            replies[which] = generate(
-                net,
-                tokenizer,
-                texts,
-                max_new_tokens=max_new_tokens,
-                batch_size=batch_size,
-                max_prompt_tokens=max_prompt_tokens,
-            )
-            if examples:
-                answers = generate(
-                    net,
-                    tokenizer,
-                    [e["prompt"] for e in examples],
-                    max_new_tokens=max_new_tokens,
-                    batch_size=batch_size,
-                )
-                res["exact_match"] = score(examples, answers)
-                res["exact_match"]["replies"] = answers
-        res["time_s"] = time.perf_counter() - t
-        results[which] = res
-        v = res["validation"]
-        acc = res.get("exact_match", {}).get("accuracy")
-        pref = (
-            float((res["pair_logprobs"][0].diff(dim=1) < 0).double().mean())
-            if "pair_logprobs" in res
-            else None
-        )
-        log.info(
-            "%s: validation loss %.4f, perplexity %.3f%s%s (%.1f s)",
-            which,
-            v["loss"],
-            v["perplexity"],
-            f", exact match {acc:.1%}" if acc is not None else "",
-            f", preference accuracy {pref:.1%}" if pref is not None else "",
-            res["time_s"],
-        )
-        del net
-        release_memory()
 
-    base_v = results["base"]["validation"]
-    metrics: dict[str, Any] = {
+
+def _measure(net, data: _Inputs, dev: torch.device, peaks: dict, job: EvalJob) -> dict[str, Any]:
+    """One model on everything: its validation loss, its pairs' log-probabilities, its replies to the prompts and to
+    the exact-match questions; each phase's peak memory into `peaks` (the largest over the models)."""
+    pad, batch_size, max_new = pad_id(data.tokenizer), job.batch_size, job.max_new_tokens
+    out: dict[str, Any] = {}
+    with peak_memory(dev, peaks, "validation"):
+        out["validation"] = validation_loss(net, data.split, pad_id=pad, batch_size=batch_size)
+    if data.pairs is not None:
+        with peak_memory(dev, peaks, "preference"):
+            out["pair_logprobs"] = split_logprobs(net, data.pairs, pad_id=pad, batch_size=batch_size)
+    with peak_memory(dev, peaks, "generation"):
+        out["replies"] = generate(
+            net,
+            data.tokenizer,
+            data.texts,
+            max_new_tokens=max_new,
+            batch_size=batch_size,
+            max_prompt_tokens=job.max_prompt_tokens,
+        )
+        if data.examples:
+            questions = [e["prompt"] for e in data.examples]
+            answers = generate(net, data.tokenizer, questions, max_new_tokens=max_new, batch_size=batch_size)
+            out["exact_match"] = {**score(data.examples, answers), "replies": answers}
+    return out
+
+
+def _log_model(which: str, res: dict[str, Any]) -> None:
+    v = res["validation"]
+    acc = res.get("exact_match", {}).get("accuracy")
+    pref = None
+    if "pair_logprobs" in res:
+        pref = float((res["pair_logprobs"][0].diff(dim=1) < 0).double().mean())
+    log.info(
+        "%s: validation loss %.4f, perplexity %.3f%s%s (%.1f s)",
+        which,
+        v["loss"],
+        v["perplexity"],
+        f", exact match {acc:.1%}" if acc is not None else "",
+        f", preference accuracy {pref:.1%}" if pref is not None else "",
+        res["time_s"],
+    )
+
+
+def _identity(job: EvalJob, summary: dict, model_cfg: ModelConfig, dev, dtype) -> dict[str, Any]:
+    """Which models were evaluated, on what."""
+    return {
         "experiment": summary.get("experiment"),
         "model": model_cfg.base,
-        "models": models,
+        "models": job.models,
         "base_model": (
-            f"random init of {model_cfg.base} (seed {seed}, {summary['precision']}): the train stage's start"
+            f"random init of {model_cfg.base} (seed {job.seed}, {summary['precision']}): the train stage's start"
             if model_cfg.is_builtin
             else f"from_pretrained({model_cfg.base!r}, revision {model_cfg.revision!r})"
         ),
-        "tuned_model": str(tuned_dir),
-        "dpo_model": None if dpo_dir is None else str(dpo_dir),
+        "tuned_model": str(job.tuned_dir),
+        "dpo_model": None if job.dpo_dir is None else str(job.dpo_dir),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
-        "validation": {
-            "rows": base_v["rows"],
-            "loss_tokens": base_v["loss_tokens"],
-            **{w: {k: results[w]["validation"][k] for k in ("loss", "perplexity")} for w in models},
-            "loss_change_pct": 100.0
-            * (results["tuned"]["validation"]["loss"] - base_v["loss"])
-            / base_v["loss"],
-        },
-        "preference": None,
-        "generation": {
-            "prompts": len(texts),
-            "prompt_source": "auto" if prompts == "auto" else "eval.prompts",
-            # What "expected" holds: the builtin dataset's exact answer, or the data's own reply (auto prompts).
-            "expected": "exact" if builtin_dataset else ("reference reply" if prompts == "auto" else None),
-            "max_new_tokens": max_new_tokens,
-            "decoding": "greedy",
-        },
-        "exact_match": None,
-        "memory": {
-            **_memory_record(
-                arch,
-                peaks,
-                split,
-                tokenizer,
-                texts,
-                batch_size,
-                max_new_tokens,
-                dtype,
-                dev,
-                quantize != "none",
-            ),
-            "device": device_memory.record(sampler, dev, budget) or None,
-        },
-        "versions": package_versions(),
-        "time_s": {which: results[which]["time_s"] for which in models},
+    }
+
+
+def _validation(results: dict, models: list[str]) -> dict[str, Any]:
+    """The validation loss and perplexity of each model, and the change each tuning made to the loss."""
+    base = results["base"]["validation"]
+    out = {
+        "rows": base["rows"],
+        "loss_tokens": base["loss_tokens"],
+        **{w: {k: results[w]["validation"][k] for k in ("loss", "perplexity")} for w in models},
+        "loss_change_pct": 100.0 * (results["tuned"]["validation"]["loss"] - base["loss"]) / base["loss"],
     }
     if "dpo" in models:
-        tuned_loss = results["tuned"]["validation"]["loss"]
-        metrics["validation"]["dpo_loss_change_pct"] = (
-            100.0 * (results["dpo"]["validation"]["loss"] - tuned_loss) / tuned_loss
-        )
-    if pairs is not None:
-        # The rewards against the reference model as scored here: the same loading and kernels on both sides.
-        ref = results["tuned" if reference == "sft" else "base"]["pair_logprobs"]
-        metrics["preference"] = {
-            "beta": beta,
-            "reference": reference,
-            **{w: preference_scores(*results[w].pop("pair_logprobs"), ref[0], beta) for w in models},
-        }
-    if examples:
-        metrics["exact_match"] = {
-            "n": len(examples),
-            "seed": EVAL_EXAMPLES_SEED,
-            **{w: {k: v for k, v in results[w]["exact_match"].items() if k != "replies"} for w in models},
-            "examples": [
-                {**example, **{w: results[w]["exact_match"]["replies"][i] for w in models}}
-                for i, example in enumerate(examples)
-            ],
-        }
-    metrics["time_s"]["total"] = time.perf_counter() - t0
+        tuned = results["tuned"]["validation"]["loss"]
+        out["dpo_loss_change_pct"] = 100.0 * (results["dpo"]["validation"]["loss"] - tuned) / tuned
+    return out
+
+
+def _preferences(results: dict, models: list[str], reference: str, beta: float | None) -> dict[str, Any]:
+    """Each model's preference scores, the rewards against the reference model as scored here: the same loading and
+    kernels on both sides."""
+    ref = results["tuned" if reference == "sft" else "base"]["pair_logprobs"]
+    return {
+        "beta": beta,
+        "reference": reference,
+        **{w: preference_scores(*results[w]["pair_logprobs"], ref[0], beta) for w in models},
+    }
+
+
+def _exact_match(results: dict, models: list[str], examples: list[dict]) -> dict[str, Any]:
+    return {
+        "n": len(examples),
+        "seed": EVAL_EXAMPLES_SEED,
+        **{w: {k: v for k, v in results[w]["exact_match"].items() if k != "replies"} for w in models},
+        "examples": [
+            {**example, **{w: results[w]["exact_match"]["replies"][i] for w in models}}
+            for i, example in enumerate(examples)
+        ],
+    }
+
+
+def _write(metrics: dict, asked: list[dict], replies: dict[str, list[str]], job: EvalJob) -> None:
+    """metrics.json and generations.jsonl, both or neither: renamed into place together once both are written."""
     rows = [
-        {"prompt": p["prompt"], **{w: replies[w][i] for w in models}, "expected": p["expected"]}
+        {"prompt": p["prompt"], **{w: replies[w][i] for w in replies}, "expected": p["expected"]}
         for i, p in enumerate(asked)
     ]
-    # Both files or neither: renamed into place together once both are written.
-    with atomic_files(metrics_out, generations_out) as (metrics_tmp, generations_tmp):
+    with atomic_files(job.metrics_out, job.generations_out) as (metrics_tmp, generations_tmp):
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         generations_tmp.write_text(text, encoding="utf-8")
         write_json(metrics_tmp, metrics)
-    return metrics
 
 
 def _memory_record(
-    arch, peaks, split, tokenizer, texts, batch_size, max_new_tokens, dtype, dev, quantized=False
+    arch, peaks: dict, data: _Inputs, job: EvalJob, dtype: torch.dtype, dev: torch.device
 ) -> dict:
     """Measured peak per phase (CUDA) beside the memory model's estimate for these lengths."""
     if arch is None:
         return {}
     setup = memory.EvalSetup(
-        batch=min(batch_size, len(split)),
-        seq_len=int(split.lengths.max(initial=0)),
-        prompt_len=longest_prompt(tokenizer, texts),
-        new_tokens=max_new_tokens,
+        batch=min(job.batch_size, len(data.split)),
+        seq_len=int(data.split.lengths.max(initial=0)),
+        prompt_len=longest_prompt(data.tokenizer, data.texts),
+        new_tokens=job.max_new_tokens,
         precision="fp32" if dtype == torch.float32 else "bf16",
         varlen=dev.type == "cuda",
-        quantized=quantized,
+        quantized=job.quantize != "none",
     )
     est = memory.estimate_eval(arch, setup)
     return {
-        "batch_size": batch_size,
+        "batch_size": job.batch_size,
         "validation_row_tokens": setup.seq_len,
         "longest_prompt_tokens": setup.prompt_len,
         "measured_peak_gib": {k: round(v, 3) for k, v in peaks.items()} or None,

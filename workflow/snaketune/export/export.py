@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +25,57 @@ from snaketune.model import batching
 from snaketune.model.inference import render_prompt
 
 log = logging.getLogger("snaketune.export")
+
+
+@dataclass
+class _Reference:
+    """What the files are measured against: transformers running the exported directory in fp32."""
+
+    segments: list[measure.Segment]
+    """The held-out conversations scored (measure.validation_segments)."""
+    logprobs: list
+    """transformers' log-probabilities of each segment (measure.reference_logprobs)."""
+    nll: float
+    """Summed negative log-likelihood of the segments' targets."""
+    targets: int
+    prompt_ids: list[list[int]]
+    """The prompts rendered with the chat template and the generation prompt, cut to max_prompt_tokens."""
+    replies: list
+    """transformers' greedy replies and their top-2 gaps (measure.reference_replies)."""
+
+    @property
+    def perplexity(self) -> float | None:
+        return _exp(self.nll, self.targets)
+
+
+def _reference(
+    model_dir: Path,
+    trust_remote_code: bool,
+    data_dir,
+    prompts: list[str],
+    *,
+    eval_tokens: int,
+    max_new: int,
+    max_prompt: int,
+) -> tuple[object, _Reference]:
+    """The exported directory's tokenizer, and transformers' figures of its model in fp32 (freed afterwards)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    net = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, use_safetensors=True, trust_remote_code=trust_remote_code
+    ).eval()
+    split = batching.load_split(Path(data_dir) / "validation")
+    segments = measure.validation_segments(split, eval_tokens, max_prompt + max_new)
+    logprobs = measure.reference_logprobs(net, segments)
+    nll = sum(
+        -float(r[range(len(s.targets)), s.ids[s.targets + 1]].sum())
+        for s, r in zip(segments, logprobs, strict=True)
+    )
+    prompt_ids = [render_prompt(tokenizer, p, max_prompt) for p in prompts]
+    replies = measure.reference_replies(net, prompt_ids, max_new, tokenizer.eos_token_id)
+    targets = sum(len(s.targets) for s in segments)
+    return tokenizer, _Reference(segments, logprobs, nll, targets, prompt_ids, replies)
 
 
 def export(
@@ -45,101 +97,47 @@ def export(
 ) -> dict:
     """Write `<name>-<type>.gguf` for the unquantized type and each quant, metrics.json and replies.jsonl into
     `out_dir` (atomically); returns metrics.json's content."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tools = llama_cpp.check_toolchain()
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
-    net = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, use_safetensors=True, trust_remote_code=trust_remote_code
-    ).eval()
-    split = batching.load_split(Path(data_dir) / "validation")
-    max_len = max_prompt_tokens + max_new_tokens
-    segments = measure.validation_segments(split, eval_tokens, max_len)
-    reference = measure.reference_logprobs(net, segments)
-    ref_nll = sum(
-        -float(r[range(len(s.targets)), s.ids[s.targets + 1]].sum())
-        for s, r in zip(segments, reference, strict=True)
+    tokenizer, ref = _reference(
+        model_dir,
+        trust_remote_code,
+        data_dir,
+        prompts,
+        eval_tokens=eval_tokens,
+        max_new=max_new_tokens,
+        max_prompt=max_prompt_tokens,
     )
-    n_targets = sum(len(s.targets) for s in segments)
-    eos = tokenizer.eos_token_id
-    prompt_ids = [render_prompt(tokenizer, p, max_prompt_tokens) for p in prompts]
-    hf_replies = measure.reference_replies(net, prompt_ids, max_new_tokens, eos)
-    del net
-    log.info("reference (transformers, fp32): %d held-out conversations, %d target tokens, perplexity %s; %d prompts",
-             len(segments), n_targets, _exp(ref_nll, n_targets), len(prompts))  # fmt: skip
+    log.info(
+        "reference (transformers, fp32): %d held-out conversations, %d target tokens, perplexity %s; %d prompts",
+        len(ref.segments),
+        ref.targets,
+        ref.perplexity,
+        len(prompts),
+    )
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
-    n_ctx = max([max_len, *(len(s.ids) for s in segments), *(len(p) + max_new_tokens for p in prompt_ids)])
-
+    lengths = [len(s.ids) for s in ref.segments] + [len(p) + max_new_tokens for p in ref.prompt_ids]
+    n_ctx = max([max_prompt_tokens + max_new_tokens, *lengths])
     if outtype == "auto":
         outtype = llama_cpp.saved_type(model_dir)
-    files, replies = [], []
     with atomic_dir(out_dir) as tmp:
-        base = tmp / f"{name}-{outtype}.gguf"
-        t = time.perf_counter()
-        llama_cpp.convert(model_dir, base, outtype, log_file)
-        made = {outtype: (base, time.perf_counter() - t)}
-        for q in quants:
-            t = time.perf_counter()
-            llama_cpp.quantize(base, tmp / f"{name}-{q}.gguf", q, threads, log_file)
-            made[q] = (tmp / f"{name}-{q}.gguf", time.perf_counter() - t)
-        meta = llama_cpp.gguf_metadata(base)
-        for kind, (path, made_s) in made.items():
-            llm = measure.open_gguf(path, n_ctx, threads)
-            row = {"type": kind, "file": path.name, "bytes": path.stat().st_size, "make_time_s": made_s}
-            row |= measure.score_gguf(llm, segments, reference)
-            gen_tokens, gen_s, agree, ended, ended_hf = 0, 0.0, 0, 0, 0
-            for prompt, ids, (want, gaps) in zip(prompts, prompt_ids, hf_replies, strict=True):
-                got, ended_here, secs = measure.greedy_gguf(llm, ids, max_new_tokens)
-                text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                     add_generation_prompt=True)  # fmt: skip
-                own = llm.tokenize(text.encode(), add_bos=False, special=True)
-                theirs = tokenizer(text, add_special_tokens=False)[
-                    "input_ids"
-                ]  # before any prompt truncation
-                part = measure.parted_at(got[: measure.AGREE_TOKENS], want[: measure.AGREE_TOKENS])
-                gen_tokens += len(got)
-                gen_s += secs
-                agree += part is None
-                ended += ended_here
-                ended_hf += len(want) < len(gaps)  # it generated eos
-                replies.append({
-                    "type": kind, "prompt": prompt, "llama_cpp": tokenizer.decode(got, skip_special_tokens=True).strip(),
-                    "transformers": tokenizer.decode(want, skip_special_tokens=True).strip(),
-                    "parted_at": part, "transformers_top2_gap_there": gaps[part] if part is not None and part < len(gaps) else None,
-                    "llama_cpp_tokens": len(got), "transformers_tokens": len(want),
-                    "ended_at_end_of_turn": ended_here, "llama_cpp_tokenizer_matches": own == theirs,
-                })  # fmt: skip
-            row.update(
-                generation_tokens_per_s=gen_tokens / gen_s if gen_tokens else None,
-                replies=len(prompts),
-                replies_agreeing=agree,
-                replies_ended=ended,
-                replies_ended_transformers=ended_hf,
-                eos_is_end_of_generation=measure.is_eog(llm, eos),
-            )
-            del llm
-            files.append(row)
-        unquantized_ppl = files[0]["perplexity"]
-        for row in files:
-            row["perplexity_ratio"] = row["perplexity"] / unquantized_ppl if unquantized_ppl else None
-            row["failing"] = _failures(row, max_kl.get(row["type"]), meta, tokenizer, template)
+        made = _make_files(model_dir, tmp, name, outtype, quants, threads, log_file)
+        meta = llama_cpp.gguf_metadata(made[outtype][0])
+        files, replies = _measure(
+            made, ref, prompts, tokenizer, n_ctx=n_ctx, threads=threads, max_new=max_new_tokens
+        )
+        _judge(files, max_kl, meta, tokenizer, template)
         metrics = {
             "model": name,
             "source": str(model_dir),
             "toolchain": tools,
             "outtype": outtype,
-            "metadata": meta
-            | {
-                "chat_template_matches": meta["chat_template"] == template,
-                "bos_matches": meta["bos_token_id"] == tokenizer.bos_token_id,
-                "eos_matches": meta["eos_token_id"] == eos,
-            },  # fmt: skip
+            "metadata": meta | _metadata_matches(meta, tokenizer, template),
             "reference": {
-                "perplexity": _exp(ref_nll, n_targets),
-                "target_tokens": n_targets,
-                "conversations": len(segments),
+                "perplexity": ref.perplexity,
+                "target_tokens": ref.targets,
+                "conversations": len(ref.segments),
             },
             "max_kl": {t: max_kl.get(t) for t in made},
             "threads": threads,
@@ -149,18 +147,124 @@ def export(
         write_json(tmp / "metrics.json", metrics)
         (tmp / "replies.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in replies))
     for row in files:
-        log.info("%s: %.1f MiB, %s%s", row["file"], row["bytes"] / 2**20,
-                 ", ".join(f"{k} {row[k]:.5g}" for k in ("perplexity", "perplexity_ratio", "kl_mean", "top1_agreement",
-                           "prompt_tokens_per_s", "generation_tokens_per_s") if row[k] is not None),
-                 f"; {row['replies_agreeing']}/{row['replies']} replies agree, {row['replies_ended']} ended"
-                 + (f"; FAILING: {', '.join(row['failing'])}" if row["failing"] else ""))  # fmt: skip
+        _log_file(row)
     return metrics
+
+
+def _make_files(
+    model_dir: Path, tmp: Path, name: str, outtype: str, quants: list[str], threads: int, log_file
+) -> dict[str, tuple[Path, float]]:
+    """{type: (file, seconds to make it)}: the unquantized file first, then each quant made from it."""
+    base = tmp / f"{name}-{outtype}.gguf"
+    t = time.perf_counter()
+    llama_cpp.convert(model_dir, base, outtype, log_file)
+    made = {outtype: (base, time.perf_counter() - t)}
+    for q in quants:
+        t = time.perf_counter()
+        llama_cpp.quantize(base, tmp / f"{name}-{q}.gguf", q, threads, log_file)
+        made[q] = (tmp / f"{name}-{q}.gguf", time.perf_counter() - t)
+    return made
+
+
+def _measure(
+    made: dict[str, tuple[Path, float]],
+    ref: _Reference,
+    prompts: list[str],
+    tokenizer,
+    *,
+    n_ctx: int,
+    threads: int,
+    max_new: int,
+) -> tuple[list[dict], list[dict]]:
+    """metrics.json's row of each file (its size, quality and speed) and replies.jsonl's rows (its replies)."""
+    files, replies = [], []
+    for kind, (path, made_s) in made.items():
+        llm = measure.open_gguf(path, n_ctx, threads)
+        row = {"type": kind, "file": path.name, "bytes": path.stat().st_size, "make_time_s": made_s}
+        row |= measure.score_gguf(llm, ref.segments, ref.logprobs)
+        row |= _replies(llm, kind, prompts, ref, tokenizer, max_new, replies)
+        del llm  # llama.cpp's context and weights, before the next file's
+        files.append(row)
+    return files, replies
+
+
+def _replies(llm, kind: str, prompts: list[str], ref: _Reference, tokenizer, max_new: int, out: list) -> dict:
+    """llama.cpp's greedy replies to the prompts beside transformers' (one row each appended to `out`), and what
+    the file's metrics.json row says of them."""
+    gen_tokens, gen_s, agree, ended, ended_hf = 0, 0.0, 0, 0, 0
+    for prompt, ids, (want, gaps) in zip(prompts, ref.prompt_ids, ref.replies, strict=True):
+        got, ended_here, secs = measure.greedy_gguf(llm, ids, max_new)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        own = llm.tokenize(text.encode(), add_bos=False, special=True)
+        theirs = tokenizer(text, add_special_tokens=False)["input_ids"]  # before any prompt truncation
+        part = measure.parted_at(got[: measure.AGREE_TOKENS], want[: measure.AGREE_TOKENS])
+        gen_tokens += len(got)
+        gen_s += secs
+        agree += part is None
+        ended += ended_here
+        ended_hf += len(want) < len(gaps)  # it generated eos
+        out.append(
+            {
+                "type": kind,
+                "prompt": prompt,
+                "llama_cpp": tokenizer.decode(got, skip_special_tokens=True).strip(),
+                "transformers": tokenizer.decode(want, skip_special_tokens=True).strip(),
+                "parted_at": part,
+                "transformers_top2_gap_there": gaps[part] if part is not None and part < len(gaps) else None,
+                "llama_cpp_tokens": len(got),
+                "transformers_tokens": len(want),
+                "ended_at_end_of_turn": ended_here,
+                "llama_cpp_tokenizer_matches": own == theirs,
+            }
+        )
+    return {
+        "generation_tokens_per_s": gen_tokens / gen_s if gen_tokens else None,
+        "replies": len(prompts),
+        "replies_agreeing": agree,
+        "replies_ended": ended,
+        "replies_ended_transformers": ended_hf,
+        "eos_is_end_of_generation": measure.is_eog(llm, tokenizer.eos_token_id),
+    }
+
+
+def _metadata_matches(meta: dict, tokenizer, template: str | None) -> dict[str, bool]:
+    return {
+        "chat_template_matches": meta["chat_template"] == template,
+        "bos_matches": meta["bos_token_id"] == tokenizer.bos_token_id,
+        "eos_matches": meta["eos_token_id"] == tokenizer.eos_token_id,
+    }
+
+
+def _log_file(row: dict) -> None:
+    keys = ("perplexity", "perplexity_ratio", "kl_mean", "top1_agreement", "prompt_tokens_per_s")
+    figures = ", ".join(f"{k} {row[k]:.5g}" for k in (*keys, "generation_tokens_per_s") if row[k] is not None)
+    failing = f"; FAILING: {', '.join(row['failing'])}" if row["failing"] else ""
+    log.info(
+        "%s: %.1f MiB, %s; %d/%d replies agree, %d ended%s",
+        row["file"],
+        row["bytes"] / 2**20,
+        figures,
+        row["replies_agreeing"],
+        row["replies"],
+        row["replies_ended"],
+        failing,
+    )
 
 
 def _exp(nll: float, n: int) -> float | None:
     import math
 
     return math.exp(nll / n) if n else None
+
+
+def _judge(files: list[dict], max_kl: dict[str, float], meta: dict, tokenizer, template: str | None) -> None:
+    """Each file's perplexity against the unquantized file's (the first), and why it fails, if it does."""
+    unquantized_ppl = files[0]["perplexity"]
+    for row in files:
+        row["perplexity_ratio"] = row["perplexity"] / unquantized_ppl if unquantized_ppl else None
+        row["failing"] = _failures(row, max_kl.get(row["type"]), meta, tokenizer, template)
 
 
 def _failures(row: dict, max_kl: float | None, meta: dict, tokenizer, template: str | None) -> list[str]:

@@ -35,8 +35,13 @@ VERSION = "0.3.36"
 OUTTYPES = EXPORT_TYPES
 """The unquantized file's types (`auto` in the config: the type the weights were saved in, `saved_type`)."""
 
-QUANTS = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
-          "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}  # fmt: skip
+QUANTS = {
+    "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+    "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+    "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+    "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
+    "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+}
 """Quant types this stage makes (llama.cpp's names, lower case) and the ftype each is in llama.cpp's C API."""
 assert set(QUANTS) == set(EXPORT_QUANTS)
 
@@ -64,8 +69,10 @@ def check_toolchain() -> dict:
             f"the export stage needs llama-cpp-python=={VERSION} (requirements-export.txt; `make` installs it): {e}"
         ) from None
     if llama_cpp.__version__ != VERSION:
-        raise ToolchainError(f"llama-cpp-python {llama_cpp.__version__} is installed; the export stage is pinned to "
-                             f"{VERSION} (requirements-export.txt)")  # fmt: skip
+        raise ToolchainError(
+            f"llama-cpp-python {llama_cpp.__version__} is installed; the export stage is pinned to "
+            f"{VERSION} (requirements-export.txt)"
+        )
     conv = converter_dir()
     if not (conv / "convert_hf_to_gguf.py").is_file():
         raise ToolchainError(
@@ -82,8 +89,13 @@ def install_converter(sdist: str | Path, dest: str | Path | None = None) -> Path
     dest = Path(dest) if dest else converter_dir()
     prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix)
-                   and m.name[len(prefix):].split("/")[0] in CONVERTER_PARTS and (m.isfile() or m.isdir())]  # fmt: skip
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.name.startswith(prefix)
+            and m.name[len(prefix) :].split("/")[0] in CONVERTER_PARTS
+            and (m.isfile() or m.isdir())
+        ]
         if not any(m.name == prefix + "convert_hf_to_gguf.py" for m in members):
             raise ToolchainError(
                 f"{sdist}: no {prefix}convert_hf_to_gguf.py (not llama-cpp-python {VERSION}?)"
@@ -110,8 +122,10 @@ def saved_type(model_dir: str | Path) -> str:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     found = {v["dtype"] for k, v in header.items() if k != "__metadata__"} & set(SAFETENSORS_TYPES)
     if len(found) != 1:
-        raise ToolchainError(f"{files[0]}: weights in {sorted(found) or 'no float type'}; set export.outtype to "
-                             f"one of {', '.join(OUTTYPES)}")  # fmt: skip
+        raise ToolchainError(
+            f"{files[0]}: weights in {sorted(found) or 'no float type'}; set export.outtype to "
+            f"one of {', '.join(OUTTYPES)}"
+        )
     return SAFETENSORS_TYPES[found.pop()]
 
 
@@ -132,9 +146,19 @@ def pre_tokenizer_fallback(tokenizer_json: str | Path) -> str:
 def convert(model_dir: str | Path, out_file: str | Path, outtype: str, log_file: str | Path) -> None:
     """llama.cpp's converter: the hub-format model directory as one GGUF file of `outtype` (f32, bf16 or f16)."""
     conv = converter_dir()
-    cmd = [sys.executable, "-m", "snaketune.export.llama_cpp", "convert", str(conv),
-           pre_tokenizer_fallback(Path(model_dir) / "tokenizer.json"), str(model_dir), "--outtype", outtype,
-           "--outfile", str(out_file)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "snaketune.export.llama_cpp",
+        "convert",
+        str(conv),
+        pre_tokenizer_fallback(Path(model_dir) / "tokenizer.json"),
+        str(model_dir),
+        "--outtype",
+        outtype,
+        "--outfile",
+        str(out_file),
+    ]
     package_root = str(Path(__file__).resolve().parents[2])  # snaketune's parent, for `-m` in a conda env too
     env = {
         **os.environ,
@@ -146,8 +170,10 @@ def convert(model_dir: str | Path, out_file: str | Path, outtype: str, log_file:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
     if proc.returncode != 0:
         tail = Path(log_file).read_text().splitlines()[-5:]
-        raise ToolchainError(f"llama.cpp's converter failed on {model_dir} (exit {proc.returncode}); "
-                             f"see {log_file}:\n" + "\n".join(tail))  # fmt: skip
+        raise ToolchainError(
+            f"llama.cpp's converter failed on {model_dir} (exit {proc.returncode}); "
+            f"see {log_file}:\n" + "\n".join(tail)
+        )
 
 
 @contextlib.contextmanager

@@ -78,13 +78,24 @@ def reference_replies(
     out = []
     for ids in prompts:
         res = net.generate(
-            input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=eos, pad_token_id=eos,
-            output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
+            input_ids=torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         gen = res.sequences[0, len(ids) :].tolist()
-        gaps = [float(g) for g in (torch.log_softmax(s[0].float(), -1).topk(2).values @ torch.tensor([1.0, -1.0])
-                                   for s in res.logits)]  # fmt: skip
+        gaps = [
+            float(g)
+            for g in (
+                torch.log_softmax(s[0].float(), -1).topk(2).values @ torch.tensor([1.0, -1.0])
+                for s in res.logits
+            )
+        ]
         n = gen.index(eos) if eos in gen else len(gen)
         out.append((gen[:n], gaps))
     return out
@@ -93,8 +104,15 @@ def reference_replies(
 def open_gguf(path, n_ctx: int, threads: int):
     from llama_cpp import Llama
 
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 512), n_threads=threads,
-                 n_threads_batch=threads, logits_all=True, verbose=False)  # fmt: skip
+    return Llama(
+        model_path=str(path),
+        n_ctx=n_ctx,
+        n_batch=min(n_ctx, 512),
+        n_threads=threads,
+        n_threads_batch=threads,
+        logits_all=True,
+        verbose=False,
+    )
 
 
 def score_gguf(llm, segments: Sequence[Segment], reference: Sequence[np.ndarray]) -> dict:

@@ -118,6 +118,18 @@ def micro_batches(indices: np.ndarray, micro: int) -> list[np.ndarray]:
     return [indices[i : i + micro] for i in range(0, len(indices), micro)]
 
 
+def padded_shard(n: int, rank: int, world: int, micro: int) -> list[tuple[list[int], list[float]]]:
+    """A rank's contiguous share of rows 0 .. n-1 in micro-batches, each row with a weight, for a pass over a whole
+    split (evaluation, the reference log-probabilities). Every rank runs the same number of forward passes, as
+    ZeRO-3 needs (its weights are gathered by every rank together): a share short of ceil(n / world) rows is
+    filled with row 0 at weight 0, which must add nothing to what is measured."""
+    per_rank = -(-n // world)
+    ids = list(range(rank * per_rank, min(n, (rank + 1) * per_rank)))
+    weights = [1.0] * len(ids) + [0.0] * (per_rank - len(ids))
+    ids += [0] * (per_rank - len(ids))
+    return [(ids[i : i + micro], weights[i : i + micro]) for i in range(0, per_rank, micro)]
+
+
 def collate(split: TokenizedSplit, indices: np.ndarray, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest row. Pads get label -100 and position id 0, so each pad is its own
     one-token sequence: causal attention keeps real tokens from ever seeing them."""

@@ -2,7 +2,7 @@
 
 - `builtin-tiny`: LlamaForCausalLM with the DeepSeek-LLM architecture (RMSNorm, SiLU MLP, RoPE theta 1e4,
   plain multi-head attention, untied embeddings) at ~1M parameters, random init from the train seed.
-- `arch:deepseek-llm-7b`: the exact 7B architecture (../shared/FACTS.md), random init; optionally cut to
+- `arch:deepseek-llm-7b`: the exact 7B architecture (docs/facts.md), random init; optionally cut to
   `model.num_layers` for benchmarks.
 - anything else: `from_pretrained` on a hub id or local directory, safetensors only, remote code only
   when `model.trust_remote_code` is set; with `quantize: nf4` (QLoRA) its linear layers load as bitsandbytes
@@ -272,14 +272,53 @@ def causal_lm(net: torch.nn.Module) -> PreTrainedModel:
     return net.get_base_model() if hasattr(net, "get_base_model") else net
 
 
-class LossModel(torch.nn.Module):
+def lm_inputs(
+    net: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    packed_attention: bool,
+) -> dict:
+    """The causal LM's keyword inputs for packed rows: with `packed_attention` the rows' boundaries for
+    snaketune.model.attention's kernel (`cu_seqlens` required), else SDPA's explicit block-diagonal mask
+    (snaketune.model.batching.packed_attention_mask), so that each conversation attends only to itself."""
+    kwargs: dict = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+    if packed_attention:
+        kwargs.update(cu_seqlens=cu_seqlens, max_seqlen=input_ids.shape[1])
+    else:
+        kwargs["attention_mask"] = packed_attention_mask(
+            position_ids, net.get_input_embeddings().weight.dtype
+        )
+    return kwargs
+
+
+class PackedLM(torch.nn.Module):
+    """A causal LM run on packed rows, the base of the modules DeepSpeed runs (LossModel here, the preference
+    stages' snaketune.preference.logprobs.PreferenceModel): `packed_attention` registers snaketune.model.attention
+    as the model's attention for as long as it trains."""
+
+    def __init__(self, net: torch.nn.Module, *, packed_attention: bool):
+        super().__init__()
+        self.net = net
+        self.packed_attention = packed_attention
+        if packed_attention:
+            causal_lm(net).set_attn_implementation(attention.register())
+
+    def restore_attention(self) -> None:
+        """Back to SDPA before saving, so the saved model loads anywhere without snaketune's registration."""
+        if self.packed_attention:
+            causal_lm(self.net).set_attn_implementation("sdpa")
+
+
+class LossModel(PackedLM):
     """What DeepSpeed trains: the causal LM plus its loss. forward(input_ids, labels, position_ids[, cu_seqlens])
     returns the sum of the next-token losses of the batch (the trainer normalizes by the loss tokens of the
     whole global batch, snaketune.train.trainer).
 
     - `packed_attention`: conversations in a packed row attend only to themselves through
       snaketune.model.attention (FlashAttention varlen on CUDA; `cu_seqlens` required); otherwise SDPA with an
-      explicit block-diagonal mask (snaketune.model.batching.packed_attention_mask).
+      explicit block-diagonal mask (`lm_inputs`).
     - `fused_cross_entropy`: snaketune.model.losses.fused_linear_cross_entropy on the final hidden states and the
       lm_head weight, never materializing the logits; otherwise the logits and their cross-entropy by
       `loss_kernel`: `triton` (snaketune.model.losses.logits_cross_entropy, the gradient over the logits) or `torch`
@@ -295,13 +334,9 @@ class LossModel(torch.nn.Module):
         fused_cross_entropy: bool,
         loss_kernel: str = "torch",
     ):
-        super().__init__()
-        self.net = net
-        self.packed_attention = packed_attention
+        super().__init__(net, packed_attention=packed_attention)
         self.fused_cross_entropy = fused_cross_entropy
         self.loss_kernel = loss_kernel
-        if packed_attention:
-            causal_lm(net).set_attn_implementation(attention.register())
 
     def forward(
         self,
@@ -310,12 +345,9 @@ class LossModel(torch.nn.Module):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        kwargs: dict = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
-        if self.packed_attention:
-            kwargs.update(cu_seqlens=cu_seqlens, max_seqlen=input_ids.shape[1])
-        else:
-            dtype = self.net.get_input_embeddings().weight.dtype
-            kwargs["attention_mask"] = packed_attention_mask(position_ids, dtype)
+        kwargs = lm_inputs(
+            self.net, input_ids, position_ids, cu_seqlens, packed_attention=self.packed_attention
+        )
         if not self.fused_cross_entropy:
             logits = self.net(**kwargs).logits
             if self.loss_kernel == "triton":
@@ -326,11 +358,6 @@ class LossModel(torch.nn.Module):
         hidden = lm.model(**kwargs).last_hidden_state
         targets = causal_targets(labels, position_ids)
         return fused_linear_cross_entropy(hidden.flatten(0, 1), lm.lm_head.weight, targets.flatten())
-
-    def restore_attention(self) -> None:
-        """Back to SDPA before saving, so the saved model loads anywhere without snaketune's registration."""
-        if self.packed_attention:
-            causal_lm(self.net).set_attn_implementation("sdpa")
 
 
 def compile_layers(net: torch.nn.Module, backend: str = "inductor") -> int:

@@ -49,15 +49,19 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, *, trust_remote_code
     tied = bool(getattr(config, "tie_word_embeddings", False))
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing or unexpected:
-        raise ValueError(f"{gguf_file}: the dequantized weights do not fit {type(plain).__name__}: missing "
-                         f"{missing[:5]}, unexpected {unexpected[:5]}")  # fmt: skip
+        raise ValueError(
+            f"{gguf_file}: the dequantized weights do not fit {type(plain).__name__}: missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]}"
+        )
     plain.tie_weights()
     plain.eval()
     agreement = _agreement(loaded, plain, tokenizer)
     del loaded
     if agreement < 0.9:
-        raise ValueError(f"{gguf_file}: the bf16 copy predicts the dequantized model's next token at only "
-                         f"{agreement:.0%} of the probe's positions")  # fmt: skip
+        raise ValueError(
+            f"{gguf_file}: the bf16 copy predicts the dequantized model's next token at only "
+            f"{agreement:.0%} of the probe's positions"
+        )
     record = {
         "source": str(gguf_file),
         "source_sha256": sha256_file(gguf_file),
@@ -74,8 +78,14 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, *, trust_remote_code
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         write_json(tmp / "import.json", record)
-    log.info("%s -> %s: %s, %s parameters, next-token agreement %.3f", gguf_file, out_dir,
-             record["architecture"], f"{record['parameters']:,}", agreement)  # fmt: skip
+    log.info(
+        "%s -> %s: %s, %s parameters, next-token agreement %.3f",
+        gguf_file,
+        out_dir,
+        record["architecture"],
+        f"{record['parameters']:,}",
+        agreement,
+    )
     return record
 
 

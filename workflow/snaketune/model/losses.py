@@ -8,7 +8,7 @@ Two implementations of the same number:
 - `fused_linear_cross_entropy`: the lm_head matmul and the cross-entropy chunk by chunk of tokens, with the
   gradients of the hidden states and of the lm_head weight computed in the forward pass (the method of
   Liger-Kernel's FusedLinearCrossEntropy, Hsu et al. 2024, in plain PyTorch): at most one chunk of logits
-  exists at a time (`CHUNK_BYTES` of fp32), and backward only scales the stored gradients. Same FLOPs as the
+  exists at a time (snaketune.model.sizes.CHUNK_BYTES of fp32), and backward only scales the stored gradients. Same FLOPs as the
   plain path (one forward and two backward matmuls).
 - `logits_cross_entropy` (train.loss_kernel `triton`): the first path's cross-entropy as two Triton kernels on the
   bf16 logits, without their fp32 upcast, log-softmax or fp32 gradient: the forward keeps one logsumexp per token,
@@ -24,12 +24,11 @@ import functools
 import torch
 
 from snaketune.model.batching import IGNORE
+from snaketune.model.sizes import chunk_tokens
 
 CE_BLOCK = 16384
 """Vocabulary entries per iteration of the Triton cross-entropy's row loop (bench/cross_entropy.py)."""
 CE_WARPS = 8
-CHUNK_BYTES = 2**30
-"""fp32 logits of one chunk of tokens: 1 GiB, i.e. 2,560 tokens at a 102,400-token vocabulary."""
 
 
 def causal_targets(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -39,10 +38,6 @@ def causal_targets(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Te
     targets[:, :-1] = labels[:, 1:]
     targets[:, :-1][position_ids[:, 1:] == 0] = IGNORE
     return targets
-
-
-def chunk_tokens(vocab: int) -> int:
-    return max(256, CHUNK_BYTES // (4 * vocab) // 256 * 256)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -121,7 +116,7 @@ def _triton_cross_entropy():
     @triton.jit
     def cross_entropy_forward(
         logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, n_cols, ignore, BLOCK: tl.constexpr
-    ):  # fmt: skip
+    ):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
         cols = tl.arange(0, BLOCK)
@@ -142,7 +137,7 @@ def _triton_cross_entropy():
     @triton.jit
     def cross_entropy_backward(
         logits_ptr, stride, targets_ptr, lse_ptr, scale_ptr, n_cols, ignore, BLOCK: tl.constexpr
-    ):  # fmt: skip
+    ):
         # d(scale x loss)/d(logits) = scale x (softmax - one_hot(target)), zero on ignored rows, over the logits.
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride

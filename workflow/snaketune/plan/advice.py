@@ -64,6 +64,15 @@ def not_fitting_message(
         text = f"{head}: no strategy fits; {format_entry(configured)} as configured ({where})"
     files = dict(candidate_files or {})
     files.setdefault(Path(configured["deepspeed_config"]).name, configured["deepspeed_config"])
+    would = _what_would_fit(arch, train, files, common, budget)
+    text += _host_short(plan, budget)
+    if would:
+        return f"{text}. What would fit: " + "; ".join(would) + "."
+    return f"{text}. Nothing tried fits: use more or larger GPUs, a shorter tokenize.max_length or LoRA."
+
+
+def _variants(train: dict, world: int) -> list[tuple[str, dict]]:
+    """The trainings to try in `not_fitting_message`'s order: (how the message names the change, the train config)."""
     full = not (train.get("lora") or {}).get("enabled")
     lora_train = {**train, "lora": {**(train.get("lora") or {}), "enabled": True}}
     micro = int(train["micro_batch_size"])
@@ -75,26 +84,27 @@ def not_fitting_message(
     global_batch = int(train.get("global_batch_size", micro * world))
     if full and train.get("optimizer_step") != "in_backward" and global_batch % world == 0:
         one_micro = global_batch // world
-        variants.append(
-            (
-                "the step in backward with 4-bit states (train.optimizer_step: in_backward, optimizer_states: "
-                f"4bit, micro_batch_size {one_micro}: it cannot accumulate) with ",
-                {
-                    **train,
-                    "optimizer_step": "in_backward",
-                    "optimizer_states": "4bit",
-                    "micro_batch_size": one_micro,
-                },
-            )
+        label = (
+            "the step in backward with 4-bit states (train.optimizer_step: in_backward, optimizer_states: "
+            f"4bit, micro_batch_size {one_micro}: it cannot accumulate) with "
         )
+        changes = {"optimizer_step": "in_backward", "optimizer_states": "4bit", "micro_batch_size": one_micro}
+        variants.append((label, {**train, **changes}))
     if full:
         variants.append(("LoRA (train.lora.enabled: true) with ", lora_train))
     if micro > 1:
         variants.append(("micro_batch_size 1 with ", {**train, "micro_batch_size": 1}))
         if full:
             variants.append(("LoRA and micro_batch_size 1 with ", {**lora_train, "micro_batch_size": 1}))
+    return variants
+
+
+def _what_would_fit(
+    arch: Arch, train: dict, files: dict[str, str], common: dict, budget: Budget
+) -> list[str]:
+    """At most four variants that fit, each with its fastest strategy; failing all, the fewest GPUs that would do."""
     would = []
-    for label, variant in variants:
+    for label, variant in _variants(train, common["world"]):
         found = _fastest_fitting(arch, variant, files, common, budget)
         if found:
             name, s, e = found
@@ -104,34 +114,32 @@ def not_fitting_message(
                     f" (train.deepspeed: {files[STRATEGY_FILES[name]]}, gradient_checkpointing: "
                     f"{str(s.gradient_checkpointing).lower()}; or train.strategy: auto)"
                 )
-            would.append(
-                label
-                + format_entry({"name": name, "setup": dataclasses.asdict(s), "estimate": e.as_dict()})
-                + hint
-            )
+            entry = format_entry({"name": name, "setup": dataclasses.asdict(s), "estimate": e.as_dict()})
+            would.append(label + entry + hint)
         if len(would) == 4:
-            break
+            return would
     if not would:
         for more in (2, 4, 8, 16, 32, 64):
-            if more > world:
+            if more > common["world"]:
                 found = _fastest_fitting(arch, train, files, {**common, "world": more}, budget)
                 if found:
                     name, s, e = found
-                    would.append(f"{name} on {more} GPUs needs {e.gpu_gib:.1f} GiB per GPU")
-                    break
-    # A strategy that fits the GPUs but not the host is worth naming: more RAM would do.
+                    return [f"{name} on {more} GPUs needs {e.gpu_gib:.1f} GiB per GPU"]
+    return would
+
+
+def _host_short(plan: dict, budget: Budget) -> str:
+    """A strategy that fits the GPUs but not the host is worth naming: more RAM would do."""
     host_short = [
         c
         for c in plan["candidates"]
         if not c["fits"] and c["estimate"]["offload"] and c["estimate"]["gpu_gib"] <= budget.gpu_gib
     ]
-    if host_short and budget.host_gib is not None:
-        c = host_short[0]
-        text += (
-            f"; {c['name']} would fit the GPUs ({c['estimate']['gpu_gib']:.1f} GiB) but needs "
-            f"{c['estimate']['host_gib']:.0f} GiB host RAM ({HOST_USABLE:.0%} of {budget.host_gib:.0f} GiB "
-            f"is usable; {ENV_HOST_MEMORY} overrides the RAM)"
-        )
-    if would:
-        return f"{text}. What would fit: " + "; ".join(would) + "."
-    return f"{text}. Nothing tried fits: use more or larger GPUs, a shorter tokenize.max_length or LoRA."
+    if not host_short or budget.host_gib is None:
+        return ""
+    c = host_short[0]
+    return (
+        f"; {c['name']} would fit the GPUs ({c['estimate']['gpu_gib']:.1f} GiB) but needs "
+        f"{c['estimate']['host_gib']:.0f} GiB host RAM ({HOST_USABLE:.0%} of {budget.host_gib:.0f} GiB "
+        f"is usable; {ENV_HOST_MEMORY} overrides the RAM)"
+    )

@@ -1,64 +1,21 @@
 """The memory model of the plan: peak GPU and host memory of a training (and of an evaluation) from the
 architecture and the setup, without torch (the plan rule runs on the login node).
 
-Memory model, bytes per GPU. P parameters, T of them trained (P, or the LoRA adapters), N ranks, w bytes per
-weight (2 bf16, 4 fp32); bf16 training keeps an fp32 master copy (4 B) and Adam's m and v (8 B) per trained
-parameter (../shared/FACTS.md: 16 B/param for mixed-precision Adam):
-- weights: w*P, or w*P/N under ZeRO-3 (frozen weights too). QLoRA (train.lora.quantize: nf4): the decoder
-  layers' linear weights at NF4_BYTES each (4-bit codes, an 8-bit absmax per 64, an fp32 absmax per 256 of
-  those), the embeddings, lm_head and norms at w; each matmul dequantizes its weight to a w-byte temporary.
-- gradients: ZeRO-0 4*T (DeepSpeed's bf16 optimizer accumulates in fp32), or w*T with snaketune's fp32
-  masters (snaketune.train.optim.MasterWeightAdamW: the model's bf16 gradients, cast to fp32 one chunk at a time in
-  the step), 4*T with those masters and gradient accumulation (its fp32 accumulation buffer); ZeRO-1 w*T, ZeRO-2/3 w*T/N, none on the GPU with optimizer offload; while backward runs, the
-  largest trained tensor's gradient also exists whole before it is reduced (the 102,400 x 4,096 embedding for
-  DeepSeek-7B). With snaketune's masters and one micro-batch per step the gradients are freed after every
-  step and grow while backward frees the activations, so the peak holds all activations and no gradients.
-- optimizer: (4 + 8)*T, divided by N from ZeRO-1 on; on the host with offload. With 8-bit states
-  (train.optimizer_states: 8bit) m and v take snaketune.train.adam8bit.BYTES_PER_PARAM (2 B and a block's fp32
-  absmax per 256) instead of 8; with snaketune's masters the step then casts one tensor's gradient to fp32 at a
-  time (the largest: the embedding) instead of a chunk.
-- the optimizer step in backward (train.optimizer_step: in_backward): no gradients kept (each is applied and freed
-  by its hook; the largest one in flight is counted), no masters, m and v at 8, STATE_8BIT_BYTES or
-  STATE_4BIT_BYTES per trained parameter, no step phase.
-- buffers, while backward runs (DeepSpeed frees them at its end): ZeRO-1/2 gradient buckets
-  (reduce_bucket_size x w, twice with overlap_comm); ZeRO-3 reduce and prefetch buckets, and with N > 1 the
-  gathered weights of two layers or an embedding.
-- ZeRO-3 with optimizer offload, while backward hands each gradient's partition to the host (DeepSpeed 0.19,
-  stage3.py: partition_grads, _offload_grad_partition_at_boundary): a GPU copy of the partition read back from
-  the pinned host buffer (w bytes) and its squared norm taken in float64 in pieces of OFFLOAD_NORM_ELEMENTS
-  (_constant_buffered_norm2), for the largest trained tensor: w*L/N + 8*min(L/N, 2.5e8) beside its gradient,
-  every saved activation and the reduce bucket (the logits are freed by then). For the 7B's 102,400 x 4,096
-  embedding on one rank, 0.78 + 1.86 GiB: with it the plan gives 13.3 GiB for 20 layers at 1 x 2,048, measured
-  13.01 (bench/RESULTS.md, issue #26; 11.2 without), and 11.1 for FACTS.md's 14 layers at 4 x 512 (10.6).
-- optimizer step (ZeRO-1/2/3 without offload): the trained gradients flattened (w*T/N) and cast to fp32
-  (4*T/N) next to everything above. On one GPU ZeRO-2 thus peaks at 22 B/param in the step (FACTS.md).
-- activations per token and layer, what autograd saves in a DeepSeek/Llama decoder layer with SDPA
-  attention: two RMSNorms (fp32 upcast 4h + normalized and scaled w*h each), q, k, v and the attention
-  output (w*(2*q_dim + 2*kv_dim)), the SwiGLU MLP (gate, SiLU, up, product: 4*w*i), LoRA's rank-r
-  intermediates; times ACTIVATION_FACTOR for what backward adds (gradient temporaries, kernel
-  workspaces, allocator rounding). With gradient checkpointing: each layer's input (w*h) plus one
-  layer's activations while it is recomputed; on the first k layers only (train.gradient_checkpointing: k),
-  k inputs plus the other layers' activations. Liger's kernels (train.kernels) save less, counted per layer
-  and not scaled: 4h per RMSNorm (no fp32 upcast; (4 - w)h with LoRA, whose frozen norm weights need no
-  normalized output) and w*i in SwiGLU (SiLU(gate) recomputed in backward).
-- logits: 12 B per token and vocabulary entry: the logits (bf16), the contiguous copy the loss slices, the
-  fp32 upcast and log-softmax output of the loss (snaketune.model.batching.token_loss_sum); with the Triton loss
-  (train.loss_kernel, snaketune.model.losses.logits_cross_entropy) 2 B (bf16), the logits that become their own gradient,
-  and 8 B per token (its loss and logsumexp in fp32); with the fused loss
-  (snaketune.model.losses) 8 B per entry of one chunk of tokens, the hidden states' gradient and, with several
-  chunks, an fp32 sum of the lm_head weight's gradient; and, unless attention is varlen, the packed
-  block-diagonal attention mask, micro_batch x seq^2 x (w + 1).
-The peak is the larger of forward/backward and the optimizer step; it is what torch's
-max_memory_allocated reports (summary.json peak_memory_gib_per_rank). A GPU must hold that plus
+Bytes per GPU, term by term (each counted by its function below, which says how): the weights (`_weights`), the
+gradients (`_gradients`), the optimizer's masters and states (`_optimizer`), DeepSpeed's buckets (`_buffers`), what
+autograd saves (`_activations`), the loss's logits (`_logits`) and what the optimizer step adds (`_step_extra`).
+P parameters, T of them trained (P, or the LoRA adapters), N ranks, w bytes per weight (2 bf16, 4 fp32); bf16
+training keeps an fp32 master copy (4 B) and Adam's m and v (8 B) per trained parameter: 16 B/param for
+mixed-precision Adam (docs/facts.md). The peak is the larger of forward/backward and the optimizer step; it is what
+torch's max_memory_allocated reports (summary.json peak_memory_gib_per_rank). A GPU must hold that plus
 FRAGMENTATION of it (none for the step in backward: expandable segments) and CUDA_OVERHEAD_GIB (CUDA context, NCCL
-and cuBLAS workspaces outside the allocator).
-Host memory: HOST_PER_RANK_GIB per rank (a CUDA PyTorch + DeepSpeed process), plus with optimizer offload
-18 B per trained parameter (fp32 master 4, Adam 8, fp32 gradients 4, bf16 staging 2); it must stay within
-HOST_USABLE of the machine's RAM.
+and cuBLAS workspaces outside the allocator). Host memory: HOST_PER_RANK_GIB per rank (a CUDA PyTorch + DeepSpeed
+process), plus with optimizer offload HOST_OFFLOAD_BYTES per trained parameter; it must stay within HOST_USABLE of
+the machine's RAM.
 
-Calibration (tests/test_plan.py): ACTIVATION_FACTOR is fitted to FACTS.md's H200 points where activations
+Calibration (tests/test_plan.py): ACTIVATION_FACTOR is fitted to the H200 points of docs/facts.md where activations
 matter (LoRA 30 layers 8 x 512: 45.4 GiB; torch AdamW 24 and 30 layers 4 x 512: 107.6 and 130.6 GiB); the
-model then gives 116.8 GiB for ZeRO-2 24 layers (measured 116.8, FACTS.md and bench/RESULTS.md) and 11.1 GiB
+model then gives 116.8 GiB for ZeRO-2 24 layers (measured 116.8, docs/facts.md and bench/RESULTS.md) and 11.1 GiB
 GPU / 66.6 GiB host for ZeRO-3 offload 14 layers (measured 10.6 / 69). With snaketune's masters, varlen
 attention and the plain loss it gives 101.2 / 119.5 / 36.9 GiB for 24 layers, 30 layers and 30-layer LoRA
 (measured 96.2 / 116.2 / 37.6, bench/RESULTS.md issue #7).
@@ -73,37 +30,31 @@ from typing import Any
 
 from snaketune.config.deepspeed import offloads, zero_stage
 from snaketune.device_memory import LAZY_MODULES_GIB
+from snaketune.model.sizes import MASTER_CHUNK_ELEMENTS, STATE_BYTES, chunk_tokens
 from snaketune.plan.arch import Arch
 
 log = logging.getLogger("snaketune.plan.search")
 
 GIB = 2**30
 ACTIVATION_FACTOR = 1.25
-"""Measured / counted activation memory (fitted to FACTS.md's H200 points; see the module docstring)."""
+"""Measured / counted activation memory (fitted to the H200 points of docs/facts.md; see the module docstring)."""
 LORA_ACTIVATION_FACTOR = 0.88
-"""The same with LoRA. This project's trainer measured 37.6 GiB for LoRA r16 on all linear layers, 30 layers,
-8 x 512, ZeRO-2, on one H200 (bench/runs/2026-11-29_h200_plan), where ACTIVATION_FACTOR predicts 45.6: frozen
-weights need no saved inputs for weight gradients, and peft's adapters save only their rank-r products.
-FACTS.md's 45.4 GiB for that setup came from other training code."""
+"""The same with LoRA, fitted to this project's trainer's 37.6 GiB for LoRA r16 on all linear layers, 30 layers,
+8 x 512, ZeRO-2, on one H200 (bench/RESULTS.md), where ACTIVATION_FACTOR predicts 45.6: frozen weights need no
+saved inputs for weight gradients, and peft's adapters save only their rank-r products."""
 LOGIT_BYTES = 12
 """Per token and vocabulary entry: bf16 logits 2 + contiguous copy 2 + fp32 upcast 4 + log-softmax 4."""
 FUSED_LOGIT_BYTES = 8
 """The same for one chunk of the fused loss (snaketune.model.losses): bf16 product 2 + fp32 copy 4 + bf16 gradient 2."""
-FUSED_CHUNK_BYTES = 2**30
-"""snaketune.model.losses.CHUNK_BYTES (kept here so that the plan does not import torch)."""
-MASTER_CHUNK_ELEMENTS = 2**28
-"""snaketune.train.optim.CHUNK_ELEMENTS (the same reason)."""
 CUDA_OVERHEAD_GIB = 1.25 + LAZY_MODULES_GIB
-"""What a rank holds outside PyTorch's allocator (snaketune.device_memory): measured with NVML on an H200, torch 2.11,
-2026-12-02 (bench/RESULTS.md): the CUDA context 0.60 GiB, with cuBLAS's handle and NCCL's communicator 1.21, after a
-training step's kernels 1.28, 1.22 at a 7B LoRA step's OOM under the cap; 1.25, and the room the ranks leave for
-kernel modules loaded after their warm-up."""
+"""What a rank holds outside PyTorch's allocator (snaketune.device_memory): the CUDA context, cuBLAS's and NCCL's
+buffers and a training step's kernels (1.2-1.3 GiB measured, docs/facts.md "Device memory"), and the room the ranks
+leave for kernel modules loaded after their warm-up."""
 FRAGMENTATION = 0.05
 """Allocator blocks reserved but not allocated at the peak, as a share of the peak. None for the step in backward,
 whose ranks turn on the allocator's expandable segments (snaketune.device_memory.allocator_settings): their free
-pages go back to the driver before an allocation over the cap fails, so the allocated peak is what must fit.
-Measured (bench/RESULTS.md, issue #26): the 7B's step in backward under the allocator cap of gpu_memory_gib 24
-(21.55 GiB) peaked at 21.46 GiB allocated without one allocation retry. A user's own PYTORCH_CUDA_ALLOC_CONF
+pages go back to the driver before an allocation over the cap fails, so the allocated peak is what must fit
+(docs/facts.md, "Device memory"). A user's own PYTORCH_CUDA_ALLOC_CONF
 without expandable segments keeps PyTorch's fixed segments: then the plan is up to 5% short (the rank logs which)."""
 HOST_PER_RANK_GIB = 5.0
 """Host memory of one rank: CUDA PyTorch + DeepSpeed + transformers, pinned buffers, the tokenized data."""
@@ -111,10 +62,10 @@ HOST_OFFLOAD_BYTES = 18
 """Host bytes per trained parameter with optimizer offload: fp32 master 4, Adam 8, fp32 grads 4, bf16 2."""
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 """Bytes per 4-bit NormalFloat weight with double quantization (snaketune.model.build.nf4_config), counted."""
-STATE_8BIT_BYTES = 2 + 8 / 256
-"""snaketune.train.adam8bit.BYTES_PER_PARAM (kept here so that the plan does not import torch)."""
-STATE_4BIT_BYTES = 1 + 8 / 128
-"""snaketune.train.backward_step.BYTES_PER_PARAM["4bit"]: m and v in 4 bits, an fp32 scale per 128 for each."""
+STATE_8BIT_BYTES = STATE_BYTES["8bit"]
+"""Adam's m and v in 8 bits per trained parameter (snaketune.train.adam8bit, torchao's 8-bit states alike)."""
+STATE_4BIT_BYTES = STATE_BYTES["4bit"]
+"""Adam's m and v in 4 bits per trained parameter (snaketune.train.backward_step)."""
 OFFLOAD_NORM_ELEMENTS = 250_000_000
 """DeepSpeed's ZeRO-3 takes an offloaded gradient partition's norm in float64 pieces of this many elements
 (stage3.py, _constant_buffered_norm2's buffer_size; no setting changes it)."""
@@ -146,7 +97,7 @@ class Setup:
     """Micro-batches per optimizer step and rank."""
     seq_len: int = 512
     precision: str = "bf16"
-    """bf16 | fp32 | autocast (fp32 weights, bf16 autocast: plain torch, FACTS.md's reference runs)."""
+    """bf16 | fp32 | autocast (fp32 weights, bf16 autocast: plain torch, the reference runs of docs/facts.md)."""
     lora_rank: int = 0
     """0: full fine-tuning."""
     lora_targets: tuple[str, ...] = ()
@@ -160,7 +111,7 @@ class Setup:
     """train.optimizer_step: in_backward (snaketune.train.backward_step): the weights are their own masters, each
     gradient is applied and freed by its hook (ZeRO-0, one micro-batch per step)."""
     engine: str = "deepspeed"
-    """deepspeed | torch (torch AdamW, no DeepSpeed: FACTS.md's reference runs only)."""
+    """deepspeed | torch (torch AdamW, no DeepSpeed: the reference runs of docs/facts.md only)."""
     master_weights: bool = False
     """bf16 weights and gradients, fp32 masters in snaketune.train.optim.MasterWeightAdamW (ZeRO-0 only)."""
     fused_cross_entropy: bool = False
@@ -226,78 +177,143 @@ class Estimate:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
 
 
-def estimate(arch: Arch, s: Setup) -> Estimate:
-    """Peak memory per GPU and on the host (see the module docstring for the model)."""
-    h, i, n = arch.hidden, arch.intermediate, s.world
-    shapes = arch.linear_shapes()
-    total = arch.params()
-    targets = [t for t in s.lora_targets if t in shapes]
-    trained = arch.lora_params(s.lora_rank, targets) if s.lora_rank else total
-    torch_engine = s.engine == "torch"
-    stage = 0 if torch_engine else s.zero_stage
-    w = 2 if s.precision == "bf16" else 4  # bytes per stored weight
-    a = 4 if s.precision == "fp32" else 2  # bytes per activation
-    master = 4 if s.precision == "bf16" else 0
+@dataclass(frozen=True)
+class _Counts:
+    """What every term of `estimate` is counted from."""
 
-    weights = 0.0 if s.offload_params else w * total / (n if stage == 3 else 1)
+    total: int
+    """Parameters of the model."""
+    trained: int
+    """Parameters trained: all of them, or LoRA's adapters."""
+    targets: tuple[str, ...]
+    """LoRA's target layers that the architecture has."""
+    stage: int
+    """The ZeRO stage (0 for plain torch)."""
+    torch_engine: bool
+    w: int
+    """Bytes per stored weight."""
+    a: int
+    """Bytes per activation."""
+    master: int
+    """Bytes per fp32 master weight (bf16 training keeps one per trained parameter)."""
+    largest: int
+    """Elements of the largest trained tensor (its gradient exists whole while backward reduces it)."""
+
+
+def _counts(arch: Arch, s: Setup) -> _Counts:
+    shapes = arch.linear_shapes()
+    targets = tuple(t for t in s.lora_targets if t in shapes)
+    largest = max((s.lora_rank * max(shapes[t]) for t in targets), default=0)  # LoRA's largest adapter
+    return _Counts(
+        total=arch.params(),
+        trained=arch.lora_params(s.lora_rank, list(targets)) if s.lora_rank else arch.params(),
+        targets=targets,
+        stage=0 if s.engine == "torch" else s.zero_stage,
+        torch_engine=s.engine == "torch",
+        w=2 if s.precision == "bf16" else 4,
+        a=4 if s.precision == "fp32" else 2,
+        master=4 if s.precision == "bf16" else 0,
+        largest=largest if s.lora_rank else arch.embedding_params(),
+    )
+
+
+def _weights(arch: Arch, s: Setup, c: _Counts) -> tuple[float, float]:
+    """The weights: w*P, or w*P/N under ZeRO-3 (frozen weights too). QLoRA (train.lora.quantize: nf4): the decoder
+    layers' linear weights at NF4_BYTES each (4-bit codes, an 8-bit absmax per 64, an fp32 absmax per 256 of those),
+    the embeddings, lm_head and norms at w; and each matmul dequantizes its weight to a w-byte temporary (the second
+    figure: the largest)."""
+    weights = 0.0 if s.offload_params else c.w * c.total / (s.world if c.stage == 3 else 1)
     dequantized = 0.0
     if s.quantized:
-        sizes = [fan_in * fan_out for fan_in, fan_out in shapes.values()]
+        sizes = [fan_in * fan_out for fan_in, fan_out in arch.linear_shapes().values()]
         linear = arch.layers * sum(sizes)
-        weights = w * (total - linear) + NF4_BYTES * linear
-        dequantized = w * max(sizes)  # one weight at a time, in w bytes
-    state_bytes = STATE_4BIT_BYTES if s.states_4bit else STATE_8BIT_BYTES if s.states_8bit else 8.0
+        weights = c.w * (c.total - linear) + NF4_BYTES * linear
+        dequantized = c.w * max(sizes)  # one weight at a time, in w bytes
     if s.precision == "autocast":
-        weights += 2 * total  # autocast's bf16 copies of the weights, saved for backward
+        weights += 2 * c.total  # autocast's bf16 copies of the weights, saved for backward
+    return weights, dequantized
+
+
+def _gradients(s: Setup, c: _Counts) -> float:
+    """The gradients kept: ZeRO-0 4*T (DeepSpeed's bf16 optimizer accumulates in fp32), or w*T with snaketune's fp32
+    masters (snaketune.train.optim.MasterWeightAdamW: the model's bf16 gradients, cast to fp32 one chunk at a time in
+    the step), 4*T with those masters and gradient accumulation (its fp32 accumulation buffer); ZeRO-1 w*T, ZeRO-2/3
+    w*T/N, none on the GPU with optimizer offload; none with the step in backward (each is applied and freed by its
+    hook). While backward runs, the largest trained tensor's gradient also exists whole before it is reduced (the
+    102,400 x 4,096 embedding for DeepSeek-7B: `estimate`'s transient gradient)."""
     if s.in_backward:
-        grads = 0.0  # freed by each hook as it is applied; the one in flight is transient_grad below
-    elif s.master_weights and stage == 0 and s.accumulation > 1:
-        grads = 4.0 * trained  # the fp32 accumulation buffer (each bf16 .grad is freed into it as it comes)
-    elif s.master_weights and stage == 0:
-        grads = float(w * trained)  # the model's own bf16 gradients; fp32 only one chunk at a time
-    elif torch_engine or stage == 0:
-        grads = 4.0 * trained
-    elif stage == 1:
-        grads = float(w * trained)
-    else:
-        grads = 0.0 if s.offload_optimizer else w * trained / n
+        return 0.0  # freed by each hook as it is applied; the one in flight is the transient gradient
+    if s.master_weights and c.stage == 0 and s.accumulation > 1:
+        return 4.0 * c.trained  # the fp32 accumulation buffer (each bf16 .grad is freed into it as it comes)
+    if s.master_weights and c.stage == 0:
+        return float(c.w * c.trained)  # the model's own bf16 gradients; fp32 only one chunk at a time
+    if c.torch_engine or c.stage == 0:
+        return 4.0 * c.trained
+    if c.stage == 1:
+        return float(c.w * c.trained)
+    return 0.0 if s.offload_optimizer else c.w * c.trained / s.world
+
+
+def _optimizer(s: Setup, c: _Counts) -> float:
+    """The optimizer's masters and states: (4 + 8)*T, divided by N from ZeRO-1 on; on the host with offload. With 8-bit
+    states (train.optimizer_states: 8bit) m and v take STATE_8BIT_BYTES instead of 8. The step in backward
+    (train.optimizer_step: in_backward): no masters, m and v at 8, STATE_8BIT_BYTES or STATE_4BIT_BYTES."""
+    state_bytes = STATE_4BIT_BYTES if s.states_4bit else STATE_8BIT_BYTES if s.states_8bit else 8.0
     if s.offload_optimizer:
-        optim = 0.0
-    elif s.in_backward:
-        optim = state_bytes * trained  # no masters: the weights are updated in place
-    elif torch_engine:
-        optim = 8.0 * trained  # the fp32 weights are the master copy
-    else:
-        optim = (master + state_bytes) * trained / (1 if stage == 0 else n)
+        return 0.0
+    if s.in_backward:
+        return state_bytes * c.trained  # no masters: the weights are updated in place
+    if c.torch_engine:
+        return 8.0 * c.trained  # the fp32 weights are the master copy
+    return (c.master + state_bytes) * c.trained / (1 if c.stage == 0 else s.world)
 
-    buffers = 0.0
-    if stage in (1, 2) and s.contiguous_gradients:
-        buffers = s.reduce_bucket * w * (2 if s.overlap_comm else 1)
-    elif stage == 3:
-        buffers = (s.reduce_bucket + s.prefetch_bucket) * w
-        if n > 1:
-            buffers += w * max(2 * arch.layer_params(), arch.embedding_params())
-    if s.lora_rank:
-        largest = max((s.lora_rank * max(shapes[t]) for t in targets), default=0)
-    else:
-        largest = arch.embedding_params()
-    transient_grad = (0.0 if torch_engine else w * largest) + dequantized
 
-    step_extra = 0.0
-    if s.master_weights and stage == 0 and s.states_8bit:
+def _buffers(arch: Arch, s: Setup, c: _Counts) -> float:
+    """DeepSpeed's buffers while backward runs (it frees them at its end): ZeRO-1/2 gradient buckets
+    (reduce_bucket_size x w, twice with overlap_comm); ZeRO-3 reduce and prefetch buckets, and with N > 1 the
+    gathered weights of two layers or an embedding."""
+    if c.stage in (1, 2) and s.contiguous_gradients:
+        return s.reduce_bucket * c.w * (2 if s.overlap_comm else 1)
+    if c.stage == 3:
+        gathered = c.w * max(2 * arch.layer_params(), arch.embedding_params()) if s.world > 1 else 0.0
+        return (s.reduce_bucket + s.prefetch_bucket) * c.w + gathered
+    return 0.0
+
+
+def _step_extra(s: Setup, c: _Counts) -> float:
+    """What the optimizer step adds beside the states. ZeRO-1/2/3 without offload: the trained gradients flattened
+    (w*T/N) and cast to fp32 (4*T/N); on one GPU ZeRO-2 thus peaks at 22 B/param in the step (docs/facts.md).
+    snaketune's masters: one chunk of fp32 gradients (MASTER_CHUNK_ELEMENTS), or with 8-bit states one tensor's (the
+    largest: the embedding)."""
+    if s.master_weights and c.stage == 0 and s.states_8bit:
         # One tensor's fp32 gradient at a time (snaketune.train.optim.MasterWeightAdamW._step_8bit).
-        step_extra = 4.0 * largest
-    elif s.master_weights and stage == 0 and s.accumulation == 1:
-        step_extra = 4.0 * min(trained, MASTER_CHUNK_ELEMENTS)  # one chunk of fp32 gradients
-    elif not (torch_engine or s.offload_optimizer or stage == 0):
-        step_extra = (w + master) * (trained / n if stage < 3 else min(trained / n, s.sub_group))
+        return 4.0 * c.largest
+    if s.master_weights and c.stage == 0 and s.accumulation == 1:
+        return 4.0 * min(c.trained, MASTER_CHUNK_ELEMENTS)  # one chunk of fp32 gradients
+    if not (c.torch_engine or s.offload_optimizer or c.stage == 0):
+        return (c.w + c.master) * (
+            c.trained / s.world if c.stage < 3 else min(c.trained / s.world, s.sub_group)
+        )
+    return 0.0
 
+
+def _activations(arch: Arch, s: Setup, c: _Counts) -> float:
+    """What autograd saves for backward, per token and layer of a DeepSeek/Llama decoder with SDPA attention: two
+    RMSNorms (fp32 upcast 4h + normalized and scaled w*h each), q, k, v and the attention output
+    (w*(2*q_dim + 2*kv_dim)), the SwiGLU MLP (gate, SiLU, up, product: 4*w*i), LoRA's rank-r intermediates; times
+    ACTIVATION_FACTOR for what backward adds (gradient temporaries, kernel workspaces, allocator rounding). With
+    gradient checkpointing: each layer's input (w*h) plus one layer's activations while it is recomputed; on the
+    first k layers only (train.gradient_checkpointing: k), k inputs plus the other layers' activations. Liger's kernels
+    (train.kernels) save less, counted per layer and not scaled: 4h per RMSNorm (no fp32 upcast; (4 - w)h with LoRA,
+    whose frozen norm weights need no normalized output) and w*i in SwiGLU (SiLU(gate) recomputed in backward)."""
+    h, i, a = arch.hidden, arch.intermediate, c.a
+    shapes = arch.linear_shapes()
     tokens = s.micro_batch * s.seq_len
     q, kv = shapes["q_proj"][1], shapes["k_proj"][1]
     # Per RMSNorm: the fp32 upcast, the normalized and the scaled output. Under autocast the residual stream
     # is fp32 already (input and output saved) and the next linear saves its own bf16 cast.
     norm = 8 * h + 2 * h if s.precision == "autocast" else 4 * h + 2 * a * h
-    per_layer = 2 * norm + a * (2 * q + 2 * kv) + 4 * a * i + a * s.lora_rank * len(targets)
+    per_layer = 2 * norm + a * (2 * q + 2 * kv) + 4 * a * i + a * s.lora_rank * len(c.targets)
     residual = 4 if s.precision == "autocast" else a
     factor = LORA_ACTIVATION_FACTOR if s.lora_rank else ACTIVATION_FACTOR
     # Liger's RMSNorm saves its bf16 input and the row's rstd instead of the fp32 upcast (and, where the norm's
@@ -313,25 +329,45 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
         )
     else:
         acts = tokens * arch.layers * (per_layer * factor - saved_less)
-    acts += tokens * norm  # the final norm
+    return acts + tokens * norm  # the final norm
+
+
+def _logits(arch: Arch, s: Setup, c: _Counts) -> float:
+    """The loss's logits: 12 B per token and vocabulary entry (LOGIT_BYTES: the bf16 logits, the contiguous copy the
+    loss slices, the fp32 upcast and log-softmax output of snaketune.model.batching.token_loss_sum); with the Triton
+    loss (train.loss_kernel, snaketune.model.losses.logits_cross_entropy) 2 B, the logits that become their own
+    gradient, and 8 B per token (its loss and logsumexp in fp32); with the fused loss (snaketune.model.losses) 8 B per
+    entry of one chunk of tokens, the hidden states' gradient and, with several chunks, an fp32 sum of the lm_head
+    weight's gradient. And, unless attention is varlen, the packed block-diagonal mask, micro_batch x seq^2 x (w + 1)."""
+    tokens = s.micro_batch * s.seq_len
     if s.fused_cross_entropy:
         # At the end of the forward pass, on top of every layer's saved activations: one chunk of logits (bf16
         # product, fp32 copy turned into the gradient in place, its bf16 cast), the hidden states' gradient, and
         # with several chunks the fp32 sum of the lm_head weight's gradient (its w-byte result becomes the .grad
-        # that `grads` counts).
-        chunk = min(tokens, max(256, FUSED_CHUNK_BYTES // (4 * arch.vocab) // 256 * 256))
-        logits = FUSED_LOGIT_BYTES * chunk * arch.vocab + a * tokens * h
+        # that the gradients count).
+        chunk = min(tokens, chunk_tokens(arch.vocab))
+        logits = FUSED_LOGIT_BYTES * chunk * arch.vocab + c.a * tokens * arch.hidden
         if not s.lora_rank and chunk < tokens:
-            logits += 4 * arch.vocab * h
+            logits += 4 * arch.vocab * arch.hidden
     elif s.triton_loss:
-        logits = a * tokens * arch.vocab + 8 * tokens
+        logits = c.a * tokens * arch.vocab + 8 * tokens
     else:
         logits = LOGIT_BYTES * tokens * arch.vocab
     if not s.varlen:
-        logits += s.micro_batch * s.seq_len**2 * (a + 1)  # the packed block-diagonal mask
+        logits += s.micro_batch * s.seq_len**2 * (c.a + 1)  # the packed block-diagonal mask
+    return logits
 
+
+def estimate(arch: Arch, s: Setup) -> Estimate:
+    """Peak memory per GPU and on the host (see the module docstring for the model)."""
+    c = _counts(arch, s)
+    weights, dequantized = _weights(arch, s, c)
+    grads, optim = _gradients(s, c), _optimizer(s, c)
+    buffers = _buffers(arch, s, c)
+    transient_grad = (0.0 if c.torch_engine else c.w * c.largest) + dequantized
+    step_extra = _step_extra(s, c)
+    acts, logits = _activations(arch, s, c), _logits(arch, s, c)
     states = weights + grads + optim
-    # The buckets live from the first gradient to the end of backward (DeepSpeed releases them there).
     forward_backward = states + buffers + transient_grad + acts + logits
     if s.in_backward:
         # No step after backward; while backward runs, the gradient being applied (the largest: the embedding,
@@ -339,29 +375,32 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
         # 2^25 elements at a time, snaketune.train.backward_step) are not counted: 21.48 GiB measured against 21.75
         # planned for the 30-layer 7B at 1 x 2,048 on one H200 (bench/RESULTS.md, issue #26).
         forward_backward = weights + optim + transient_grad + acts + logits
-    elif stage == 3 and s.offload_optimizer:
-        # The largest gradient's partition on its way to the host: its GPU copy and its float64 norm pieces, with
-        # every activation still saved but the logits gone (the loss's backward is done).
-        part = largest / n
-        offload = w * part + 8 * min(part, OFFLOAD_NORM_ELEMENTS)
+    elif c.stage == 3 and s.offload_optimizer:
+        # The largest gradient's partition on its way to the host (DeepSpeed 0.19, stage3.py: partition_grads,
+        # _offload_grad_partition_at_boundary): its GPU copy read back from the pinned host buffer (w bytes) and its
+        # squared norm in float64 pieces of OFFLOAD_NORM_ELEMENTS (_constant_buffered_norm2), with every activation
+        # still saved but the logits gone. For the 7B's embedding on one rank 0.78 + 1.86 GiB: with it the plan
+        # gives 13.3 GiB for 20 layers at 1 x 2,048, measured 13.01 (bench/RESULTS.md, issue #26; 11.2 without).
+        part = c.largest / s.world
+        offload = c.w * part + 8 * min(part, OFFLOAD_NORM_ELEMENTS)
         forward_backward = max(
-            forward_backward, states + s.reduce_bucket * w + transient_grad + offload + acts
+            forward_backward, states + s.reduce_bucket * c.w + transient_grad + offload + acts
         )
-    elif s.master_weights and stage == 0 and s.accumulation == 1:
+    elif s.master_weights and c.stage == 0 and s.accumulation == 1:
         # The gradients are freed after every step (DeepSpeed's zero_grad) and, with one micro-batch per step,
         # grow during backward while the activations are freed: the peak is at the start of backward, with
         # all activations and (nearly) no gradients. Measured: 95.5 GiB for 24 layers at 8 x 512 (bench/RESULTS.md).
         forward_backward = weights + optim + max(transient_grad + acts + logits, grads)
     step = states + step_extra
     peak = max(forward_backward, step)
-    host = HOST_PER_RANK_GIB * GIB * n
+    host = HOST_PER_RANK_GIB * GIB * s.world
     if s.offload_optimizer:
-        host += HOST_OFFLOAD_BYTES * trained
+        host += HOST_OFFLOAD_BYTES * c.trained
     if s.offload_params:
-        host += w * total
+        host += c.w * c.total
     return Estimate(
-        params=total,
-        trainable=trained,
+        params=c.total,
+        trainable=c.trained,
         weights_gib=weights / GIB,
         gradients_gib=grads / GIB,
         optimizer_gib=optim / GIB,
@@ -441,7 +480,7 @@ def estimate_eval(arch: Arch, e: EvalSetup) -> EvalEstimate:
         weights = a * (arch.params() - linear) + NF4_BYTES * linear + a * max(sizes)
     per_token = 2 * a * h + 4 * h + a * (2 * q + 2 * kv) + 3 * a * i
     tokens = e.batch * e.seq_len
-    chunk = min(tokens, max(256, FUSED_CHUNK_BYTES // (4 * arch.vocab) // 256 * 256))
+    chunk = min(tokens, chunk_tokens(arch.vocab))
     layer_phase = tokens * per_token + (0 if e.varlen else e.batch * e.seq_len**2 * (a + 1))
     validation = weights + max(layer_phase, tokens * a * h + 10 * chunk * arch.vocab)
     total_len = e.prompt_len + e.new_tokens

@@ -167,41 +167,12 @@ def plan_training(
     configured = plan_entry(
         strategy_name(setup), deepspeed_config, setup, estimate(arch, setup), budget, configured=True
     )
-    lora = bool((train.get("lora") or {}).get("enabled"))
-    candidates = []
-    for strat in candidate_strategies(lora, setup.states_8bit) if candidate_files else []:
-        path = candidate_files.get(strat.deepspeed_file)
-        if path is None:
-            continue
-        s = setup_for(
-            train,
-            json.loads(Path(path).read_text()),
-            gradient_checkpointing=strat.gradient_checkpointing,
-            **common,
-        )
-        speed = strat.relative_speed
-        if strategy == "auto":
-            s, speed = _largest_fitting_micro(arch, s, budget, speed)
-        name = strategy_name(s, micro=setup.micro_batch)
-        candidates.append(plan_entry(name, path, s, estimate(arch, s), budget, relative_speed=speed))
-    if strategy == "auto" and not lora and not setup.states_8bit and not setup.in_backward:
-        candidates = _with_8bit_states(candidates, arch, budget)
-        candidates += _with_backward_step(candidates, arch, budget, setup)
-    candidates = _by_speed(candidates)
+    candidates = _candidates(arch, train, setup, budget, candidate_files, common)
     if strategy == "auto" and budget.gpu_gib is not None:
         pick = next((c for c in candidates if c["fits"]), None)
     else:
         pick = configured
-    chosen = {"name": "as configured", "deepspeed_config": deepspeed_config,
-              "gradient_checkpointing": train.get("gradient_checkpointing", False)}  # fmt: skip
-    if pick is not None:
-        chosen = {k: pick[k] for k in ("name", "deepspeed_config", "gradient_checkpointing")}
-        chosen["micro_batch_size"] = pick["setup"]["micro_batch"]
-        chosen["optimizer_states"] = (
-            "4bit" if pick["setup"]["states_4bit"] else "8bit" if pick["setup"]["states_8bit"] else "fp32"
-        )
-        chosen["optimizer_step"] = "in_backward" if pick["setup"]["in_backward"] else "after_backward"
-        chosen["estimate"] = pick["estimate"]
+    chosen = _chosen(pick, train, deepspeed_config)
     stage = {
         "strategy": strategy,
         "train_precision": train.get("precision", "auto"),
@@ -224,11 +195,60 @@ def plan_training(
     return stage
 
 
+def _candidates(
+    arch: Arch,
+    train: dict,
+    setup: Setup,
+    budget: Budget,
+    candidate_files: dict[str, str] | None,
+    common: dict,
+) -> list[dict]:
+    """The strategies of `candidate_files` for this training, fastest first (with `train.strategy: auto` each at its
+    largest fitting micro-batch, and a full fine-tune's with 8-bit states and with the step in backward too)."""
+    strategy = train.get("strategy", "as_configured")
+    lora = bool((train.get("lora") or {}).get("enabled"))
+    candidates = []
+    for strat in candidate_strategies(lora, setup.states_8bit) if candidate_files else []:
+        path = candidate_files.get(strat.deepspeed_file)
+        if path is None:
+            continue
+        ds = json.loads(Path(path).read_text())
+        s = setup_for(train, ds, gradient_checkpointing=strat.gradient_checkpointing, **common)
+        speed = strat.relative_speed
+        if strategy == "auto":
+            s, speed = _largest_fitting_micro(arch, s, budget, speed)
+        name = strategy_name(s, micro=setup.micro_batch)
+        candidates.append(plan_entry(name, path, s, estimate(arch, s), budget, relative_speed=speed))
+    if strategy == "auto" and not lora and not setup.states_8bit and not setup.in_backward:
+        candidates = _with_8bit_states(candidates, arch, budget)
+        candidates += _with_backward_step(candidates, arch, budget, setup)
+    return _by_speed(candidates)
+
+
+def _chosen(pick: dict | None, train: dict, deepspeed_config: str) -> dict:
+    """What the train rule runs: the picked candidate's strategy, micro-batch and optimizer, or the configuration
+    as it is where nothing was picked."""
+    if pick is None:
+        return {
+            "name": "as configured",
+            "deepspeed_config": deepspeed_config,
+            "gradient_checkpointing": train.get("gradient_checkpointing", False),
+        }
+    chosen = {k: pick[k] for k in ("name", "deepspeed_config", "gradient_checkpointing")}
+    chosen["micro_batch_size"] = pick["setup"]["micro_batch"]
+    chosen["optimizer_states"] = (
+        "4bit" if pick["setup"]["states_4bit"] else "8bit" if pick["setup"]["states_8bit"] else "fp32"
+    )
+    chosen["optimizer_step"] = "in_backward" if pick["setup"]["in_backward"] else "after_backward"
+    chosen["estimate"] = pick["estimate"]
+    return chosen
+
+
 def _with_8bit_states(candidates: list[dict], arch: Arch, budget: Budget) -> list[dict]:
     """`train.strategy: auto` of a full fine-tune with fp32 states: each strategy without offload again with
     8-bit states (snaketune.train.adam8bit), ranked after every fp32 one without offload and before offload: exact
     fp32 states wherever they fit, 8-bit ones (SPEED_8BIT, slightly different arithmetic) before CPU offload
-    (10x slower, FACTS.md)."""
+    (10x slower, docs/facts.md)."""
     exact = [c for c in candidates if not c["estimate"]["offload"]]
     offloaded = [c for c in candidates if c["estimate"]["offload"]]
     quantized = []
@@ -259,8 +279,13 @@ def _with_backward_step(candidates: list[dict], arch: Arch, budget: Budget, conf
         if c["estimate"]["offload"] or c["setup"]["zero_stage"] != 0 or c["setup"]["states_8bit"]:
             continue
         fields = {**c["setup"], "lora_targets": tuple(c["setup"]["lora_targets"])}
-        fields.update(in_backward=True, states_4bit=True, master_weights=False, accumulation=1,
-                      micro_batch=global_batch // configured.world)  # fmt: skip
+        fields.update(
+            in_backward=True,
+            states_4bit=True,
+            master_weights=False,
+            accumulation=1,
+            micro_batch=global_batch // configured.world,
+        )
         s = Setup(**fields)
         out.append(
             plan_entry(
@@ -342,8 +367,12 @@ def plan_evaluation(arch: Arch, evaluation: dict, *, max_length: int, precision:
             "tokenize.max_length"
         )
     elif batch < requested:
-        log.info("evaluation: eval.batch_size %d needs more than %.1f GiB; the evaluate stage uses %d",
-                 requested, budget.gpu_gib, batch)  # fmt: skip
+        log.info(
+            "evaluation: eval.batch_size %d needs more than %.1f GiB; the evaluate stage uses %d",
+            requested,
+            budget.gpu_gib,
+            batch,
+        )
     return out
 
 

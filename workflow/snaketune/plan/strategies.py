@@ -2,10 +2,10 @@
 fastest first, and for full fine-tuning the same with 8-bit Adam states, then with the step in backward.
 
 Speed order for `train.strategy: auto` (fastest first; STRATEGIES): relative throughputs are assumptions,
-except offload, which FACTS.md measured: ZeRO-0 1.0 and ZeRO-2 0.97 (the same communication volume:
+except offload, which was measured (docs/facts.md): ZeRO-0 1.0 and ZeRO-2 0.97 (the same communication volume:
 reduce-scatter + all-gather = all-reduce, DeepSpeed's docs); ZeRO-3 0.8 (weights gathered in forward and
 backward: 1.5x the traffic; worse over PCIe); gradient checkpointing x0.75 (a second forward, +1/3 of the
-compute: RECOMPUTE); ZeRO-3 + CPU optimizer offload 0.09 (FACTS.md: 928 tok/s for 3.67B parameters against
+compute: RECOMPUTE); ZeRO-3 + CPU optimizer offload 0.09 (docs/facts.md: 928 tok/s for 3.67B parameters against
 8,632 for 5.70B under ZeRO-2). Full fine-tuning or LoRA stays as configured; LoRA is
 never planned with ZeRO-3 (the trainer refuses that combination). A full fine-tune with fp32 Adam states also
 gets each strategy without offload with 8-bit states (train.optimizer_states), ranked after the fp32 ones and

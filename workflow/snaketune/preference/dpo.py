@@ -1,7 +1,8 @@
 """Stage 5c, dpo: preference tuning of the SFT model on oasst's ranked pairs, on the train stage's machinery.
 
-`DPOTrainer` is snaketune.train.trainer's Trainer with another objective; everything else is shared: the launcher
-and DeepSpeed ranks, the model placement and optimizer (snaketune.train.engine: hub-format loading, the fp32-master
+`DPOTrainer` is snaketune.train.trainer's Trainer with another objective, on `PairTrainer` (the model as a
+PreferenceModel, which the reference pass shares); everything else is the train stage's: the launcher and DeepSpeed
+ranks, the model placement and optimizer (snaketune.train.engine: hub-format loading, the fp32-master
 fast path, LoRA), checkpoints and resume, the deterministic global order (1 rank = N ranks), metrics, and
 saving a hub-format model. Each row is one pair, chosen then rejected (snaketune.data.pairs); the reference
 model's log-probabilities come from the reference stage's cache, so only the policy is in memory.
@@ -24,7 +25,6 @@ loss, which model is the reference and the reference stage's parquet file.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -33,11 +33,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from snaketune.config.deepspeed import zero_stage
 from snaketune.model import batching
 from snaketune.preference.logprobs import START_TOLERANCE, PreferenceModel, read_reference, start_check
+from snaketune.train.engine import LossSetup
 from snaketune.train.ranks import run
-from snaketune.train.trainer import Trainer
+from snaketune.train.trainer import ForwardResult, Trainer
 
 log = logging.getLogger("snaketune.train")
 
@@ -48,45 +48,33 @@ class ReferenceMismatch(RuntimeError):
     """The policy at step 0 is not the model the reference log-probabilities were computed with."""
 
 
-class DPOTrainer(Trainer):
-    """The preference objective on the Trainer's loop (see the module docstring)."""
+class PairTrainer(Trainer):
+    """The Trainer on preference pairs (snaketune.data.pairs: a row is a pair, chosen then rejected), the model
+    wrapped as a PreferenceModel: what the DPO stage and the reference pass (snaketune.preference.reference) share,
+    so that both build and call the model the same way."""
 
-    def load_data(self, data_dir: Path):
-        reference = read_reference(self.spec.preference["reference_logprobs"])
-        splits = []
-        for name in ("train", "validation"):
-            split = batching.load_split(data_dir / name)
-            if len(reference[name]["logprobs"]) != len(split):
-                raise RuntimeError(
-                    f"{self.spec.preference['reference_logprobs']} has {len(reference[name]['logprobs'])} "
-                    f"{name} pairs, {data_dir / name} {len(split)}: rerun the reference stage"
-                )
-            split.reference = reference[name]["logprobs"].float()
-            splits.append(split)
-        return tuple(splits)
-
-    def wrap(self, net, packed_attention: bool, fused_cross_entropy: bool, loss_kernel: str):
-        # The preference losses come from per-token log-probabilities (snaketune.preference.logprobs), not train.loss_kernel.
-        # The chunked log-probabilities are used wherever the lm_head weight is whole (not under ZeRO-3).
-        zero3 = self._zero_stage() == 3
+    def wrap(self, net, setup: LossSetup):
+        # The preference losses come from per-token log-probabilities (snaketune.preference.logprobs), not
+        # train.loss_kernel; chunked wherever the lm_head weight is whole (not under ZeRO-3).
         pref = self.spec.preference
         return PreferenceModel(
             net,
-            packed_attention=packed_attention,
-            fused=not zero3,
+            packed_attention=setup.packed_attention,
+            fused=setup.zero_stage != 3,
             beta=pref.get("beta"),  # the reference pass (no loss) has none
             loss=pref.get("loss", "dpo"),
             sft_weight=pref.get("sft_weight", 0.0),
         )
-
-    def _zero_stage(self) -> int:
-        return zero_stage(json.loads(Path(self.spec.deepspeed_config).read_text()))
 
     @property
     def loss_summary(self) -> str:
         if self.stage == 3:
             return "log-probabilities: the whole logits in fp32 (ZeRO-3: the lm_head weight is partitioned)"
         return "log-probabilities: chunked over the tokens from the hidden states (snaketune.preference.logprobs)"
+
+    @property
+    def seq_len(self) -> int:
+        return 2 * self.spec.preference["max_length"]  # a row holds both sides of a pair
 
     @torch.no_grad()
     def logprobs(self, split, rows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,9 +83,27 @@ class DPOTrainer(Trainer):
         training = self.engine.training
         self.engine.eval()
         try:
-            return self.engine(**self._batch(split, rows))
+            return self.engine(**self.device_batch(split, rows))
         finally:
             self.engine.train(training)
+
+
+class DPOTrainer(PairTrainer):
+    """The preference objective on the Trainer's loop (see the module docstring)."""
+
+    def load_data(self, data_dir: Path):
+        """The pairs, each split with the reference stage's log-probabilities of its rows (`split.reference`)."""
+        splits = super().load_data(data_dir)
+        path = self.spec.preference["reference_logprobs"]
+        reference = read_reference(path)
+        for name, split in zip(("train", "validation"), splits, strict=True):
+            if len(reference[name]["logprobs"]) != len(split):
+                raise RuntimeError(
+                    f"{path} has {len(reference[name]['logprobs'])} {name} pairs, {data_dir / name} {len(split)}: "
+                    "rerun the reference stage"
+                )
+            split.reference = reference[name]["logprobs"].float()
+        return splits
 
     def before_training(self) -> None:
         """At the start of a run from the SFT model: the policy must be the reference (module docstring)."""
@@ -119,31 +125,11 @@ class DPOTrainer(Trainer):
         found = start_check(policy.cpu(), reference, counts.cpu(), dtype=self.dtype, beta=pref["beta"])
         every = [None] * self.world
         dist.all_gather_object(every, found)
-        total = {k: sum(f[k] for f in every) for k in ("ratio_sum", "tokens", "replies", "violations",
-                                                       "dpo_loss_sum", "pairs")}  # fmt: skip
-        worst = max(every, key=lambda f: f["max_abs_ratio"] / max(1, f["worst_tokens"]))
-        tol = START_TOLERANCE.get(self.dtype, START_TOLERANCE[torch.bfloat16])
-        mean = total["ratio_sum"] / max(1, total["tokens"])
-        self.start = {
-            "mean_log_ratio_per_token": mean,
-            "max_abs_ratio": worst["max_abs_ratio"],
-            "worst_reply_tokens": worst["worst_tokens"],
-            "replies": total["replies"],
-            "violations": total["violations"],
-            "dpo_loss": total["dpo_loss_sum"] / max(1, total["pairs"]),
-            "tolerance": tol,
-        }
-        line = (
-            f"start check: policy vs reference log-probabilities of {total['replies']} replies "
-            f"({total['tokens']:,} tokens) of step 1: mean log-ratio {mean:+.2e} per token (allowed "
-            f"{tol['per_token_mean']:g}), largest |log pi - log ref| {worst['max_abs_ratio']:.3g} nats (a "
-            f"{worst['worst_tokens']}-token reply; allowed {tol['per_reply'][0]:g} per token + {tol['per_reply'][1]:g}); "
-            f"DPO loss of these pairs {self.start['dpo_loss']:.6f} (ln 2 = {np.log(2):.6f})"
-        )
-        if total["violations"] or abs(mean) > tol["per_token_mean"]:
+        self.start, line, failed = _start_summary(every, self.dtype)
+        if failed:
             raise ReferenceMismatch(
                 f"{line}: the policy at step 0 is not the model the reference stage scored "
-                f"({self.spec.preference['reference_logprobs']}); {total['violations']} replies differ by more than "
+                f"({pref['reference_logprobs']}); {self.start['violations']} replies differ by more than "
                 "allowed. Rerun the reference stage (snakemake --forcerun reference), and check that both load "
                 "the SFT model with the same train.lora.quantize, train.kernels, train.attention and precision"
             )
@@ -153,13 +139,12 @@ class DPOTrainer(Trainer):
     def step_normalizer(self, batch_ids) -> int:
         return len(batch_ids)  # pairs of the global batch
 
-    def forward(self, split, rows, *, evaluating: bool = False):
-        batch = self._batch(split, rows)
+    def forward(self, split, rows, weights: list[float] | None = None) -> ForwardResult:
+        batch = self.device_batch(split, rows)
         batch["reference"] = split.reference[np.asarray(rows)].to(self.device)
-        weights = self._eval_weights if evaluating else [1.0] * len(rows)
-        batch["weights"] = torch.tensor(weights, device=self.device)
-        loss_sum = self.engine(**batch)
-        return loss_sum, dict(self.engine.module.last)
+        batch["weights"] = torch.tensor(weights or [1.0] * len(rows), device=self.device)
+        loss_sum, sums = self.engine(**batch)
+        return ForwardResult(loss_sum, sums, batch["input_ids"].numel())
 
     def window_metrics(self, sums, count):
         return {f"dpo/{k}": sums[k] / max(1.0, count) for k in METRICS if k in sums}
@@ -172,10 +157,6 @@ class DPOTrainer(Trainer):
         return {
             f"val/{'dpo_loss' if k == 'loss' else k}": sums[k] / count if count else None for k in METRICS
         }
-
-    @property
-    def seq_len(self) -> int:
-        return 2 * self.spec.preference["max_length"]  # a row holds both sides of a pair
 
     def checkpoint_meta(self) -> dict:
         return {"start_check": getattr(self, "start", None)}
@@ -199,6 +180,33 @@ class DPOTrainer(Trainer):
             pairs={"train": len(self.train_split), "validation": len(self.val_split)},
         )
         return out
+
+
+def _start_summary(every: list[dict], dtype: torch.dtype) -> tuple[dict, str, bool]:
+    """The start check over all ranks (`every`: each rank's start_check): what summary.json records, the log line,
+    and whether it failed."""
+    keys = ("ratio_sum", "tokens", "replies", "violations", "dpo_loss_sum", "pairs")
+    total = {k: sum(f[k] for f in every) for k in keys}
+    worst = max(every, key=lambda f: f["max_abs_ratio"] / max(1, f["worst_tokens"]))
+    tol = START_TOLERANCE.get(dtype, START_TOLERANCE[torch.bfloat16])
+    mean = total["ratio_sum"] / max(1, total["tokens"])
+    start = {
+        "mean_log_ratio_per_token": mean,
+        "max_abs_ratio": worst["max_abs_ratio"],
+        "worst_reply_tokens": worst["worst_tokens"],
+        "replies": total["replies"],
+        "violations": total["violations"],
+        "dpo_loss": total["dpo_loss_sum"] / max(1, total["pairs"]),
+        "tolerance": tol,
+    }
+    line = (
+        f"start check: policy vs reference log-probabilities of {total['replies']} replies "
+        f"({total['tokens']:,} tokens) of step 1: mean log-ratio {mean:+.2e} per token (allowed "
+        f"{tol['per_token_mean']:g}), largest |log pi - log ref| {worst['max_abs_ratio']:.3g} nats (a "
+        f"{worst['worst_tokens']}-token reply; allowed {tol['per_reply'][0]:g} per token + {tol['per_reply'][1]:g}); "
+        f"DPO loss of these pairs {start['dpo_loss']:.6f} (ln 2 = {np.log(2):.6f})"
+    )
+    return start, line, bool(total["violations"] or abs(mean) > tol["per_token_mean"])
 
 
 if __name__ == "__main__":

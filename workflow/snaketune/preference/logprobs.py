@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from snaketune.model import attention, batching
-from snaketune.model.batching import IGNORE, packed_attention_mask
-from snaketune.model.build import causal_lm
-from snaketune.model.losses import causal_targets, chunk_tokens
+from snaketune.model.batching import IGNORE
+from snaketune.model.build import PackedLM, causal_lm, lm_inputs
+from snaketune.model.losses import causal_targets
+from snaketune.model.sizes import chunk_tokens
 
 LOSSES = ("dpo", "ipo")
 
@@ -108,13 +109,7 @@ def pair_logprobs(
     counts (batch, 2). `net` is a causal LM (or peft model); `packed_attention`: its attention is
     snaketune.model.attention's and `cu_seqlens` the rows' boundaries; else SDPA with the block mask. `fused`: the
     chunked log-probabilities (not under ZeRO-3, whose lm_head weight only its own forward gathers)."""
-    kwargs: dict = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
-    if packed_attention:
-        kwargs.update(cu_seqlens=cu_seqlens, max_seqlen=input_ids.shape[1])
-    else:
-        kwargs["attention_mask"] = packed_attention_mask(
-            position_ids, net.get_input_embeddings().weight.dtype
-        )
+    kwargs = lm_inputs(net, input_ids, position_ids, cu_seqlens, packed_attention=packed_attention)
     targets = causal_targets(labels, position_ids)
     if fused:
         lm = causal_lm(net)
@@ -163,10 +158,10 @@ def preference_loss(
     return losses, rewards[:, 0], rewards[:, 1]
 
 
-class PreferenceModel(torch.nn.Module):
-    """What DeepSpeed trains in the preference stage: the causal LM plus the preference loss. forward(...)
-    returns the summed loss of the micro-batch's pairs (the trainer normalizes by the pairs of the global
-    batch) and keeps the sums the metrics are made of in `last`."""
+class PreferenceModel(PackedLM):
+    """What DeepSpeed runs in the preference stages: the causal LM plus the preference loss. forward(...) returns the
+    summed loss of the micro-batch's pairs (the trainer normalizes by the pairs of the global batch) and the weighted
+    sums the metrics are made of; without the reference log-probabilities, the pairs' own log-probabilities."""
 
     def __init__(
         self,
@@ -178,20 +173,17 @@ class PreferenceModel(torch.nn.Module):
         loss: str,
         sft_weight: float = 0.0,
     ):
-        super().__init__()
-        self.net = net
+        super().__init__(net, packed_attention=packed_attention)
         self.sft_weight = sft_weight
-        self.packed_attention = packed_attention
         self.fused = fused
         self.beta = beta
         self.loss = loss
-        self.last: dict[str, torch.Tensor] = {}
-        if packed_attention:
-            causal_lm(net).set_attn_implementation(attention.register())
 
     def forward(self, input_ids, labels, position_ids, reference=None, weights=None, cu_seqlens=None):
-        """The summed loss of the micro-batch's pairs; without `reference`, the pairs' summed log-probabilities and
-        token counts instead (the reference stage and the start check call the model the way training does)."""
+        """(the summed loss of the micro-batch's pairs, {metric: weighted sum, detached, float64}); without
+        `reference`, (the pairs' summed log-probabilities, their token counts) instead, both (pairs, 2): the reference
+        stage and the start check call the model the way training does. A tuple, not another type: DeepSpeed's
+        ZeRO-3 hooks reach the tensors inside tuples and dicts only."""
         policy, counts = pair_logprobs(
             self.net,
             input_ids,
@@ -208,18 +200,14 @@ class PreferenceModel(torch.nn.Module):
         )
         w = weights.to(losses.dtype)
         margin = chosen - rejected
-        self.last = {
+        sums = {
             "loss": (losses.detach() * w).sum().double(),
             "reward_accuracy": ((margin > 0).to(w.dtype) * w).sum().double(),
             "margin": (margin * w).sum().double(),
             "chosen_reward": (chosen * w).sum().double(),
             "rejected_reward": (rejected * w).sum().double(),
         }
-        return (losses * w).sum()
-
-    def restore_attention(self) -> None:
-        if self.packed_attention:
-            causal_lm(self.net).set_attn_implementation("sdpa")
+        return (losses * w).sum(), sums
 
 
 @torch.no_grad()

@@ -6,12 +6,15 @@ computes the summed log-probabilities of chosen and rejected of every train and 
 replies' token counts (IPO averages over them), and the DPO stage reads them. It reruns only when what it computes
 from changes (the reference model, the pairs, how the model is built); a new `beta` or learning rate reuses it.
 
-The reference is the policy at step 0. So this stage is the DPO stage's own trainer (snaketune.preference.dpo),
-launched the same way on the same ranks, with the same model construction (snaketune.train.engine: the SFT model
-loaded as DPO loads it, 4-bit under QLoRA, with LoRA's zero-initialized adapters, Liger's kernels, the varlen
-attention, ZeRO stage, precision and micro-batch size), and it calls the model through the engine as DPO does,
-without training. DPO checks its first micro-batch against these numbers before it trains (`start_check`).
-With `preference.reference: base` the model is the base model instead, built the same way.
+The reference is the policy at step 0. So this stage runs on the trainer DPO runs on
+(snaketune.preference.dpo.PairTrainer), launched the same way on the same ranks, with the same model construction
+(snaketune.train.engine: the SFT model loaded as DPO loads it, 4-bit under QLoRA, with LoRA's zero-initialized
+adapters, Liger's kernels, the varlen attention, precision and micro-batch size), and it calls the model through the
+engine as DPO does. It never takes a step, so its engine has no optimizer: no fp32 master weights, no Adam states
+(for a full-weight 7B the masters alone are 4 B x 6.9e9 parameters, 25.7 GiB), and under ZeRO-1 and -2, which only
+partition what training adds, it runs at stage 0 (engine.scoring_config). DPO checks its first micro-batch against
+these numbers before it trains (`start_check`). With `preference.reference: base` the model is the base model
+instead, built the same way.
 
 Run by the launcher as `python -m snaketune.preference.reference <run spec JSON>`; rank 0 writes
 reference.parquet (snaketune.preference.logprobs.REFERENCE_COLUMNS) and reference.json into the output directory.
@@ -21,34 +24,32 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import torch
 import torch.distributed as dist
 
 from snaketune import device_memory
 from snaketune.io import write_json, write_parquet
 from snaketune.model import batching
-from snaketune.preference.dpo import DPOTrainer
+from snaketune.preference.dpo import PairTrainer
 from snaketune.preference.logprobs import REFERENCE_COLUMNS
 from snaketune.train.metrics import device_name, peak_memory_gib
 from snaketune.train.ranks import run
-from snaketune.train.trainer import Trainer
 
 log = logging.getLogger("snaketune.train")
 
 SPLITS = ("train", "validation")
+SIDES = ("chosen", "rejected")
 
 
-class ReferencePass(DPOTrainer):
-    """DPOTrainer's setup (model, engine, data order), then one pass over every pair without training."""
+class ReferencePass(PairTrainer):
+    """The pair trainer's setup (model, engine, data), then one pass over every pair without training."""
 
-    resumable = False
+    trains = False
 
     def __init__(self, spec):
         super().__init__(spec)
@@ -58,30 +59,21 @@ class ReferencePass(DPOTrainer):
             self.cfg, global_batch_size=self.cfg.micro_batch_size * self.world, max_steps=1, epochs=None
         )
 
-    def load_data(self, data_dir: Path):
-        return Trainer.load_data(self, data_dir)  # the pairs alone: the reference is what this computes
-
     def split_logprobs(self, split: batching.TokenizedSplit) -> tuple[np.ndarray, np.ndarray]:
         """(rows, 2) summed log-probabilities (float64) and token counts of every pair of `split` (rank 0; the
-        other ranks return empty arrays). Each rank scores a contiguous share in micro-batches; every rank runs
-        as many forward passes (ZeRO-3 gathers weights collectively), a short share repeating its first row."""
-        n, mb = len(split), self.cfg.micro_batch_size
-        per_rank = math.ceil(n / self.world)
-        mine = list(range(self.rank * per_rank, min(n, (self.rank + 1) * per_rank)))
-        real = len(mine)
-        steps = math.ceil(per_rank / mb) if n else 0
-        mine += [0] * (steps * mb - real)
-        sums, counts = [], []
-        for i in range(steps):
-            lp, c = self.logprobs(split, mine[i * mb : (i + 1) * mb])
-            sums.append(lp.double().cpu())  # device-to-host sync per micro-batch: this stage only scores
-            counts.append(c.long().cpu())
-        local = (
-            torch.cat(sums)[:real].numpy() if sums else np.zeros((0, 2)),
-            torch.cat(counts)[:real].numpy() if counts else np.zeros((0, 2), dtype=np.int64),
-        )
+        other ranks return empty arrays), each rank scoring its share (batching.padded_shard)."""
+        sums, counts = [np.zeros((0, 2))], [np.zeros((0, 2), dtype=np.int64)]
+        for rows, weights in batching.padded_shard(
+            len(split), self.rank, self.world, self.cfg.micro_batch_size
+        ):
+            lp, c = self.logprobs(split, rows)
+            real = [i for i, w in enumerate(weights) if w]
+            sums.append(
+                lp.double().cpu().numpy()[real]
+            )  # device-to-host sync per micro-batch: this stage only scores
+            counts.append(c.long().cpu().numpy()[real])
         every = [None] * self.world
-        dist.all_gather_object(every, local)
+        dist.all_gather_object(every, (np.concatenate(sums), np.concatenate(counts)))
         if self.rank != 0:
             return np.zeros((0, 2)), np.zeros((0, 2), dtype=np.int64)
         return np.concatenate([e[0] for e in every]), np.concatenate([e[1] for e in every])
@@ -97,8 +89,7 @@ class ReferencePass(DPOTrainer):
             columns["rejected"] += lp[:, 1].tolist()
             columns["chosen_tokens"] += n[:, 0].tolist()
             columns["rejected_tokens"] += n[:, 1].tolist()
-            means[name] = {"chosen": float(lp[:, 0].mean()) if len(lp) else None,
-                           "rejected": float(lp[:, 1].mean()) if len(lp) else None}  # fmt: skip
+            means[name] = {side: float(lp[:, i].mean()) if len(lp) else None for i, side in enumerate(SIDES)}
         peaks = [None] * self.world
         dist.all_gather_object(peaks, peak_memory_gib(self.device))
         devices = [None] * self.world
@@ -111,19 +102,8 @@ class ReferencePass(DPOTrainer):
         schema = pa.schema([(c, types.get(c, pa.int64())) for c in REFERENCE_COLUMNS])
         out = Path(self.spec.output_dir)
         write_parquet(pa.Table.from_pydict(columns, schema=schema), out / "reference.parquet")
-        b = self.built
         record = {
-            "reference": self.spec.preference.get("reference", "sft"),
-            "model": self.model_cfg.base,
-            "device": device_name(self.device),
-            "world_size": self.world,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "zero_stage": self.stage,
-            "lora": self.cfg.lora.enabled,
-            "lora_quantize": self.cfg.lora.quantize,
-            "kernels": b.kernels,
-            "attention": self.attention_summary,
-            "micro_batch_size": self.cfg.micro_batch_size,
+            **self._record(),
             "pairs": {s: columns["split"].count(s) for s in SPLITS},
             "mean_logprob": means,
             "peak_memory_gib_per_rank": peaks,
@@ -139,6 +119,22 @@ class ReferencePass(DPOTrainer):
             record["kernels"],
             record["time_s"],
         )
+
+    def _record(self) -> dict:
+        """What reference.json says of how the model was built (what DPO's start check relies on)."""
+        return {
+            "reference": self.spec.preference.get("reference", "sft"),
+            "model": self.model_cfg.base,
+            "device": device_name(self.device),
+            "world_size": self.world,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "zero_stage": self.stage,
+            "lora": self.cfg.lora.enabled,
+            "lora_quantize": self.cfg.lora.quantize,
+            "kernels": self.built.kernels,
+            "attention": self.attention_summary,
+            "micro_batch_size": self.cfg.micro_batch_size,
+        }
 
 
 if __name__ == "__main__":

@@ -28,10 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from snaketune.model import sizes
 from snaketune.train import states4bit
 
-BLOCK = 128
-"""Elements per quantization block (torchao's AdamW4bit default; snaketune.train.backward_step.BLOCK["4bit"])."""
+BLOCK = sizes.TORCHAO_BLOCK["4bit"]
+"""Elements per quantization block (torchao's AdamW4bit default)."""
 ROWS = 4
 """Quantization blocks per Triton program: 512 elements, 4 per thread of 4 warps (more per program spills registers)."""
 
@@ -80,11 +81,31 @@ def _round_bf16(x, rand, STOCHASTIC: tl.constexpr):
 
 @triton.jit(do_not_specialize=["seed"])
 def _adamw4bit(
-    p_ptr, g_ptr, m_codes, m_scale, v_codes, v_scale, m_qmap, v_qmap, partial_ptr, divisor_ptr, n_blocks,
-    lr, beta1, beta2, eps, decay, step_size, bc2_sqrt, seed,
-    STOCHASTIC: tl.constexpr, STATES_SR: tl.constexpr, V_ROOT4: tl.constexpr, ROWS: tl.constexpr,
+    p_ptr,
+    g_ptr,
+    m_codes,
+    m_scale,
+    v_codes,
+    v_scale,
+    m_qmap,
+    v_qmap,
+    partial_ptr,
+    divisor_ptr,
+    n_blocks,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    decay,
+    step_size,
+    bc2_sqrt,
+    seed,
+    STOCHASTIC: tl.constexpr,
+    STATES_SR: tl.constexpr,
+    V_ROOT4: tl.constexpr,
+    ROWS: tl.constexpr,
     HALF: tl.constexpr,
-):  # fmt: skip
+):
     pid = tl.program_id(0)  # int32 offsets: update() refuses tensors of 2^31 elements or more
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_blocks
@@ -177,12 +198,31 @@ def update(
     programs = (n_blocks + ROWS - 1) // ROWS
     partial = _scratch(programs, p.device)
     _adamw4bit[(programs,)](
-        p, grad, exp_avg.codes, exp_avg.scale, exp_avg_sq.codes, exp_avg_sq.scale, exp_avg.qmap, exp_avg_sq.qmap,
-        partial, divisor, n_blocks,
-        lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, seed,
-        STOCHASTIC=p.dtype == torch.bfloat16, STATES_SR=states4bit.ROUNDING == "stochastic",
-        V_ROOT4=states4bit.V_ROUNDED_IN == "fourth_root", ROWS=ROWS, HALF=BLOCK // 2,
-    )  # fmt: skip
+        p,
+        grad,
+        exp_avg.codes,
+        exp_avg.scale,
+        exp_avg_sq.codes,
+        exp_avg_sq.scale,
+        exp_avg.qmap,
+        exp_avg_sq.qmap,
+        partial,
+        divisor,
+        n_blocks,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        lr / (1 - beta1**step),
+        (1 - beta2**step) ** 0.5,
+        seed,
+        STOCHASTIC=p.dtype == torch.bfloat16,
+        STATES_SR=states4bit.ROUNDING == "stochastic",
+        V_ROOT4=states4bit.V_ROUNDED_IN == "fourth_root",
+        ROWS=ROWS,
+        HALF=BLOCK // 2,
+    )
     # One launch, no read-modify-write: the host's time per tensor bounds the 7B's step (module docstring).
     torch.sum(partial, dim=0, out=sq_out)
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 256
+from snaketune.model import sizes
+
+BLOCK = sizes.BNB_8BIT_BLOCK
 """Elements per quantization block (bitsandbytes' block-wise optimizers)."""
 MIN_8BIT = 4096
 """bitsandbytes' min_8bit_size: smaller tensors keep fp32 m and v."""
-BYTES_PER_PARAM = 2 + 2 * 4 / BLOCK
-"""m and v in one byte each, plus one fp32 absmax per block for each (the memory plan uses this)."""
+BYTES_PER_PARAM = sizes.STATE_BYTES["8bit"]
+"""m and v in one byte each, plus one fp32 absmax per block for each (the memory plan counts it)."""
 STATE_KEYS = ("state1", "state2")
 """The state tensors that are uint8 (m, v) for tensors of MIN_8BIT elements or more."""
 
@@ -80,14 +82,40 @@ def update(
     beta1, beta2 = betas
     if state["state1"].dtype == torch.uint8:
         F.optimizer_update_8bit_blockwise(
-            "adam", grad, master, state["state1"], state["state2"], beta1, beta2, 0.0, 0.0, eps, step, lr,
-            state["qmap1"], state["qmap2"], state["absmax1"], state["absmax2"], weight_decay,
-        )  # fmt: skip
+            "adam",
+            grad,
+            master,
+            state["state1"],
+            state["state2"],
+            beta1,
+            beta2,
+            0.0,
+            0.0,
+            eps,
+            step,
+            lr,
+            state["qmap1"],
+            state["qmap2"],
+            state["absmax1"],
+            state["absmax2"],
+            weight_decay,
+        )
     else:
         F.optimizer_update_32bit(
-            "adam", grad, master, state["state1"], beta1, eps, step, lr, state["state2"], beta2, 0.0, 0.0,
+            "adam",
+            grad,
+            master,
+            state["state1"],
+            beta1,
+            eps,
+            step,
+            lr,
+            state["state2"],
+            beta2,
+            0.0,
+            0.0,
             weight_decay,
-        )  # fmt: skip
+        )
 
 
 def client_optimizer(groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float):

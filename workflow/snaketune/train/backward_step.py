@@ -35,17 +35,18 @@ import math
 
 import torch
 
+from snaketune.model import sizes
 from snaketune.train import states4bit
 
 STATES = ("fp32", "8bit", "4bit")
-BLOCK = {"8bit": 256, "4bit": 128}
+BLOCK = sizes.TORCHAO_BLOCK
 """Elements per quantization block: torchao's defaults for AdamW8bit and AdamW4bit."""
 MIN_QUANTIZED = 4096
 """Smaller tensors (and those not a multiple of the block) keep fp32 m and v, as torchao and bitsandbytes do."""
 CHUNK_ELEMENTS = 2**25
 """Most elements one update handles at once (`_row_chunks`): its fp32 temporaries stay near 0.5 GiB."""
-BYTES_PER_PARAM = {"fp32": 8.0, "8bit": 2 + 2 * 4 / BLOCK["8bit"], "4bit": 1 + 2 * 4 / BLOCK["4bit"]}
-"""m and v per trained parameter, with one fp32 scale per block for each (the memory plan uses these)."""
+BYTES_PER_PARAM = sizes.STATE_BYTES
+"""m and v per trained parameter, with one fp32 scale per block for each (the memory plan counts these)."""
 
 
 def require(states: str) -> None:
@@ -93,9 +94,20 @@ def _update_fn(compiled: bool):
 
     def update(p, grad, divisor, step, exp_avg, exp_avg_sq, lr, beta1, beta2, weight_decay, eps, stochastic):
         single_param_adam(
-            p, grad / divisor, step, exp_avg, exp_avg_sq, None, lr, beta1, beta2, weight_decay, eps, True,
+            p,
+            grad / divisor,
+            step,
+            exp_avg,
+            exp_avg_sq,
+            None,
+            lr,
+            beta1,
+            beta2,
+            weight_decay,
+            eps,
+            True,
             stochastic,
-        )  # fmt: skip
+        )
 
     return torch.compile(update, fullgraph=True, dynamic=False) if compiled else update
 
@@ -192,25 +204,40 @@ class BackwardAdamW(torch.optim.Optimizer):
         if not fast:  # the kernel writes its norm itself
             self._sq_slots[i].copy_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
         if fast or type(state["exp_avg"]).__name__ == "OptimState4bit":
-            step = int(state["step"])
+            self._update_4bit(p, grad, state, group, i, fast)
+        else:
+            self._update_torchao(index, p, grad, state, group)
+        p.grad = None
+
+    def _update_4bit(
+        self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, i: int, fast: bool
+    ) -> None:
+        """snaketune's 4-bit update of `p`: the Triton kernel (`fast`; it writes the gradient's squared norm into the
+        tensor's slot itself) or the kernel's arithmetic and rounding in torch (CPU ranks, optimizer_kernel torch)."""
+        step = int(state["step"])
+        common = {
+            "divisor": self._divisor,
+            "step": step,
+            "lr": float(group["lr"]),
+            "betas": group["betas"],
+            "eps": group["eps"],
+            "weight_decay": group["weight_decay"],
             # a random stream per (step, tensor): a resumed run rounds as the uninterrupted one
-            seed = (self._seed + step * 65_537 + i) % 2**31
-            if fast:
-                # The hook's host time bounds the 7B's step (273 hooks): no detach, no slicing, one launch besides
-                # the kernel's (its norm into this tensor's slot).
-                self._adam4bit.update(
-                    p, grad if grad.is_contiguous() else grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
-                    sq_out=self._sq_slots[i], divisor=self._divisor, step=step, lr=float(group["lr"]),
-                    betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"], seed=seed,
-                )  # fmt: skip
-            else:  # the kernel's arithmetic and rounding in torch (CPU ranks, optimizer_kernel torch)
-                states4bit.update(
-                    p, grad, state["exp_avg"], state["exp_avg_sq"], divisor=self._divisor, step=step,
-                    lr=float(group["lr"]), betas=group["betas"], eps=group["eps"],
-                    weight_decay=group["weight_decay"], seed=seed,
-                )  # fmt: skip
-            p.grad = None
-            return
+            "seed": (self._seed + step * 65_537 + i) % 2**31,
+        }
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        if fast:
+            # The hook's host time bounds the 7B's step (273 hooks): no detach, no slicing, one launch besides the
+            # kernel's (its norm into this tensor's slot).
+            contiguous = grad if grad.is_contiguous() else grad.contiguous()
+            self._adam4bit.update(p, contiguous, m, v, sq_out=self._sq_slots[i], **common)
+        else:
+            states4bit.update(p, grad, m, v, **common)
+
+    def _update_torchao(
+        self, index: int, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict
+    ) -> None:
+        """torchao's update of `p` (fp32 or 8-bit states), compiled on CUDA, row chunk by row chunk."""
         lr = self._lr[index]
         lr.fill_(float(group["lr"]))  # the scheduler writes floats; the compiled update takes a tensor
         beta1, beta2 = group["betas"]
@@ -220,11 +247,19 @@ class BackwardAdamW(torch.optim.Optimizer):
             for rows in _row_chunks(p, self.states):
                 part = (lambda t: t) if rows is None else (lambda t: t[rows])  # noqa: B023 - used at once
                 update(
-                    part(weight), part(grad), self._divisor, state["step"], part(state["exp_avg"]),
-                    part(state["exp_avg_sq"]), lr, beta1, beta2, group["weight_decay"], group["eps"],
+                    part(weight),
+                    part(grad),
+                    self._divisor,
+                    state["step"],
+                    part(state["exp_avg"]),
+                    part(state["exp_avg_sq"]),
+                    lr,
+                    beta1,
+                    beta2,
+                    group["weight_decay"],
+                    group["eps"],
                     p.dtype == torch.bfloat16,
-                )  # fmt: skip
-        p.grad = None
+                )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -273,8 +308,11 @@ def _plain(value):
     """A torchao quantized state as {"torchao": class name, "tensors": {...}, "attributes": [...]}; else itself."""
     if torch.is_tensor(value) and hasattr(value, "__tensor_flatten__"):
         names, attributes = value.__tensor_flatten__()
-        return {"torchao": type(value).__name__, "tensors": {n: getattr(value, n) for n in names},
-                "attributes": list(attributes)}  # fmt: skip
+        return {
+            "torchao": type(value).__name__,
+            "tensors": {n: getattr(value, n) for n in names},
+            "attributes": list(attributes),
+        }
     return value
 
 

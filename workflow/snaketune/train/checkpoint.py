@@ -186,3 +186,62 @@ def load_rng(ckpt: Path, rank: int) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+# ---- what a rank does with them ------------------------------------------------------------------------------
+
+
+def resume(engine, root: Path, *, rank: int, world: int, lora: bool) -> tuple[int, dict]:
+    """Load the latest complete checkpoint under `root` into the DeepSpeed `engine` and this rank's RNG state:
+    (its step, its marker), or (0, {}) where there is none. Collective: rank 0 first removes incomplete ones.
+    RuntimeError, naming what to delete or rerun, for a checkpoint of another world size or one that fails to load."""
+    import torch.distributed as dist
+
+    removed = remove_incomplete(root) if rank == 0 else []
+    for d in removed:
+        log.warning("discarding incomplete checkpoint %s (the process died while writing it)", d)
+    dist.barrier()
+    found = latest(root)
+    if found is None:
+        return 0, {}
+    step, path = found
+    meta = read_marker(path)
+    if meta.get("world_size") != world:
+        raise RuntimeError(
+            f"checkpoint {path} was written by {meta.get('world_size')} ranks but {world} were granted; "
+            f"rerun with --resources gpu={meta.get('world_size')} to resume, or delete {root} to restart"
+        )
+    try:
+        # LoRA: the checkpoint holds the adapters alone; the frozen base loads as the run started (`save`).
+        load_path, _ = engine.load_checkpoint(str(root), tag=path.name, load_module_strict=not lora)
+        load_rng(path, rank)
+    except Exception as e:  # a truncated file, a foreign pickle refused by weights_only, a shape mismatch
+        raise RuntimeError(
+            f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e).splitlines()[0]}); "
+            f"delete {path} to resume from an older checkpoint, or {root} to restart"
+        ) from e
+    if load_path is None:
+        raise RuntimeError(f"checkpoint {path} could not be loaded; delete it to fall back to an older one")
+    if rank == 0:
+        log.info("resuming from checkpoint %s at step %d", path, step)
+    return step, meta
+
+
+def save(engine, root: Path, step: int, meta: dict, *, rank: int, lora: bool, keep: int) -> None:
+    """DeepSpeed's checkpoint of `step` under `root`, every rank's RNG state, then (rank 0, once every rank has
+    written) the marker with `meta` and the pruning to the newest `keep`. Collective."""
+    import torch.distributed as dist
+
+    tag = tag_for(step)
+    # LoRA: the adapters and their optimizer, not the frozen base (13 GB for a 7B, a copy per checkpoint): a resume
+    # loads the base as the run started, then these.
+    engine.save_checkpoint(
+        str(root), tag=tag, client_state={"step": step}, save_latest=False, exclude_frozen_parameters=lora
+    )
+    save_rng(root / tag, rank)
+    dist.barrier()
+    if rank == 0:
+        mark_complete(root / tag, meta)
+        prune(root, keep)
+        log.info("checkpoint %s complete", root / tag)
+    dist.barrier()

@@ -19,6 +19,7 @@ One function, `build`, shared by the SFT trainer (snaketune.train.trainer) and t
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Callable
@@ -58,6 +59,27 @@ def lr_lambda(train: TrainConfig, total_steps: int):
     return factor
 
 
+@dataclass(frozen=True)
+class LossSetup:
+    """How the loss module computes (`wrap`'s second argument), decided by `build` from the config, the device and
+    the ZeRO stage."""
+
+    packed_attention: bool
+    """snaketune.model.attention's varlen kernel: the conversations of a packed row attend only to themselves
+    through `cu_seqlens` (else SDPA with a block-diagonal mask)."""
+    fused_cross_entropy: bool
+    """The loss from the final hidden states and the lm_head weight in chunks, never the whole logits."""
+    loss_kernel: str
+    """The logits' cross-entropy where fused_cross_entropy is off: `triton` or `torch` (snaketune.model.losses)."""
+    zero_stage: int
+    """Under ZeRO-3 the lm_head weight is partitioned and only the model's own forward gathers it: a loss that reads
+    it directly (the fused loss, the chunked log-probabilities) cannot run there."""
+
+
+Wrap = Callable[[torch.nn.Module, LossSetup], torch.nn.Module]
+"""What turns the causal LM into the module DeepSpeed runs: net -> loss module (the trainer's `wrap`)."""
+
+
 @dataclass
 class Built:
     """The engine and what the trainer reports about it."""
@@ -67,10 +89,9 @@ class Built:
     ds_config: dict
     stage: int
     master_weights: bool
+    """Built as for snaketune.train.optim.MasterWeightAdamW (bf16 LoRA adapters; without an optimizer no masters)."""
     accumulate_fp32: bool
-    fused_cross_entropy: bool
-    loss_kernel: str
-    """The logits' cross-entropy where fused_cross_entropy is off: `triton` or `torch` (snaketune.model.losses)."""
+    loss: LossSetup
     attention: str
     kernels: str
     """`liger` or `torch` (snaketune.model.kernels)."""
@@ -80,13 +101,15 @@ class Built:
     """Dense model FLOPs per trained token (PaLM's 6N; 4N with LoRA)."""
     attention_coefficient: float
     """Attention FLOPs per squared conversation length (12 x layers x heads x head_dim)."""
-    decayed: dict
+    decayed: dict | None
     """{"weight_decay", "tensors", "elements"}: the optimizer's rate and the parameters it decays (the same under
-    every ZeRO stage)."""
+    every ZeRO stage); None without an optimizer."""
 
     @property
     def precision_summary(self) -> str:
         opt = self.engine.optimizer
+        if self.decayed is None:
+            return "none: no optimizer (a pass that takes no step)"
         if isinstance(opt, BackwardAdamW):
             return f"none: the in-backward step updates the weights themselves ({opt.kernel})"
         if isinstance(opt, MasterWeightAdamW):
@@ -122,6 +145,114 @@ def check_same_start(net: torch.nn.Module, device: torch.device) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _Choices:
+    """What `build` decides from the settings before it loads anything."""
+
+    ds_config: dict
+    stage: int
+    master: bool
+    in_backward: bool
+    accumulate_fp32: bool
+    loss: LossSetup
+    attention: str
+
+
+def _choose(
+    cfg: TrainConfig, file_cfg: dict, source: str, world: int, device: torch.device, dtype: torch.dtype
+) -> _Choices:
+    """The DeepSpeed config, precision path, attention and loss of a run; ValueError for what cannot go together."""
+    bf16 = dtype == torch.bfloat16
+    in_backward = cfg.optimizer_step == "in_backward"
+    # The in-backward step updates the weights themselves: no fp32 masters (snaketune.train.backward_step).
+    master = not in_backward and uses_master_weights(file_cfg, cfg.bf16_optimizer, bf16=bf16)
+    ds_config = build_ds_config(
+        file_cfg, cfg, world_size=world, bf16=bf16, source=source, master_weights=master
+    )
+    stage = zero_stage(ds_config)
+    attn = attention.resolve(cfg.attention, device, dtype)
+    loss = LossSetup(
+        packed_attention=attn == "varlen",
+        fused_cross_entropy=cfg.fused_cross_entropy and stage != 3,
+        loss_kernel=resolve_triton("train.loss_kernel", cfg.loss_kernel, device),
+        zero_stage=stage,
+    )
+    if cfg.lora.enabled and stage == 3:
+        raise ValueError(
+            f"train.lora.enabled with ZeRO stage 3 ({source}) is not supported yet: "
+            "use config/deepspeed/zero2.json or zero0.json for LoRA"
+        )
+    fp8.check(cfg.fp8, device, stage=stage, quantize=cfg.lora.quantize)
+    if cfg.optimizer_states == "8bit" and offloads(ds_config):
+        raise ValueError(
+            f"train.optimizer_states '8bit' with optimizer offload ({source}): DeepSpeed's CPU Adam keeps fp32 "
+            "states; allowed with offload: fp32"
+        )
+    accumulate_fp32 = master and cfg.accumulation_steps(world) > 1
+    return _Choices(ds_config, stage, master, in_backward, accumulate_fp32, loss, attn)
+
+
+def _load(
+    model_cfg: ModelConfig, cfg: TrainConfig, c: _Choices, tokenizer, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.nn.Module, bool]:
+    """The model loaded or built where it trains, in training mode; and whether it is quantized (QLoRA)."""
+    net = load_model(
+        model_cfg,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        dtype=dtype,
+        seed=cfg.seed,
+        device=device,
+        # ZeRO-3 partitions big models while they are built or loaded (the tiny one is cheaper to build whole).
+        zero_init_config=c.ds_config if c.stage == 3 and model_cfg.base != "builtin-tiny" else None,
+        quantize=cfg.lora.quantize,
+    )
+    quantized = is_quantized(net)  # loaded onto the device; transformers refuses .to() on it
+    if c.stage != 3 and not quantized:
+        net.to(device)  # a no-op where it was loaded or built there; builtin-tiny is built on the host
+    net.train()  # from_pretrained returns eval mode, where transformers skips gradient checkpointing
+    return net, quantized
+
+
+def _adapt(
+    net: torch.nn.Module, cfg: TrainConfig, c: _Choices, quantized: bool, device: torch.device
+) -> tuple[torch.nn.Module, str]:
+    """Liger's kernels, gradient checkpointing and LoRA's adapters on `net`; returns it and the kernels used."""
+    fused = kernels.resolve(cfg.kernels, device, getattr(net.config, "model_type", ""))
+    kernels.apply(net, fused)
+    checkpointed = checkpoint_layers(net, cfg.gradient_checkpointing)
+    if not cfg.lora.enabled:
+        return net, fused
+    if checkpointed:
+        net.enable_input_require_grads()
+    # With fp32 masters in the optimizer the adapters compute in bf16 like the rest of the model; peft's default
+    # fp32 adapters would cast every adapted layer's input to fp32 (measured: +13 GiB of activations and 5% slower
+    # for LoRA r16 on all linear layers of the 7B, 8 x 512).
+    net = apply_lora(net, cfg.lora, fp32_adapters=not c.master, seed=cfg.seed)
+    if c.stage != 3 and not quantized:
+        net.to(device)  # the adapters are created on the host
+    elif quantized:  # peft puts them beside their base layer; check_placement says if not
+        for p in net.parameters():
+            if p.requires_grad and p.device != device:
+                p.data = p.data.to(device)
+    return net, fused
+
+
+def _convert(net: torch.nn.Module, cfg: TrainConfig, rank: int) -> None:
+    """FP8 matmuls (train.fp8) and per-layer torch.compile (train.compile), the last changes to the model."""
+    converted, linear = fp8.apply(net, cfg.fp8)
+    if cfg.fp8 != "none" and rank == 0:
+        log.info("FP8 (%s, torchao Float8Linear): %d of %d linear layers", cfg.fp8, converted, linear)
+        if cfg.fp8 == "tensorwise" and not cfg.compile:
+            log.warning(
+                "train.fp8: tensorwise without train.compile: true runs its casts as separate kernels (2.3x slower "
+                "than bf16 on an H200; compiled, 18% faster: bench/RESULTS.md)"
+            )
+    if cfg.compile:
+        compile_layers(net)
+
+
 def build(
     *,
     model_cfg: ModelConfig,
@@ -134,82 +265,51 @@ def build(
     tokenizer,
     total_steps: int,
     rank: int,
-    wrap: Callable[[torch.nn.Module, bool, bool, str], torch.nn.Module],
+    wrap: Wrap,
+    optimizer: bool = True,
 ) -> Built:
-    """Load or build the model, place it, add LoRA, wrap it with `wrap(net, packed_attention, fused_ce,
-    loss_kernel)` (the loss module DeepSpeed trains), build the optimizer and the DeepSpeed engine."""
-    import deepspeed
-
-    bf16 = dtype == torch.bfloat16
-    in_backward = cfg.optimizer_step == "in_backward"
-    # The in-backward step updates the weights themselves: no fp32 masters (snaketune.train.backward_step).
-    master = not in_backward and uses_master_weights(file_cfg, cfg.bf16_optimizer, bf16=bf16)
-    ds_config = build_ds_config(
-        file_cfg, cfg, world_size=world, bf16=bf16, source=source, master_weights=master
-    )
-    stage = zero_stage(ds_config)
-    accumulate_fp32 = master and cfg.accumulation_steps(world) > 1
-    fused_ce = cfg.fused_cross_entropy and stage != 3
-    loss_kernel = resolve_triton("train.loss_kernel", cfg.loss_kernel, device)
-    attn = attention.resolve(cfg.attention, device, dtype)
-    if cfg.lora.enabled and stage == 3:
-        raise ValueError(
-            f"train.lora.enabled with ZeRO stage 3 ({source}) is not supported yet: "
-            "use config/deepspeed/zero2.json or zero0.json for LoRA"
-        )
-    fp8.check(cfg.fp8, device, stage=stage, quantize=cfg.lora.quantize)
-    if cfg.optimizer_states == "8bit" and offloads(ds_config):
-        raise ValueError(
-            f"train.optimizer_states '8bit' with optimizer offload ({source}): DeepSpeed's CPU Adam keeps fp32 "
-            "states; allowed with offload: fp32"
-        )
-    net = load_model(
-        model_cfg,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        dtype=dtype,
-        seed=cfg.seed,
-        device=device,
-        # ZeRO-3 partitions big models while they are built or loaded (the tiny one is cheaper to build whole).
-        zero_init_config=ds_config if stage == 3 and model_cfg.base != "builtin-tiny" else None,
-        quantize=cfg.lora.quantize,
-    )
-    quantized = is_quantized(net)  # loaded onto the device; transformers refuses .to() on it
-    if stage != 3 and not quantized:
-        net.to(device)  # a no-op where it was loaded or built there; builtin-tiny is built on the host
-    net.train()  # from_pretrained returns eval mode, where transformers skips gradient checkpointing
-    fused = kernels.resolve(cfg.kernels, device, getattr(net.config, "model_type", ""))
-    kernels.apply(net, fused)
-    checkpointed = checkpoint_layers(net, cfg.gradient_checkpointing)
-    if cfg.lora.enabled:
-        if checkpointed:
-            net.enable_input_require_grads()
-        # With fp32 masters in the optimizer the adapters compute in bf16 like the rest of the model;
-        # peft's default fp32 adapters would cast every adapted layer's input to fp32 (measured: +13 GiB
-        # of activations and 5% slower for LoRA r16 on all linear layers of the 7B, 8 x 512).
-        net = apply_lora(net, cfg.lora, fp32_adapters=not master, seed=cfg.seed)
-        if stage != 3 and not quantized:
-            net.to(device)  # the adapters are created on the host
-        elif quantized:  # peft puts them beside their base layer; check_placement says if not
-            for p in net.parameters():
-                if p.requires_grad and p.device != device:
-                    p.data = p.data.to(device)
+    """Load or build the model, place it, add LoRA, wrap it with `wrap(net, LossSetup)` (the loss module DeepSpeed
+    runs), build the optimizer and the DeepSpeed engine. Without `optimizer` (a pass that never steps) the model is
+    built the same way and the engine holds no optimizer: no fp32 masters, no Adam states, no gradient buckets."""
+    c = _choose(cfg, file_cfg, source, world, device, dtype)
+    net, quantized = _load(model_cfg, cfg, c, tokenizer, device, dtype)
+    net, fused = _adapt(net, cfg, c, quantized, device)
     check_same_start(net, device)
     n_params, n_trainable = count_params(net)
     dense_flops, attention_coefficient = flop_counts(net, lora=cfg.lora.enabled)
-    converted, linear = fp8.apply(net, cfg.fp8)
-    if cfg.fp8 != "none" and rank == 0:
-        log.info("FP8 (%s, torchao Float8Linear): %d of %d linear layers", cfg.fp8, converted, linear)
-        if cfg.fp8 == "tensorwise" and not cfg.compile:
-            log.warning(
-                "train.fp8: tensorwise without train.compile: true runs its casts as separate kernels (2.3x slower "
-                "than bf16 on an H200; compiled, 18% faster: bench/RESULTS.md)"
-            )
-    if cfg.compile:
-        compile_layers(net)
+    _convert(net, cfg, rank)
     torch.manual_seed(cfg.seed + rank)  # dropout differs per rank, deterministic per run
-    module = wrap(net, attn == "varlen", fused_ce, loss_kernel)
+    module = wrap(net, c.loss)
+    if optimizer:
+        engine, decayed = _training_engine(module, cfg, c, device, world, total_steps)
+    else:
+        engine, decayed = _scoring_engine(module, c.ds_config), None
+    built = Built(
+        engine=engine,
+        ds_config=c.ds_config,
+        stage=c.stage,
+        master_weights=c.master,
+        accumulate_fp32=c.accumulate_fp32 and optimizer,
+        loss=c.loss,
+        attention=c.attention,
+        kernels=fused,
+        n_params=n_params,
+        n_trainable=n_trainable,
+        flops_per_token=dense_flops,
+        attention_coefficient=attention_coefficient,
+        decayed=decayed,
+    )
+    if optimizer:
+        check_optimizer(built, device)
+    return built
+
+
+def _training_engine(
+    module: torch.nn.Module, cfg: TrainConfig, c: _Choices, device: torch.device, world: int, total_steps: int
+) -> tuple[object, dict]:
+    """DeepSpeed's engine with the run's optimizer and schedule; and what the optimizer decays (Built.decayed)."""
+    import deepspeed
+
     trained = [p for p in module.parameters() if p.requires_grad]
     decayed = [p for p in trained if decays(p)]
     optimizer = build_optimizer(
@@ -218,50 +318,53 @@ def build(
         betas=cfg.adam_betas,
         weight_decay=cfg.weight_decay,
         device=device,
-        master_weights=master,
+        master_weights=c.master,
         grad_clip=cfg.grad_clip,
         kernel=cfg.optimizer_kernel,
-        offload=offloads(ds_config),
-        accumulate_fp32=accumulate_fp32,
+        offload=offloads(c.ds_config),
+        accumulate_fp32=c.accumulate_fp32,
         states=cfg.optimizer_states,
-        in_backward=in_backward,
+        in_backward=c.in_backward,
     )
     schedule = lr_lambda(cfg, total_steps)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         optimizer=optimizer,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
-        config=ds_config,
+        config=c.ds_config,
     )
-    if accumulate_fp32 or in_backward or (world == 1 and stage == 0):
+    if c.accumulate_fp32 or c.in_backward or (world == 1 and c.stage == 0):
         # The fp32 buffer is all-reduced by the optimizer itself, and the in-backward step's hooks all-reduce each
         # gradient before they apply and free it. And one rank has nothing to all-reduce; DeepSpeed would still
         # flatten every gradient into buckets and copy it back (two passes per step).
         engine.enable_backward_allreduce = False
-    built = Built(
-        engine=engine,
-        ds_config=ds_config,
-        stage=stage,
-        master_weights=master,
-        accumulate_fp32=accumulate_fp32,
-        fused_cross_entropy=fused_ce,
-        loss_kernel=loss_kernel,
-        attention=attn,
-        kernels=fused,
-        n_params=n_params,
-        n_trainable=n_trainable,
-        flops_per_token=dense_flops,
-        attention_coefficient=attention_coefficient,
-        decayed={
-            # The rate as the optimizer holds it (a setting lost on its way there shows here), the tensors it
-            # applies to by snaketune.train.optim.decays.
-            "weight_decay": max(g["weight_decay"] for g in optimizer.param_groups),
-            "tensors": len(decayed),
-            "elements": sum(math.prod(_shape(p)) for p in decayed),
-        },
-    )
-    check_optimizer(built, device)
-    return built
+    return engine, {
+        # The rate as the optimizer holds it (a setting lost on its way there shows here), the tensors it applies
+        # to by snaketune.train.optim.decays.
+        "weight_decay": max(g["weight_decay"] for g in optimizer.param_groups),
+        "tensors": len(decayed),
+        "elements": sum(math.prod(_shape(p)) for p in decayed),
+    }
+
+
+def scoring_config(ds_config: dict) -> dict:
+    """The DeepSpeed config of an engine without an optimizer. ZeRO-1 and -2 partition only what training adds
+    (gradients, optimizer states) and DeepSpeed refuses them without an optimizer: stage 0 computes the same
+    forward with the same whole weights. ZeRO-3 stays (its weights are partitioned; DeepSpeed then runs its
+    parameter gathering alone, DeepSpeedZeRoOffload), with any offload_param; offload_optimizer goes."""
+    out = copy.deepcopy(ds_config)
+    zero = out.setdefault("zero_optimization", {})
+    zero.pop("offload_optimizer", None)
+    if zero_stage(out) in (1, 2):
+        zero["stage"] = 0
+    return out
+
+
+def _scoring_engine(module: torch.nn.Module, ds_config: dict) -> object:
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=module, config=scoring_config(ds_config))
+    return engine
 
 
 def _shape(p: torch.Tensor) -> tuple[int, ...]:

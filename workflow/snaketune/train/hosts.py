@@ -1,10 +1,10 @@
 """Where the train stage runs inside a SLURM allocation: its nodes, its GPUs, and the torchrun rendezvous.
 
 Pure functions of the environment SLURM gives a job (no SLURM call, nothing started), so they are tested
-with made-up environments (tests/test_hosts.py). `snaketune.train.launch` uses them:
+with made-up environments (tests/test_hosts.py). `snaketune.train.processes` uses them:
 
 - one node: torchrun on this node as without SLURM, one rank per GPU SLURM gave (CUDA_VISIBLE_DEVICES);
-- several nodes (train.nodes > 1): `srun --overlap --ntasks-per-node=1` starts `python -m snaketune.train.launch
+- several nodes (train.nodes > 1): `srun --overlap --ntasks-per-node=1` starts `python -m snaketune.train.processes
   --nnodes N ...` once per node, which runs torchrun with `--nnodes N --node_rank R --rdzv_backend c10d
   --rdzv_endpoint <first node>:<port from the job id>`.
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 # Dense bf16 tensor-core peak (FLOP/s, no sparsity), from the vendors' data sheets. MFU against this is
-# the convention of PaLM / Megatron; the H200 also reached ~790e12 in an 8192^3 bf16 matmul here
-# (../shared/FACTS.md), so an MFU of 0.8 is about the ceiling there.
+# the convention of PaLM / Megatron; the H200 also reached ~790e12 in an 8192^3 bf16 matmul (docs/facts.md,
+# "Matmul rates"), so an MFU of 0.8 is about the ceiling there.
 PEAK_BF16_FLOPS = {
     "H200": 989.4e12,
     "H100 SXM": 989.4e12,
@@ -29,8 +29,8 @@ PEAK_BF16_FLOPS = {
 
 
 MEASURED_MATMUL_FLOPS = {"H200": 790e12, "H100": 790e12}
-"""bf16 matmul rate measured here (8192^3 products on random data, ../shared/FACTS.md and the device tool's
-KINDS.md: 769-798 TFLOP/s on H200s): what the matmuls can reach in practice. MFU is quoted against the
+"""bf16 matmul rate measured on these GPUs (8192^3 products on random data, docs/facts.md "Matmul rates": 788
+TFLOP/s on an H200, 769-798 on H100s): what the matmuls can reach in practice. MFU is quoted against the
 datasheet peak (PEAK_BF16_FLOPS); the share of this rate is shown beside it, labelled as such."""
 
 

@@ -3,7 +3,7 @@
 `MasterWeightAdamW` is mixed-precision training as Megatron-LM and torchtitan do it, without DeepSpeed's
 extra gradient copies: the model's weights and gradients stay bf16 on the GPU and the optimizer keeps, per
 trained parameter, an fp32 master weight and Adam's fp32 m and v (2 + 2 + 4 + 8 = 16 B/param,
-../shared/FACTS.md). DeepSpeed's own bf16 path at ZeRO stage 0 flattens the bf16 gradients and casts them to
+docs/facts.md). DeepSpeed's own bf16 path at ZeRO stage 0 flattens the bf16 gradients and casts them to
 fp32 for the step (22 B/param at its peak on one GPU, like ZeRO-2): 7B full fine-tuning then does not fit a
 141 GB H200, while with this optimizer it does. The step works through the parameters in chunks of at most
 `CHUNK_ELEMENTS`: the chunk's gradients are cast to fp32, clipped by the global norm, and one fused AdamW
@@ -26,10 +26,11 @@ import functools
 import torch
 from torch.optim.adam import adam as _adam_functional
 
+from snaketune.model import sizes
 from snaketune.train import adam8bit
 
-CHUNK_ELEMENTS = 2**28
-"""Most parameters whose fp32 gradients exist at once in a step (1 GiB of fp32)."""
+CHUNK_ELEMENTS = sizes.MASTER_CHUNK_ELEMENTS
+"""Most parameters whose fp32 gradients exist at once in a step (1 GiB of fp32; the memory plan counts it)."""
 KERNELS = ("auto", "triton", "torch")
 TRITON_BLOCK = 1024
 """Elements per Triton program (4 warps): 38.8-39.0 ms for the 24-layer 7B's 5.7B parameters on one H200, 96-98%
@@ -71,10 +72,23 @@ def _triton_adamw():
 
     @triton.jit
     def adamw(
-        weight_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, divisor_ptr, n,
-        lr, beta1, beta2, eps, decay, step_size, bc2_sqrt,
-        HAS_DIVISOR: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        weight_ptr,
+        grad_ptr,
+        master_ptr,
+        m_ptr,
+        v_ptr,
+        divisor_ptr,
+        n,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        decay,
+        step_size,
+        bc2_sqrt,
+        HAS_DIVISOR: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -315,12 +329,16 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 step = float(state["step"])
                 bc1, bc2 = 1 - beta1**step, 1 - beta2**step
                 n = master.numel()
+                tensors = (weight, grad, master, state["exp_avg"], state["exp_avg_sq"])
+                scalars = (lr, beta1, beta2, eps, decay, lr / bc1, bc2**0.5)
                 kernel[((n + TRITON_BLOCK - 1) // TRITON_BLOCK,)](
-                    weight, grad, master, state["exp_avg"], state["exp_avg_sq"],
-                    divisor if divisor is not None else master, n,
-                    lr, beta1, beta2, eps, decay, lr / bc1, bc2**0.5,
-                    HAS_DIVISOR=divisor is not None, BLOCK=TRITON_BLOCK,
-                )  # fmt: skip
+                    *tensors,
+                    divisor if divisor is not None else master,  # read only with HAS_DIVISOR
+                    n,
+                    *scalars,
+                    HAS_DIVISOR=divisor is not None,
+                    BLOCK=TRITON_BLOCK,
+                )
 
     def _step_8bit(self, divisor: torch.Tensor | None) -> None:
         """Tensor by tensor: the bf16 gradient cast to fp32 (and clipped), the 8-bit AdamW update of the fp32
@@ -336,9 +354,14 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 if divisor is not None:
                     g.div_(divisor)
                 adam8bit.update(
-                    master, g, state, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                    master,
+                    g,
+                    state,
+                    lr=group["lr"],
+                    betas=group["betas"],
+                    eps=group["eps"],
                     weight_decay=group["weight_decay"],
-                )  # fmt: skip
+                )
                 del g
                 weight.copy_(master)
 
@@ -385,24 +408,13 @@ def build_optimizer(
     """The optimizer the trainer hands to deepspeed.initialize, built from parameters that already live where
     they train (check_placement says so after DeepSpeed has wrapped it)."""
     groups = param_groups(net, weight_decay)
+    ours = {"lr": lr, "betas": betas, "eps": 1e-8, "grad_clip": grad_clip, "states": states}
     if in_backward:
         from snaketune.train.backward_step import BackwardAdamW
 
-        return BackwardAdamW(
-            groups, lr=lr, betas=betas, eps=1e-8, grad_clip=grad_clip, states=states,
-            kernel=resolve_triton("train.optimizer_kernel", kernel, device),
-        )  # fmt: skip
+        return BackwardAdamW(groups, **ours, kernel=resolve_triton("train.optimizer_kernel", kernel, device))
     if master_weights:
-        return MasterWeightAdamW(
-            groups,
-            lr=lr,
-            betas=betas,
-            eps=1e-8,
-            grad_clip=grad_clip,
-            kernel=kernel,
-            accumulate_fp32=accumulate_fp32,
-            states=states,
-        )
+        return MasterWeightAdamW(groups, **ours, kernel=kernel, accumulate_fp32=accumulate_fp32)
     if states == "8bit":
         return adam8bit.client_optimizer(groups, lr=lr, betas=betas, eps=1e-8)
     if offload and device.type == "cuda":

@@ -19,6 +19,10 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from snaketune import device_memory
+
+log = logging.getLogger("snaketune.train")
+
 
 def start() -> None:
     """Call once, first thing in a rank."""
@@ -86,6 +90,41 @@ class RunSpec:
         return cls(**json.loads(Path(path).read_text()))
 
 
+@dataclass
+class RankDevice:
+    """Where a rank computes, and what it measures of the device's memory (snaketune.device_memory)."""
+
+    device: torch.device
+    budget: dict
+    """What the allocator was capped at and what lay outside it (device_memory.cap_allocator); {} on the CPU."""
+    peak: device_memory.PeakSampler
+    """The process's device memory as NVML samples it while the rank runs."""
+
+
+def rank_device(local_rank: int, *, in_backward: bool, verbose: bool) -> RankDevice:
+    """The rank's GPU, set up before its first allocation: the allocator's settings (the step in backward frees each
+    gradient as it goes), what lies outside the allocator started and measured, and the allocator capped so that
+    the process stays within gpu_memory_gib, the card's memory; the CPU where there is no GPU. `verbose`: log what
+    was set (rank 0)."""
+    if not torch.cuda.is_available():
+        return RankDevice(torch.device("cpu"), {}, device_memory.PeakSampler(None))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    settings = device_memory.allocator_settings(in_backward)
+    device_memory.set_allocator(device, settings)
+    nvml = device_memory.device_memory(device)
+    # NCCL's buffers come with the first collective (also with one rank: the metrics are all-reduced).
+    device_memory.warm_up(device, distributed=True)
+    capped, budget = device_memory.cap_allocator(device, device_memory.card_from_env(), nvml)
+    if settings:
+        budget["allocator_settings"] = settings
+        if verbose:
+            log.info("caching allocator: %s (the step in backward frees each gradient as it goes)", settings)
+    if capped and verbose:
+        log.info("%s", capped)
+    return RankDevice(device, budget, device_memory.PeakSampler(nvml))
+
+
 def run(argv: list[str], trainer_cls: type) -> NoReturn:
     """One rank: set up and execute (train, save the model and summary.json); the process group is always torn
     down. A rank that succeeded leaves through `exit_unfinalized`; an exception propagates (Python prints it)."""
@@ -122,9 +161,8 @@ def exit_unfinalized(code: int) -> NoReturn:
     parameters carry Python attributes) then takes the GIL, which Python answers with pthread_exit in a thread whose
     frames cannot unwind: std::terminate, SIGABRT, after the outputs were written ("terminate called without an
     active exception"; core dump: the worker in ~AsyncAllgatherWork -> TensorImpl::decref_pyobject -> take_gil while
-    the main thread is in Py_FinalizeEx). Two-rank ZeRO-3 runs on CPU ranks, two loops at once on 2 cores: 7 of 202
-    aborted so, 0 of 97 with this exit (ZeRO-2: 0 of 60 before); one CI run failed on it. torch's own fix
-    (destroying the groups in an atexit handler, pytorch#179291) was abandoned."""
+    the main thread is in Py_FinalizeEx). How often, before and after this exit, and torch's abandoned fix:
+    docs/facts.md, "DeepSpeed and PyTorch on CPU ranks"."""
     import atexit
 
     atexit._run_exitfuncs()

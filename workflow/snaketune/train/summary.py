@@ -45,13 +45,14 @@ def log_start(trainer) -> None:
     )
     if cfg.fused_cross_entropy and not trainer.fused_ce:
         log.info("train.fused_cross_entropy is not used under ZeRO-3 (its lm_head weight is partitioned)")
-    log.info(
-        "weight decay %g on %d tensors (%s elements); optimizer tensors checked on %s",
-        cfg.weight_decay,
-        b.decayed["tensors"],
-        f"{b.decayed['elements']:,}",
-        "the host" if engine.offloads(b.ds_config) else trainer.device,
-    )
+    if b.decayed is not None:
+        log.info(
+            "weight decay %g on %d tensors (%s elements); optimizer tensors checked on %s",
+            cfg.weight_decay,
+            b.decayed["tensors"],
+            f"{b.decayed['elements']:,}",
+            "the host" if engine.offloads(b.ds_config) else trainer.device,
+        )
     log.info(
         "global batch %d = micro-batch %d x %d ranks x %d accumulation",
         cfg.global_batch_size,
@@ -118,7 +119,7 @@ def run_summary(trainer, last: dict, wall: float) -> dict:
         "fp32_master_weights": b.precision_summary,
         "fp32_gradient_accumulation": b.accumulate_fp32,
         "fused_cross_entropy": trainer.fused_ce,
-        "loss_kernel": None if trainer.fused_ce else b.loss_kernel,
+        "loss_kernel": None if trainer.fused_ce else b.loss.loss_kernel,
         "attention": trainer.attention_summary,
         "kernels": b.kernels,
         "compile": trainer.cfg.compile,

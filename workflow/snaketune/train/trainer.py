@@ -1,12 +1,15 @@
 """Stage 5, train: one DeepSpeed rank. `snaketune.train.launch` starts one process per granted GPU or CPU rank
-(torchrun; one rank directly): `python -m snaketune.train.trainer <run spec JSON>`, or for the preference stage
-`-m snaketune.preference.dpo`, whose trainer is a subclass of this one.
+(torchrun; one rank directly): `python -m snaketune.train.trainer <run spec JSON>`, or for the preference stages
+`-m snaketune.preference.dpo` and `-m snaketune.preference.reference`, whose trainers are subclasses of this one.
 
-A plain loop over `deepspeed.initialize` (not the HF Trainer, which on CPU silently trains world_size=1
-on every rank: ../shared/FACTS.md): construct, setup, train, save; cleanup is guaranteed on error. The model,
-its placement, optimizer and engine come from snaketune.train.engine. What a subclass changes is the objective:
-the data it reads (`load_data`), the loss module (`wrap`), what one optimizer step's loss is normalized by
-(`step_normalizer`), the forward of a micro-batch (`forward`) and the metrics of a window (`window_metrics`).
+A plain loop over `deepspeed.initialize` (not the HF Trainer, which on CPU silently trains world_size=1 on every
+rank: docs/facts.md): construct, setup, train, save; cleanup is guaranteed on error. The model, its placement,
+optimizer and engine come from snaketune.train.engine. What a subclass changes is the objective, through these
+methods and nothing else: the data it reads (`load_data`), the loss module (`wrap`, told how the loss computes and
+the ZeRO stage: engine.LossSetup), what one optimizer step's loss is normalized by (`step_normalizer`), the forward of
+a micro-batch (`forward`, which returns a `ForwardResult`: the loss, the metrics' sums and the positions computed),
+the metrics of a window and of the validation split (`window_metrics`, `eval_count`, `validation_metrics`), and
+whether it trains at all (`trains`: a pass without steps builds no optimizer and writes no checkpoint).
 """
 
 from __future__ import annotations
@@ -14,16 +17,15 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from snaketune import device_memory
 from snaketune.config.load import from_dict
 from snaketune.config.schema import ModelConfig, TrainConfig
 from snaketune.data.tokenization import load_tokenizer
@@ -44,11 +46,36 @@ from snaketune.train.summary import log_progress, log_start, run_summary
 log = logging.getLogger("snaketune.train")
 
 
+@dataclass
+class ForwardResult:
+    """What the forward pass of one micro-batch gives the step (`Trainer.forward`)."""
+
+    loss: torch.Tensor
+    """The summed loss of the micro-batch's rows (0-d, with its graph): what backward scales."""
+    sums: dict[str, torch.Tensor]
+    """Detached float64 sums the metrics are made of (`window_metrics`, `validation_metrics`), per key."""
+    positions: int
+    """Positions the forward computed, padding included (perf/padded_tokens_per_s_per_gpu)."""
+
+
+@dataclass
+class _Window:
+    """The sums of the steps since the last logged one, and what they are normalized by."""
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    count: float = 0.0
+
+    def add(self, sums: dict[str, torch.Tensor]) -> None:
+        for key, value in sums.items():
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+
 class Trainer:
     """Supervised fine-tuning: the summed next-token loss over the loss-bearing tokens of a global batch."""
 
-    resumable = True
-    """Whether setup resumes from the latest complete checkpoint of the run (a pass without training does not)."""
+    trains = True
+    """Whether this rank takes optimizer steps: with an optimizer, resuming from and writing checkpoints. A pass that
+    only runs the model (snaketune.preference.reference) builds the same model without an optimizer."""
 
     def __init__(self, spec: ranks.RunSpec):
         self.spec = spec
@@ -57,33 +84,10 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.device_budget: dict = {}
-        if torch.cuda.is_available():
-            torch.cuda.set_device(self.local_rank)
-            self.device = torch.device("cuda", self.local_rank)
-            settings = device_memory.allocator_settings(self.cfg.optimizer_step == "in_backward")
-            device_memory.set_allocator(self.device, settings)
-            # gpu_memory_gib is the card's memory: what lies outside the allocator is started and measured
-            # first, and the allocator gets the rest (snaketune.device_memory).
-            nvml = device_memory.device_memory(self.device)
-            # NCCL's buffers come with the first collective (also with one rank: the metrics are all-reduced).
-            device_memory.warm_up(self.device, distributed=True)
-            capped, self.device_budget = device_memory.cap_allocator(
-                self.device, device_memory.card_from_env(), nvml
-            )
-            if settings:
-                self.device_budget["allocator_settings"] = settings
-                if self.rank == 0:
-                    log.info(
-                        "caching allocator: %s (the step in backward frees each gradient as it goes)",
-                        settings,
-                    )
-            if capped and self.rank == 0:
-                log.info("%s", capped)
-        else:
-            self.device = torch.device("cpu")
-            nvml = None
-        self.device_peak = device_memory.PeakSampler(nvml)
+        placed = ranks.rank_device(
+            self.local_rank, in_backward=self.cfg.optimizer_step == "in_backward", verbose=self.rank == 0
+        )
+        self.device, self.device_budget, self.device_peak = placed.device, placed.budget, placed.peak
         precision = self.cfg.precision
         if precision == "auto":
             precision = "bf16" if self.device.type == "cuda" else "fp32"
@@ -98,32 +102,27 @@ class Trainer:
     def load_data(self, data_dir: Path) -> tuple[batching.TokenizedSplit, batching.TokenizedSplit]:
         return batching.load_split(data_dir / "train"), batching.load_split(data_dir / "validation")
 
-    def wrap(
-        self, net: torch.nn.Module, packed_attention: bool, fused_cross_entropy: bool, loss_kernel: str
-    ) -> torch.nn.Module:
+    def wrap(self, net: torch.nn.Module, setup: engine.LossSetup) -> torch.nn.Module:
         return LossModel(
             net,
-            packed_attention=packed_attention,
-            fused_cross_entropy=fused_cross_entropy,
-            loss_kernel=loss_kernel,
+            packed_attention=setup.packed_attention,
+            fused_cross_entropy=setup.fused_cross_entropy,
+            loss_kernel=setup.loss_kernel,
         )
 
     def step_normalizer(self, batch_ids) -> int:
         """What the summed loss of a global batch is divided by: its loss-bearing tokens."""
         return max(1, int(self.train_split.loss_tokens[batch_ids].sum()))
 
-    def forward(
-        self, split, rows, *, evaluating: bool = False
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The summed loss of a micro-batch and the sums the window metrics are made of."""
-        batch = self._batch(split, rows)
-        if evaluating:
-            # Rows a rank repeats to keep the ranks' forward passes in step carry no loss (see evaluate).
-            for row, weight in enumerate(self._eval_weights):
-                if weight == 0.0:
-                    batch["labels"][row] = batching.IGNORE
+    def forward(self, split, rows, weights: list[float] | None = None) -> ForwardResult:
+        """The summed loss of a micro-batch and the sums the metrics are made of. `weights`: one per row, 0 for a
+        row that only keeps the ranks' forward passes in step (batching.padded_shard); None: every row counts."""
+        batch = self.device_batch(split, rows)
+        for row, weight in enumerate(weights or ()):
+            if weight == 0.0:
+                batch["labels"][row] = batching.IGNORE
         loss_sum = self.engine(**batch)
-        return loss_sum, {"loss": loss_sum.detach().double()}
+        return ForwardResult(loss_sum, {"loss": loss_sum.detach().double()}, batch["input_ids"].numel())
 
     def window_metrics(self, sums: dict[str, float], count: float) -> dict[str, float]:
         return {"train/loss": sums["loss"] / max(1.0, count)}
@@ -152,7 +151,7 @@ class Trainer:
             self.total_steps = batching.steps_for_epochs(
                 len(self.train_split), cfg.epochs, cfg.global_batch_size
             )
-        built = engine.build(
+        self.built = engine.build(
             model_cfg=self.model_cfg,
             cfg=cfg,
             file_cfg=json.loads(Path(spec.deepspeed_config).read_text()),
@@ -164,16 +163,20 @@ class Trainer:
             total_steps=self.total_steps,
             rank=self.rank,
             wrap=self.wrap,
+            optimizer=self.trains,
         )
-        self.built = built
-        self.engine = built.engine
-        self.stage = built.stage
-        self.attention = built.attention
-        self.fused_ce = built.fused_cross_entropy
+        self.engine = self.built.engine
+        self.stage = self.built.stage
+        self.attention = self.built.attention
+        self.fused_ce = self.built.loss.fused_cross_entropy
         # DeepSpeed's fp32 stage-0 path clips without keeping the norm (engine.clip_fp32_gradients): there
         # get_global_grad_norm() stays None and the trainer computes the norm itself.
         self.ds_grad_norm = hasattr(self.engine.optimizer, "_global_grad_norm")
-        self.start_step = self._resume() if self.resumable else 0
+        self.start_step = 0
+        if self.trains:
+            self.start_step, self.resumed_meta = checkpoint.resume(
+                self.engine, self.ckpt_root, rank=self.rank, world=self.world, lora=self.cfg.lora.enabled
+            )
         self.order = batching.GlobalOrder(len(self.train_split), cfg.seed)
         self.peak = peak_flops(device_name(self.device))
         self.measured_peak = measured_matmul_flops(device_name(self.device))
@@ -197,40 +200,6 @@ class Trainer:
             )
         return stats
 
-    def _resume(self) -> int:
-        removed = checkpoint.remove_incomplete(self.ckpt_root) if self.rank == 0 else []
-        for d in removed:
-            log.warning("discarding incomplete checkpoint %s (the process died while writing it)", d)
-        dist.barrier()
-        found = checkpoint.latest(self.ckpt_root)
-        if found is None:
-            return 0
-        step, path = found
-        meta = checkpoint.read_marker(path)
-        self.resumed_meta = meta
-        if meta.get("world_size") != self.world:
-            raise RuntimeError(
-                f"checkpoint {path} was written by {meta.get('world_size')} ranks but {self.world} were granted; "
-                f"rerun with --resources gpu={meta.get('world_size')} to resume, or delete {self.ckpt_root} to restart"
-            )
-        try:
-            load_path, _ = self.engine.load_checkpoint(
-                str(self.ckpt_root), tag=path.name, load_module_strict=not self.cfg.lora.enabled
-            )
-            checkpoint.load_rng(path, self.rank)
-        except Exception as e:  # a truncated file, a foreign pickle refused by weights_only, a shape mismatch
-            raise RuntimeError(
-                f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                f"delete {path} to resume from an older checkpoint, or {self.ckpt_root} to restart"
-            ) from e
-        if load_path is None:
-            raise RuntimeError(
-                f"checkpoint {path} could not be loaded; delete it to fall back to an older one"
-            )
-        if self.rank == 0:
-            log.info("resuming from checkpoint %s at step %d of %d", path, step, self.total_steps)
-        return step
-
     # ---- train ---------------------------------------------------------------------------------
 
     def execute(self, t0: float) -> None:
@@ -247,9 +216,9 @@ class Trainer:
         """Called once set up, before the first step this process runs (a subclass checks its start)."""
 
     def train(self) -> dict:
-        cfg, eng = self.cfg, self.engine
+        """Every step from the start (or the resumed) step to the last; the metrics of the last logged step."""
         self.before_training()
-        eng.train()
+        self.engine.train()
         # Live metrics go to the run directory, which survives a crash (Snakemake deletes a failed job's
         # outputs); they are copied into the outputs when training ends.
         writer = None
@@ -257,77 +226,37 @@ class Trainer:
             writer = MetricsWriter(
                 self.ckpt_root / "metrics.csv", self.ckpt_root / "tb", resume_step=self.start_step
             )
-        meter = Throughput(self.built.flops_per_token, self.peak, measured=self.measured_peak)
-        # The whole run after warm-up, for the summary.
-        run_meter = Throughput(self.built.flops_per_token, self.peak, measured=self.measured_peak)
-        window: dict[str, torch.Tensor] = {}
-        window_count = 0
-        t_start = time.perf_counter()
+        # The window's meter, and the whole run's after warm-up (for the summary).
+        meters = [
+            Throughput(self.built.flops_per_token, self.peak, measured=self.measured_peak) for _ in range(2)
+        ]
+        window = _Window()
+        self.tokens_seen = self._tokens_before(self.start_step)
         # Resumed from the final checkpoint (a save or merge failed after it): nothing to train, the metrics
         # of the last logged step come from its marker.
         last = dict(self.resumed_meta.get("metrics") or {})
         profiler = profiling.from_env(self.rank, self.device)  # SNAKETUNE_PROFILE=DIR: a trace of a few steps
         gc.collect()  # then freeze: a full collection never walks the imports and model objects again (torchtitan
         gc.freeze()  # does so too): the host bounds the step in backward of the 7B (bench/RESULTS.md)
+        t_start = time.perf_counter()
         for step in range(self.start_step, self.total_steps):
-            batch_ids = self.order.global_batch(step, cfg.global_batch_size)
-            normalizer = self.step_normalizer(batch_ids)
-            mine = batching.rank_share(batch_ids, self.rank, self.world)
-            lr = eng.get_lr()[0]  # the rate this step uses; after engine.step() it is the next step's
-            tokens = padded = 0
-            t_step = time.perf_counter()
-            micros = batching.micro_batches(mine, cfg.micro_batch_size)
-            for i, micro in enumerate(micros):
-                loss_sum, sums = self.forward(self.train_split, micro)
-                # DeepSpeed divides by the accumulation steps in backward and averages gradients over ranks;
-                # this scale makes the net gradient that of (summed loss) / (normalizer of the global batch),
-                # whatever the world size and micro-batch size.
-                eng.backward(loss_sum * (self.gas * self.world / normalizer))
-                if i == len(micros) - 1 and not self.ds_grad_norm:
-                    grad_norm = _grad_norm(eng.module)  # averaged over ranks by backward at the boundary
-                eng.step()
-                for key, value in sums.items():
-                    window[key] = window[key] + value if key in window else value
-                # Real tokens, pads excluded (a packed row holds several position-0 tokens: count lengths).
-                tokens += int(self.train_split.lengths_of(micro).sum())
-                padded += self._last_positions
-            if step == self.start_step:
-                engine.check_optimizer(self.built, self.device)  # the states exist from the first step on
-            window_count += normalizer
+            lr, grad_norm = self._step(step, window, meters)
             if profiler:
                 profiler.step()
-            local_loss_tokens = self.local_loss_units(mine)
-            step_seconds = time.perf_counter() - t_step
-            # PaLM's attention term over each conversation's own length (snaketune.model.build.flop_counts).
-            attention_flops = self.built.attention_coefficient * self.train_split.attention_units(mine)
-            for m in (meter, run_meter):
-                m.update(
-                    tokens, local_loss_tokens, step_seconds, padded=padded, attention_flops=attention_flops
-                )
             done = step + 1
-            evaluate_now = bool(cfg.eval_every and done % cfg.eval_every == 0) or done == self.total_steps
-            if evaluate_now or done % cfg.log_every == 0:
-                sums = self._all_reduce(window)
-                last = {
-                    **self.window_metrics(sums, window_count),
-                    "train/lr": lr,
-                    "train/grad_norm": _float(eng.get_global_grad_norm() if self.ds_grad_norm else grad_norm),
-                    "train/tokens_seen": done * cfg.global_batch_size * self.seq_len,
-                    **meter.read(),
-                    "memory/max_allocated_gib": self._max_over_ranks(peak_memory_gib(self.device)),
-                    # What nvidia-smi shows for the process (NVML, sampled), the figure gpu_memory_gib bounds.
-                    "memory/device_peak_gib": self._max_over_ranks(self.device_peak.peak_gib or 0.0) or None,
-                }
-                window, window_count = {}, 0
-                if evaluate_now:
-                    last.update(self.evaluate())
+            evaluate_now = (
+                bool(self.cfg.eval_every and done % self.cfg.eval_every == 0) or done == self.total_steps
+            )
+            if evaluate_now or done % self.cfg.log_every == 0:
+                last = self._log_window(window, meters[0], lr, grad_norm, evaluate=evaluate_now)
                 if writer:
                     writer.log(done, last)
                     log_progress(self, done, t_start, last)
             # The last step too: the final weights (adapters) are durable before the model is saved or merged, and
             # a rerun after a failure there resumes at the end instead of retraining since the last checkpoint.
-            if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == self.total_steps):
-                self.save_checkpoint(done, {"metrics": last, "perf": run_meter.read(reset=False)})
+            every = self.cfg.checkpoint_every
+            if every and (done % every == 0 or done == self.total_steps):
+                self.save_checkpoint(done, {"metrics": last, "perf": meters[1].read(reset=False)})
         if profiler:
             profiler.close()
         if writer:
@@ -335,9 +264,83 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)  # Snakemake makes it; a direct launch may not
             shutil.copyfile(self.ckpt_root / "metrics.csv", self.out / "metrics.csv")
             shutil.copytree(self.ckpt_root / "tb", self.out / "tb", dirs_exist_ok=True)
-        self.run_perf = run_meter.read(reset=False)
+        self.run_perf = meters[1].read(reset=False)
         if self.start_step == self.total_steps:
             self.run_perf = dict(self.resumed_meta.get("perf") or self.run_perf)
+        return last
+
+    def _step(
+        self, step: int, window: _Window, meters: list[Throughput]
+    ) -> tuple[float, torch.Tensor | None]:
+        """One optimizer step: forward and backward of this rank's micro-batches of global batch `step`, the engine's
+        step, the window and the meters updated. Returns the learning rate the step used and, where DeepSpeed keeps
+        no gradient norm, the norm."""
+        eng = self.engine
+        batch_ids = self.order.global_batch(step, self.cfg.global_batch_size)
+        normalizer = self.step_normalizer(batch_ids)
+        mine = batching.rank_share(batch_ids, self.rank, self.world)
+        lr = eng.get_lr()[0]  # the rate this step uses; after engine.step() it is the next step's
+        tokens = positions = 0
+        grad_norm = None
+        t_step = time.perf_counter()
+        micros = batching.micro_batches(mine, self.cfg.micro_batch_size)
+        for i, micro in enumerate(micros):
+            out = self.forward(self.train_split, micro)
+            # DeepSpeed divides by the accumulation steps in backward and averages gradients over ranks; this scale
+            # makes the net gradient that of (summed loss) / (normalizer of the global batch), whatever the world
+            # size and micro-batch size.
+            eng.backward(out.loss * (self.gas * self.world / normalizer))
+            if i == len(micros) - 1 and not self.ds_grad_norm:
+                grad_norm = _grad_norm(eng.module)  # averaged over ranks by backward at the boundary
+            eng.step()
+            window.add(out.sums)
+            # Real tokens, pads excluded (a packed row holds several position-0 tokens: count lengths).
+            tokens += int(self.train_split.lengths_of(micro).sum())
+            positions += out.positions
+        if step == self.start_step:
+            engine.check_optimizer(self.built, self.device)  # the states exist from the first step on
+        window.count += normalizer
+        # Every rank knows the whole global batch: the real tokens of all ranks without a collective.
+        self.tokens_seen += int(self.train_split.lengths_of(batch_ids).sum())
+        seconds = time.perf_counter() - t_step
+        # PaLM's attention term over each conversation's own length (snaketune.model.build.flop_counts).
+        attention_flops = self.built.attention_coefficient * self.train_split.attention_units(mine)
+        for m in meters:
+            m.update(
+                tokens,
+                self.local_loss_units(mine),
+                seconds,
+                padded=positions,
+                attention_flops=attention_flops,
+            )
+        return lr, grad_norm
+
+    def _tokens_before(self, step: int) -> int:
+        """Real tokens of global batches 0 .. step-1 (train/tokens_seen where a resumed run starts)."""
+        size = self.cfg.global_batch_size
+        return sum(
+            int(self.train_split.lengths_of(self.order.global_batch(s, size)).sum()) for s in range(step)
+        )
+
+    def _log_window(
+        self, window: _Window, meter: Throughput, lr: float, grad_norm, *, evaluate: bool
+    ) -> dict[str, float | None]:
+        """The metrics of a logged step: the window's (summed over the ranks), then a new window."""
+        sums = self._all_reduce(window.sums)
+        grad_norm = self.engine.get_global_grad_norm() if self.ds_grad_norm else grad_norm
+        last = {
+            **self.window_metrics(sums, window.count),
+            "train/lr": lr,
+            "train/grad_norm": _float(grad_norm),
+            "train/tokens_seen": self.tokens_seen,
+            **meter.read(),
+            "memory/max_allocated_gib": self._max_over_ranks(peak_memory_gib(self.device)),
+            # What nvidia-smi shows for the process (NVML, sampled), the figure gpu_memory_gib bounds.
+            "memory/device_peak_gib": self._max_over_ranks(self.device_peak.peak_gib or 0.0) or None,
+        }
+        window.sums, window.count = {}, 0.0
+        if evaluate:
+            last.update(self.evaluate())
         return last
 
     def local_loss_units(self, rows) -> int:
@@ -345,7 +348,7 @@ class Trainer:
         return int(self.train_split.loss_tokens[rows].sum())
 
     def _all_reduce(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Sum the window's per-rank sums over the ranks: one device-to-host sync per logged step."""
+        """Sum per-rank sums over the ranks: one device-to-host sync per logged step."""
         keys = sorted(sums)
         if not keys:
             return {}
@@ -353,19 +356,16 @@ class Trainer:
         dist.all_reduce(flat)
         return dict(zip(keys, flat.tolist(), strict=True))
 
-    def _batch(self, split, rows) -> dict[str, torch.Tensor]:
-        batch = batching.device_batch(
-            split, rows, self.pad_id, self.device, varlen=self.attention == "varlen"
-        )
-        self._last_positions = batch["input_ids"].numel()
-        return batch
+    def device_batch(self, split, rows) -> dict[str, torch.Tensor]:
+        """The rows as the model's inputs on this rank's device (varlen: the packed rows' boundaries too)."""
+        return batching.device_batch(split, rows, self.pad_id, self.device, varlen=self.attention == "varlen")
 
     @property
     def loss_summary(self) -> str:
         """What computes the objective, as the start of the log says it."""
         if self.fused_ce:
             return "loss: fused linear cross-entropy"
-        kernel = "Triton, gradient in place" if self.built.loss_kernel == "triton" else "torch"
+        kernel = "Triton, gradient in place" if self.built.loss.loss_kernel == "triton" else "torch"
         return f"loss: logits + cross-entropy ({kernel})"
 
     @property
@@ -383,55 +383,46 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Metrics on the validation split. Every rank runs the same number of forward passes (ZeRO-3 gathers
-        parameters collectively): ranks with fewer rows repeat row 0 at weight 0."""
+        """Metrics on the validation split, from every rank's share of it (batching.padded_shard)."""
         self.engine.eval()
-        n = len(self.val_split)
-        per_rank = math.ceil(n / self.world)
-        ids = list(range(self.rank * per_rank, min(n, (self.rank + 1) * per_rank)))
-        weights = [1.0] * len(ids) + [0.0] * (per_rank - len(ids))
-        ids += [0] * (per_rank - len(ids))
-        sums: dict[str, torch.Tensor] = {}
-        count = 0.0
-        mb = self.cfg.micro_batch_size
-        for i in range(0, per_rank, mb):
-            rows, self._eval_weights = ids[i : i + mb], weights[i : i + mb]
-            _, part = self.forward(self.val_split, rows, evaluating=True)
-            for key, value in part.items():
-                sums[key] = sums[key] + value if key in sums else value
-            count += self.eval_count(self.val_split, rows, self._eval_weights)
-        total = self._all_reduce({**sums, "_count": torch.tensor(count, dtype=torch.float64)})
+        sums = _Window()
+        for rows, weights in batching.padded_shard(
+            len(self.val_split), self.rank, self.world, self.cfg.micro_batch_size
+        ):
+            sums.add(self.forward(self.val_split, rows, weights).sums)
+            sums.count += self.eval_count(self.val_split, rows, weights)
+        total = self._all_reduce({**sums.sums, "_count": torch.tensor(sums.count, dtype=torch.float64)})
         self.engine.train()
         return self.validation_metrics(total, total.pop("_count"))
+
+    # ---- checkpoints and the model ---------------------------------------------------------------
 
     def checkpoint_meta(self) -> dict:
         """What a run resumed from a checkpoint reports and cannot recompute (DPO: the start check of step 0)."""
         return {}
 
     def save_checkpoint(self, step: int, state: dict | None = None) -> None:
-        """DeepSpeed's checkpoint of this step, every rank's RNG state, then (rank 0) the marker with `state`: the
-        metrics of the last logged step and the run's throughput so far, what a run resumed at its end reports."""
-        tag = checkpoint.tag_for(step)
-        # LoRA: the adapters and their optimizer, not the frozen base (13 GB for a 7B, a copy per checkpoint): a
-        # resume loads the base as the run started, then these.
-        self.engine.save_checkpoint(
-            str(self.ckpt_root),
-            tag=tag,
-            client_state={"step": step},
-            save_latest=False,
-            exclude_frozen_parameters=self.cfg.lora.enabled,
+        """DeepSpeed's checkpoint of this step and the marker with `state`: the metrics of the last logged step and
+        the run's throughput so far, what a run resumed at its end reports (snaketune.train.checkpoint.save)."""
+        meta = {
+            "step": step,
+            "world_size": self.world,
+            "zero_stage": self.stage,
+            "run_key": self.spec.run_key,
+            "experiment": self.spec.experiment,
+            "time": time.time(),
+            **self.checkpoint_meta(),
+            **(state or {}),
+        }
+        checkpoint.save(
+            self.engine,
+            self.ckpt_root,
+            step,
+            meta,
+            rank=self.rank,
+            lora=self.cfg.lora.enabled,
+            keep=self.cfg.keep_checkpoints,
         )
-        checkpoint.save_rng(self.ckpt_root / tag, self.rank)
-        dist.barrier()
-        if self.rank == 0:
-            meta = {"step": step, "world_size": self.world, "zero_stage": self.stage, "run_key": self.spec.run_key,
-                    "experiment": self.spec.experiment, "time": time.time(), **self.checkpoint_meta(), **(state or {})}  # fmt: skip
-            checkpoint.mark_complete(self.ckpt_root / tag, meta)
-            checkpoint.prune(self.ckpt_root, self.cfg.keep_checkpoints)
-            log.info("checkpoint %s complete", self.ckpt_root / tag)
-        dist.barrier()
-
-    # ---- save ----------------------------------------------------------------------------------
 
     def save_model(self) -> None:
         """HF layout in output_dir/model: safetensors, config, tokenizer with chat template; for LoRA the
@@ -453,28 +444,27 @@ class Trainer:
             with atomic_dir(self.out / "model") as tmp:
                 if adapter is not None:
                     shutil.copytree(adapter, tmp / "adapter")
-                    try:
-                        merged = self._merge(module)
-                    except Exception as e:
-                        e.add_note(
-                            f"merging the trained LoRA adapters failed; they are saved in {adapter} and the final "
-                            f"checkpoint in {self.ckpt_root}: rerun the job to merge again (it resumes at its last "
-                            "step and only saves), or merge them yourself with peft "
-                            "(PeftModel.from_pretrained(base, adapter).merge_and_unload())"
-                        )
-                        raise
-                    merged.save_pretrained(tmp, safe_serialization=True)
+                    self._merge(module, adapter).save_pretrained(tmp, safe_serialization=True)
                 else:
                     module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
                 self.tokenizer.save_pretrained(tmp)
         dist.barrier()
 
-    def _merge(self, module: torch.nn.Module) -> torch.nn.Module:
+    def _merge(self, module: torch.nn.Module, adapter: Path) -> torch.nn.Module:
         """The adapters merged into the base weights; QLoRA's into the base's own weights, not into their 4-bit
         rounding (snaketune.model.build.merge_adapter)."""
-        if self.cfg.lora.quantize != "none":
-            return merge_adapter(self.model_cfg, module, self.cfg.lora, dtype=self.dtype)
-        return module.merge_and_unload()
+        try:
+            if self.cfg.lora.quantize != "none":
+                return merge_adapter(self.model_cfg, module, self.cfg.lora, dtype=self.dtype)
+            return module.merge_and_unload()
+        except Exception as e:
+            e.add_note(
+                f"merging the trained LoRA adapters failed; they are saved in {adapter} and the final "
+                f"checkpoint in {self.ckpt_root}: rerun the job to merge again (it resumes at its last "
+                "step and only saves), or merge them yourself with peft "
+                "(PeftModel.from_pretrained(base, adapter).merge_and_unload())"
+            )
+            raise
 
     def summary(self, last: dict, wall: float) -> dict:
         """summary.json (snaketune.train.summary); a subclass adds what its objective ran."""
