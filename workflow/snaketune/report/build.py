@@ -186,7 +186,7 @@ def experiment_summary(exp: Experiment) -> dict[str, Any]:
                 for f in m["files"]
             ]
             for model, m in exp.exports.items()
-        },  # fmt: skip
+        },
     }
 
 

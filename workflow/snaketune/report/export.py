@@ -34,72 +34,70 @@ def export_section(experiments: list[Experiment]) -> list[Block]:
     for exp in runs:
         for model, m in exp.exports.items():
             blocks.append(Heading(3, f"{exp.name}: {MODEL_NAMES.get(model, model)} model"))
-            rows = []
-            for f in m["files"]:
-                rows.append(
-                    [
-                        f["type"],
-                        fmt(f["bytes"] / 2**20, 3),
-                        fmt(f["perplexity"]),
-                        fmt(f["perplexity_ratio"]),
-                        fmt(f["kl_mean"], 3),
-                        fmt(f["top1_agreement"], 3),
-                        fmt(f["prompt_tokens_per_s"], 3),
-                        fmt(f["generation_tokens_per_s"], 3),
-                        f"{f['replies_agreeing']}/{f['replies']}",
-                        f"{f['replies_ended']}/{f['replies']} ({f['replies_ended_transformers']})",
-                        "; ".join(f["failing"]) or "pass",
-                    ]
-                )
-            ref = m["reference"]
-            blocks.append(
-                Table(
-                    [
-                        "quant",
-                        "MiB",
-                        "perplexity",
-                        "ratio",
-                        "KL",
-                        "top-1",
-                        "prompt tok/s",
-                        "gen tok/s",
-                        "replies agree",
-                        "ended",
-                        "verdict",
-                    ],
-                    rows,
-                    numeric=[False, *[True] * 7, False, False, False],
-                )  # fmt: skip
+            blocks += _files_blocks(m)
+    return blocks
+
+
+FILE_COLUMNS = [
+    "quant",
+    "MiB",
+    "perplexity",
+    "ratio",
+    "KL",
+    "top-1",
+    "prompt tok/s",
+    "gen tok/s",
+    "replies agree",
+    "ended",
+    "verdict",
+]
+"""One row per GGUF file of a model."""
+
+
+def _files_blocks(m: dict) -> list[Block]:
+    """One exported model: each file's quality, size and speed, what the files carry, a quant's replies."""
+    rows = [
+        [
+            f["type"],
+            fmt(f["bytes"] / 2**20, 3),
+            fmt(f["perplexity"]),
+            fmt(f["perplexity_ratio"]),
+            fmt(f["kl_mean"], 3),
+            fmt(f["top1_agreement"], 3),
+            fmt(f["prompt_tokens_per_s"], 3),
+            fmt(f["generation_tokens_per_s"], 3),
+            f"{f['replies_agreeing']}/{f['replies']}",
+            f"{f['replies_ended']}/{f['replies']} ({f['replies_ended_transformers']})",
+            "; ".join(f["failing"]) or "pass",
+        ]
+        for f in m["files"]
+    ]
+    ref, meta = m["reference"], m["metadata"]
+    template = "equal to the tokenizer’s" if meta["chat_template_matches"] else "NOT equal to the tokenizer’s"
+    eos = "equal" if meta["eos_matches"] else "NOT equal"
+    blocks: list[Block] = [
+        Table(FILE_COLUMNS, rows, numeric=[False, *[True] * 7, False, False, False]),
+        Para(
+            f"transformers (fp32) perplexity {fmt(ref['perplexity'])} on {fmt(ref['target_tokens'])} "
+            f"tokens of {ref['conversations']} held-out conversations. The files carry the chat template "
+            f"({template}), bos {meta['bos_token_id']}, eos {meta['eos_token_id']} ({eos} to the tokenizer’s), "
+            f"pre-tokenizer `{meta['pre_tokenizer']}`. Written in "
+            f"{fmt(sum(f['make_time_s'] for f in m['files']), 3)} s; the stage took {fmt(m['time_s'], 3)} s."
+        ),
+    ]
+    quant = m["files"][1] if len(m["files"]) > 1 else m["files"][0]
+    replies = [r for r in m["replies"] if r["type"] == quant["type"]]
+    if replies:
+        blocks.append(
+            Table(
+                ["prompt", f"llama.cpp ({quant['type']})", "transformers", "parts at"],
+                [
+                    [r["prompt"][:80], r["llama_cpp"][:160], r["transformers"][:160], _parted(r)]
+                    for r in replies
+                ],
+                numeric=[False, False, False, True],
             )
-            meta = m["metadata"]
-            blocks.append(
-                Para(
-                    f"transformers (fp32) perplexity {fmt(ref['perplexity'])} on {fmt(ref['target_tokens'])} "
-                    f"tokens of {ref['conversations']} held-out conversations. The files carry the chat template "
-                    f"({'equal to the tokenizer’s' if meta['chat_template_matches'] else 'NOT equal to the tokenizer’s'}"
-                    f"), bos {meta['bos_token_id']}, eos {meta['eos_token_id']} ({'equal' if meta['eos_matches'] else 'NOT equal'} "
-                    f"to the tokenizer’s), pre-tokenizer `{meta['pre_tokenizer']}`. Written in "
-                    f"{fmt(sum(f['make_time_s'] for f in m['files']), 3)} s; the stage took {fmt(m['time_s'], 3)} s."
-                )
-            )
-            quant = m["files"][1] if len(m["files"]) > 1 else m["files"][0]
-            replies = [r for r in m["replies"] if r["type"] == quant["type"]]
-            if replies:
-                blocks.append(
-                    Table(
-                        ["prompt", f"llama.cpp ({quant['type']})", "transformers", "parts at"],
-                        [
-                            [
-                                r["prompt"][:80],
-                                r["llama_cpp"][:160],
-                                r["transformers"][:160],
-                                _parted(r),
-                            ]
-                            for r in replies
-                        ],
-                        numeric=[False, False, False, True],
-                    )  # fmt: skip
-                )
+        )
     return blocks
 
 

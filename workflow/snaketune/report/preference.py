@@ -93,78 +93,79 @@ def preference_section(experiments: list[Experiment], plot: Path) -> list[Block]
         ),
     ]
     for exp in runs:
-        d, ev = exp.dpo, exp.eval
-        p, s = d["preference_stats"], d["summary"]
         if len(experiments) > 1:
             blocks.append(Heading(3, f"Experiment {exp.name}"))
-        drops = [[f"group: {k.replace('_', ' ')}", fmt(v)] for k, v in p["groups_dropped"].items() if v]
-        drops += [[f"message: {k.replace('_', ' ')}", fmt(v)] for k, v in p["dropped"].items() if v]
-        if p.get("unranked_replies"):
-            drops.append(["reply without a rank", fmt(p["unranked_replies"])])
-        tok = d["pairs_stats"]["splits"]
-        blocks.append(
-            Columns(
-                [
-                    Table(
-                        ["pairs", "train", "validation"],
-                        [
-                            ["pairs", fmt(p["pairs"]["train"]), fmt(p["pairs"]["validation"])],
-                            [
-                                "trees with pairs",
-                                fmt(p["trees_with_pairs"]["train"]),
-                                fmt(p["trees_with_pairs"]["validation"]),
-                            ],
-                            ["tokens", fmt(tok["train"]["tokens"]), fmt(tok["validation"]["tokens"])],
-                            [
-                                "sides cut (prompt / reply)",
-                                f"{tok['train']['sides_cut_in_prompt']} / {tok['train']['sides_cut_in_reply']}",
-                                f"{tok['validation']['sides_cut_in_prompt']} / {tok['validation']['sides_cut_in_reply']}",
-                            ],
-                        ],  # fmt: skip
-                    ),
-                    Table(
-                        [f"dropped ({fmt(p['groups'])} prompts with replies, `{p['pairs_mode']}`)", "count"],
-                        drops or [["nothing", "0"]],
-                    ),
-                ]
-            )
-        )
-        mem = [m for m in s.get("peak_memory_gib_per_rank") or [] if m is not None]
+        blocks += [_pairs_columns(exp.dpo), _run_line(exp.dpo), *_held_out_blocks(exp.eval)]
+    blocks.append(Figure(plot, "Preference loss and reward accuracy per step (validation pairs dashed)."))
+    return blocks
+
+
+def _pairs_columns(d: dict) -> Columns:
+    """The pairs per split and what was dropped making them."""
+    p, tok = d["preference_stats"], d["pairs_stats"]["splits"]
+    drops = [[f"group: {k.replace('_', ' ')}", fmt(v)] for k, v in p["groups_dropped"].items() if v]
+    drops += [[f"message: {k.replace('_', ' ')}", fmt(v)] for k, v in p["dropped"].items() if v]
+    if p.get("unranked_replies"):
+        drops.append(["reply without a rank", fmt(p["unranked_replies"])])
+
+    def cut(split: str) -> str:
+        return f"{tok[split]['sides_cut_in_prompt']} / {tok[split]['sides_cut_in_reply']}"
+
+    trees = p["trees_with_pairs"]
+    rows = [
+        ["pairs", fmt(p["pairs"]["train"]), fmt(p["pairs"]["validation"])],
+        ["trees with pairs", fmt(trees["train"]), fmt(trees["validation"])],
+        ["tokens", fmt(tok["train"]["tokens"]), fmt(tok["validation"]["tokens"])],
+        ["sides cut (prompt / reply)", cut("train"), cut("validation")],
+    ]
+    return Columns(
+        [
+            Table(["pairs", "train", "validation"], rows),
+            Table(
+                [f"dropped ({fmt(p['groups'])} prompts with replies, `{p['pairs_mode']}`)", "count"],
+                drops or [["nothing", "0"]],
+            ),
+        ]
+    )
+
+
+def _run_line(d: dict) -> Para:
+    """How the preference stage ran: objective, steps, ranks, speed, memory, time."""
+    s = d["summary"]
+    mem = [m for m in s.get("peak_memory_gib_per_rank") or [] if m is not None]
+    return Para(
+        f"{s.get('objective', 'dpo').upper()} with beta {fmt(s.get('beta'))}: {fmt(s.get('steps'))} steps of "
+        f"{s.get('global_batch_size')} pairs on {s.get('world_size')} × {s.get('device')} (ZeRO-"
+        f"{s.get('zero_stage')}, {'LoRA' if s.get('lora') else 'full'}), {fmt(s.get('tokens_per_s_per_gpu'))} "
+        f"tokens/s per rank, peak {fmt(max(mem) if mem else None, 3)} GiB, "
+        f"{fmt_duration(s.get('wall_time_s'))}; reference log-probabilities from "
+        f"`{d['reference'].get('reference')}` ({fmt_duration(d['reference'].get('time_s'))})."
+    )
+
+
+def _held_out_blocks(ev: dict) -> list[Block]:
+    """Each model on the held-out pairs: preference and reward accuracy and margins."""
+    pref, val = ev.get("preference") or {}, ev["validation"]
+    models = [w for w in MODEL_NAMES if w in pref]
+    if not any(pref[w].get("pairs") for w in models):
+        # An empty validation split (a small dataset, or a filter that leaves no held-out tree with pairs).
+        return [Para("No held-out pairs: the preference metrics were not measured.")]
+    rows = [
+        ["preference accuracy", *[_acc(pref[w]["accuracy"]) for w in models]],
+        ["mean log-probability margin", *[fmt(pref[w]["logprob_margin"]) for w in models]],
+        ["reward accuracy (vs reference)", *[_acc(pref[w]["reward_accuracy"]) for w in models]],
+        ["mean reward margin", *[fmt(pref[w]["reward_margin"]) for w in models]],
+        ["SFT validation loss", *[fmt(val[w]["loss"]) for w in models]],
+    ]
+    blocks: list[Block] = [
+        Table(["held-out pairs: " + fmt(pref[models[0]]["pairs"]), *[MODEL_NAMES[w] for w in models]], rows)
+    ]
+    change = val.get("dpo_loss_change_pct")
+    if change is not None:
         blocks.append(
             Para(
-                f"{s.get('objective', 'dpo').upper()} with beta {fmt(s.get('beta'))}: {fmt(s.get('steps'))} steps of "
-                f"{s.get('global_batch_size')} pairs on {s.get('world_size')} × {s.get('device')} (ZeRO-"
-                f"{s.get('zero_stage')}, {'LoRA' if s.get('lora') else 'full'}), {fmt(s.get('tokens_per_s_per_gpu'))} "
-                f"tokens/s per rank, peak {fmt(max(mem) if mem else None, 3)} GiB, "
-                f"{fmt_duration(s.get('wall_time_s'))}; reference log-probabilities from "
-                f"`{d['reference'].get('reference')}` ({fmt_duration(d['reference'].get('time_s'))})."
+                f"DPO moved the SFT validation loss by {fmt_pct(change, signed=True)} and the preference "
+                f"accuracy from {_acc(pref['tuned']['accuracy'])} (SFT) to **{_acc(pref['dpo']['accuracy'])}**."
             )
         )
-        pref, val = ev.get("preference") or {}, ev["validation"]
-        models = [w for w in MODEL_NAMES if w in pref]
-        if not any(pref[w].get("pairs") for w in models):
-            # An empty validation split (a small dataset, or a filter that leaves no held-out tree with pairs).
-            blocks.append(Para("No held-out pairs: the preference metrics were not measured."))
-            continue
-        rows = [
-            ["preference accuracy", *[_acc(pref[w]["accuracy"]) for w in models]],
-            ["mean log-probability margin", *[fmt(pref[w]["logprob_margin"]) for w in models]],
-            ["reward accuracy (vs reference)", *[_acc(pref[w]["reward_accuracy"]) for w in models]],
-            ["mean reward margin", *[fmt(pref[w]["reward_margin"]) for w in models]],
-            ["SFT validation loss", *[fmt(val[w]["loss"]) for w in models]],
-        ]
-        blocks.append(
-            Table(
-                ["held-out pairs: " + fmt(pref[models[0]]["pairs"]), *[MODEL_NAMES[w] for w in models]], rows
-            )
-        )
-        change = val.get("dpo_loss_change_pct")
-        if change is not None:
-            blocks.append(
-                Para(
-                    f"DPO moved the SFT validation loss by {fmt_pct(change, signed=True)} and the preference "
-                    f"accuracy from {_acc(pref['tuned']['accuracy'])} (SFT) to **{_acc(pref['dpo']['accuracy'])}**."
-                )
-            )
-    blocks.append(Figure(plot, "Preference loss and reward accuracy per step (validation pairs dashed)."))
     return blocks

@@ -43,9 +43,9 @@ def _acc(x: float | None) -> str:
 
 def data_section(data: dict, experiments: list[Experiment]) -> list[Block]:
     src, conv = data["source"], data["conversations"]
-    blocks: list[Block] = [Heading(2, "Data")]
     splits = ", ".join(src.get("splits") or []) or "none (split by tree hash)"
-    blocks += [
+    blocks: list[Block] = [
+        Heading(2, "Data"),
         Heading(3, "Download"),
         Table(
             ["source", "messages", "splits in the source", "messages.parquet sha256"],
@@ -59,14 +59,20 @@ def data_section(data: dict, experiments: list[Experiment]) -> list[Block]:
             ],
             numeric=[False, True, False, False],
         ),
-        Heading(3, "Conversations"),
-        Para(
-            f"{fmt(conv.get('trees'))} message trees, {fmt(conv.get('messages'))} messages, "
-            f"{fmt(conv.get('messages_kept'))} kept; paths: `{conv.get('paths')}`; validation split by "
-            f"`{conv.get('split_source')}`."
-        ),
+        *_conversations_blocks(conv),
+        Heading(3, "Tokenized"),
     ]
-    # Only the reasons that occurred; the full counts are in conversations/stats.json.
+    seen: dict[str, list[str]] = {}
+    for exp in experiments:
+        seen.setdefault(exp.data_key, []).append(exp.name)
+    for key, names in seen.items():
+        blocks += _tokenized_blocks(key, names, next(e.tokenized for e in experiments if e.data_key == key))
+    return blocks
+
+
+def _conversations_blocks(conv: dict) -> list[Block]:
+    """The conversations stage: counts, the conversations per split and language, the drops that occurred (the
+    full counts are in conversations/stats.json)."""
     dropped = [
         [f"message: {k.replace('_', ' ')}", fmt(v)]
         for k, v in sorted((conv.get("dropped") or {}).items())
@@ -83,77 +89,71 @@ def data_section(data: dict, experiments: list[Experiment]) -> list[Block]:
     rows = []
     for split, n in (conv.get("conversations") or {}).items():
         by_lang = (conv.get("by_language") or {}).get(split, {})
-        rows.append(
-            [
-                split,
-                fmt((conv.get("trees_by_split") or {}).get(split)),
-                fmt(n),
-                fmt((conv.get("turns_mean") or {}).get(split)),
-            ]
-            + [fmt(by_lang.get(lang, 0)) for lang in languages]
-        )
-    blocks += [
+        trees = fmt((conv.get("trees_by_split") or {}).get(split))
+        turns = fmt((conv.get("turns_mean") or {}).get(split))
+        rows.append([split, trees, fmt(n), turns] + [fmt(by_lang.get(lang, 0)) for lang in languages])
+    header = ["split", "trees", "conversations", "mean turns"] + [f"`{lang}`" for lang in languages]
+    return [
+        Heading(3, "Conversations"),
+        Para(
+            f"{fmt(conv.get('trees'))} message trees, {fmt(conv.get('messages'))} messages, "
+            f"{fmt(conv.get('messages_kept'))} kept; paths: `{conv.get('paths')}`; validation split by "
+            f"`{conv.get('split_source')}`."
+        ),
         Columns(
             [
-                Table(
-                    ["split", "trees", "conversations", "mean turns"] + [f"`{lang}`" for lang in languages],
-                    rows,
-                ),
+                Table(header, rows),
                 Table(["dropped (nonzero reasons)", "count"], dropped or [["nothing", "0"]]),
             ]
         ),
-        Heading(3, "Tokenized"),
     ]
-    seen: dict[str, list[str]] = {}
-    for exp in experiments:
-        seen.setdefault(exp.data_key, []).append(exp.name)
-    for key, names in seen.items():
-        stats = next(e.tokenized for e in experiments if e.data_key == key)
-        st = stats.get("settings", {})
-        blocks.append(
-            Para(
-                f"Cache `{key}` (experiments: {', '.join(names)}): max_length {st.get('max_length')}, "
-                f"packing {'on' if st.get('packing') else 'off'}, "
-                f"{'assistant-only' if st.get('assistant_only_loss') else 'all-token'} loss, "
-                f"chat template `{st.get('chat_template')}`."
-            )
+
+
+TOKENIZED_COLUMNS = [
+    "split",
+    "conversations",
+    "sequences",
+    "tokens",
+    "loss tokens",
+    "truncated",
+    "mean tokens",
+    "max tokens",
+    "pad, unpacked",
+    "pad, packed",
+]
+"""The tokenized cache's table, one row per split."""
+
+
+def _tokenized_blocks(key: str, names: list[str], stats: dict) -> list[Block]:
+    """One tokenized cache (shared by the experiments `names`): its settings and its splits."""
+    st = stats.get("settings", {})
+    rows = []
+    for split, v in stats["splits"].items():
+        unpacked = v.get("pad_fraction_unpadded_to_max")
+        packed = v.get("pad_fraction_packed")
+        rows.append(
+            [
+                split,
+                fmt(v.get("conversations")),
+                fmt(v.get("sequences")),
+                fmt(v.get("tokens")),
+                fmt(v.get("loss_tokens")),
+                f"{fmt(v.get('truncated'))} ({fmt_pct(v.get('truncated_pct'))})",
+                fmt(v.get("mean_conversation_tokens")),
+                fmt(v.get("max_conversation_tokens")),
+                fmt_pct(100 * unpacked) if unpacked is not None else "–",
+                fmt_pct(100 * packed) if packed is not None else "–",
+            ]
         )
-        rows = []
-        for split, v in stats["splits"].items():
-            rows.append(
-                [
-                    split,
-                    fmt(v.get("conversations")),
-                    fmt(v.get("sequences")),
-                    fmt(v.get("tokens")),
-                    fmt(v.get("loss_tokens")),
-                    f"{fmt(v.get('truncated'))} ({fmt_pct(v.get('truncated_pct'))})",
-                    fmt(v.get("mean_conversation_tokens")),
-                    fmt(v.get("max_conversation_tokens")),
-                    fmt_pct(100 * v["pad_fraction_unpadded_to_max"])
-                    if "pad_fraction_unpadded_to_max" in v
-                    else "–",
-                    fmt_pct(100 * v["pad_fraction_packed"]) if "pad_fraction_packed" in v else "–",
-                ]
-            )
-        blocks.append(
-            Table(
-                [
-                    "split",
-                    "conversations",
-                    "sequences",
-                    "tokens",
-                    "loss tokens",
-                    "truncated",
-                    "mean tokens",
-                    "max tokens",
-                    "pad, unpacked",
-                    "pad, packed",
-                ],
-                rows,
-            )
-        )
-    return blocks
+    return [
+        Para(
+            f"Cache `{key}` (experiments: {', '.join(names)}): max_length {st.get('max_length')}, "
+            f"packing {'on' if st.get('packing') else 'off'}, "
+            f"{'assistant-only' if st.get('assistant_only_loss') else 'all-token'} loss, "
+            f"chat template `{st.get('chat_template')}`."
+        ),
+        Table(TOKENIZED_COLUMNS, rows),
+    ]
 
 
 def training_section(
@@ -244,84 +244,99 @@ def evaluation_section(experiments: list[Experiment], summary: dict) -> list[Blo
             muted=True,
         ),
     ]
-    several = len(experiments) > 1
     for exp in experiments:
-        ev = exp.eval
-        if several:
+        if len(experiments) > 1:
             blocks.append(Heading(3, f"Experiment {exp.name}"))
-        val, em = ev["validation"], ev.get("exact_match")
-        final = final_model(exp)
-        models = [m for m in MODEL_NAMES if m in val]
-        change = 100.0 * (val[final]["loss"] - val["base"]["loss"]) / val["base"]["loss"]
-        blocks.append(
-            Para(
-                f"Validation loss {'fell' if change < 0 else 'rose'} from **{fmt(val['base']['loss'])}** (base) to "
-                f"**{fmt(val[final]['loss'])}** ({MODEL_NAMES[final]}, the final model; "
-                f"{fmt_pct(change, signed=True)}) over {fmt(val['loss_tokens'])} target tokens in "
-                f"{fmt(val['rows'])} rows; evaluated on {ev.get('device')} in {ev.get('dtype')}. Base model: "
-                f"{ev.get('base_model')}."
-            )
-        )
-        rows = [
-            ["validation loss", *[fmt(val[m]["loss"]) for m in models], _change(val["base"]["loss"], val[final]["loss"])],
-            [
-                "perplexity",
-                *[fmt(val[m]["perplexity"]) for m in models],
-                _change(val["base"]["perplexity"], val[final]["perplexity"]),
-            ],
-        ]  # fmt: skip
-        if em:
-            rows.append(
-                [
-                    f"exact match ({em['n']} questions)",
-                    *[_acc(em[m]["accuracy"]) if m in em else "–" for m in models],
-                    fmt_pct(100 * (em[final]["accuracy"] - em["base"]["accuracy"]), signed=True).replace("%", " pts"),
-                ]
-            )  # fmt: skip
-        blocks.append(Table(["", *[MODEL_NAMES[m] for m in models], "change, final vs base"], rows))
-        if em:
-            tables = []
-            scored = [m for m in models if m in em]
-            for field, title in (("by_task", "task"), ("by_lang", "language")):
-                tables.append(
-                    Table(
-                        [f"exact match by {title}", "questions", *[MODEL_NAMES[m] for m in scored]],
-                        [
-                            [f"`{k}`", fmt(v["n"]), *[_acc(em[m][field][k]["accuracy"]) for m in scored]]
-                            for k, v in em[final][field].items()
-                        ],
-                    )
-                )
-            blocks.append(Columns(tables))
-            blocks += misses_blocks(em, final)
-        blocks.append(
-            Para(
-                f"Sample generations (greedy, at most {ev['generation']['max_new_tokens']} new tokens; "
-                "✓/✗ where the builtin dataset knows the answer):"
-            )
-        )
-        with_dpo = any("dpo" in g for g in exp.generations)
-        # Builtin answers are exact (✓/✗); the data's own replies (auto prompts) are a reference, not a key.
-        checked = ev["generation"].get("expected", "exact") == "exact"
-        blocks.append(
-            Table(
-                ["prompt", "expected", "base", "SFT"] + (["DPO"] if with_dpo else []),
-                [
-                    [
-                        Cell(_visible(g["prompt"]), "mono"),
-                        Cell(_visible(g.get("expected") or "–"), "mono"),
-                        *[
-                            _mark(g[w], g.get("expected") if checked else None)
-                            for w in ("base", "tuned", "dpo")
-                            if w in g
-                        ],
-                    ]
-                    for g in exp.generations
-                ],
-                numeric=[False] * (5 if with_dpo else 4),
-            )
-        )
+        blocks += _scores_blocks(exp)
+        blocks += _generations_blocks(exp)
     return blocks
+
+
+def _scores_blocks(exp: Experiment) -> list[Block]:
+    """Validation loss, perplexity and exact match of each model, the final one against the base."""
+    ev = exp.eval
+    val, em = ev["validation"], ev.get("exact_match")
+    final = final_model(exp)
+    models = [m for m in MODEL_NAMES if m in val]
+    change = 100.0 * (val[final]["loss"] - val["base"]["loss"]) / val["base"]["loss"]
+    rows = [
+        [
+            "validation loss",
+            *[fmt(val[m]["loss"]) for m in models],
+            _change(val["base"]["loss"], val[final]["loss"]),
+        ],
+        [
+            "perplexity",
+            *[fmt(val[m]["perplexity"]) for m in models],
+            _change(val["base"]["perplexity"], val[final]["perplexity"]),
+        ],
+    ]
+    if em:
+        points = fmt_pct(100 * (em[final]["accuracy"] - em["base"]["accuracy"]), signed=True).replace(
+            "%", " pts"
+        )
+        rows.append(
+            [
+                f"exact match ({em['n']} questions)",
+                *[_acc(em[m]["accuracy"]) if m in em else "–" for m in models],
+                points,
+            ]
+        )
+    blocks: list[Block] = [
+        Para(
+            f"Validation loss {'fell' if change < 0 else 'rose'} from **{fmt(val['base']['loss'])}** (base) to "
+            f"**{fmt(val[final]['loss'])}** ({MODEL_NAMES[final]}, the final model; "
+            f"{fmt_pct(change, signed=True)}) over {fmt(val['loss_tokens'])} target tokens in "
+            f"{fmt(val['rows'])} rows; evaluated on {ev.get('device')} in {ev.get('dtype')}. Base model: "
+            f"{ev.get('base_model')}."
+        ),
+        Table(["", *[MODEL_NAMES[m] for m in models], "change, final vs base"], rows),
+    ]
+    if em:
+        scored = [m for m in models if m in em]
+        tables = [
+            Table(
+                [f"exact match by {title}", "questions", *[MODEL_NAMES[m] for m in scored]],
+                [
+                    [f"`{k}`", fmt(v["n"]), *[_acc(em[m][field][k]["accuracy"]) for m in scored]]
+                    for k, v in em[final][field].items()
+                ],
+            )
+            for field, title in (("by_task", "task"), ("by_lang", "language"))
+        ]
+        blocks += [Columns(tables), *misses_blocks(em, final)]
+    return blocks
+
+
+def _generations_blocks(exp: Experiment) -> list[Block]:
+    """Each model's greedy reply to each prompt, marked where the builtin data knows the answer."""
+    ev = exp.eval
+    with_dpo = any("dpo" in g for g in exp.generations)
+    # Builtin answers are exact (✓/✗); the data's own replies (auto prompts) are a reference, not a key.
+    checked = ev["generation"].get("expected", "exact") == "exact"
+    rows = [
+        [
+            Cell(_visible(g["prompt"]), "mono"),
+            Cell(_visible(g.get("expected") or "–"), "mono"),
+            *[
+                _mark(g[w], g.get("expected") if checked else None)
+                for w in ("base", "tuned", "dpo")
+                if w in g
+            ],
+        ]
+        for g in exp.generations
+    ]
+    return [
+        Para(
+            f"Sample generations (greedy, at most {ev['generation']['max_new_tokens']} new tokens; "
+            "✓/✗ where the builtin dataset knows the answer):"
+        ),
+        Table(
+            ["prompt", "expected", "base", "SFT"] + (["DPO"] if with_dpo else []),
+            rows,
+            numeric=[False] * (5 if with_dpo else 4),
+        ),
+    ]
 
 
 def misses_blocks(em: dict, final: str) -> list[Block]:
@@ -338,12 +353,16 @@ def misses_blocks(em: dict, final: str) -> list[Block]:
         Table(
             ["prompt", "expected", f"{name} reply"],
             [
-                [Cell(x["prompt"], "mono"), Cell(x["answer"], "mono"), Cell(_visible(x.get(final, "")) or "(empty)", "mono")]
+                [
+                    Cell(x["prompt"], "mono"),
+                    Cell(x["answer"], "mono"),
+                    Cell(_visible(x.get(final, "")) or "(empty)", "mono"),
+                ]
                 for x in misses[:MAX_MISSES_SHOWN]
             ],
             numeric=[False, False, False],
         ),
-    ]  # fmt: skip
+    ]
 
 
 def _final_figure(e: dict, key: str) -> float | None:
