@@ -109,6 +109,9 @@ CASES = [
          "and Triton have started", GPU, _script("memory/outside_allocator.py")),
     Case("in_backward_memory", "memory", "the step in backward's device memory under allocator and update-chunk "
          "variants (7B, 30 layers, 1 x 2,048)", GPU + " (24 GB of it used)", _script("memory/in_backward_variants.sh")),
+    Case("reference_memory", "memory", "the reference pass of a full-weight DPO of the 7B: device memory with "
+         "the workflow as it is and an earlier one (.carry/old/workflow.tar.gz) in the same call", GPU,
+         _script("memory/reference_7b.sh"), ("TOKENIZER",)),
     Case("cross_entropy", "kernels", "the loss on the logits alone: torch, the Triton kernels, Liger's; ms and "
          "memory", GPU, _script("kernels/cross_entropy.py")),
     Case("optimizer_step", "kernels", "the Triton AdamW step and gradient norm against a copy's bandwidth, over "
