@@ -61,6 +61,8 @@ def main(smk):
         config=spec["config"],
         benchmarks=Path(spec["benchmarks"]),
         manifest=Path(smk.input.manifest),
+        benchmark_results=[Path(p) for p in smk.input.benchmark],
+        benchmark_bases=spec["benchmark_bases"],
     )
     build_report(inputs, Path(smk.output.html).parent)
 

@@ -40,6 +40,7 @@ STAGE_MODULES = {
     "dpo": ("snaketune.train.launch", "snaketune.preference.dpo"),
     "evaluate": ("snaketune.evaluation.evaluate", "snaketune.gpus"),
     "export": ("snaketune.export.export", "snaketune.data.prompts"),
+    "benchmark": ("snaketune.benchmark.run", "snaketune.gpus"),
     "report": ("snaketune.report.build",),
     "manifest": ("snaketune.provenance",),
 }

@@ -48,6 +48,10 @@ class ReportInputs:
     """Directory of Snakemake's benchmark TSVs; whatever is there is reported."""
     manifest: Path | None = None
     """results/provenance/manifest.json (snaketune.provenance): the record of every job behind the report."""
+    benchmark_results: list[Path] = field(default_factory=list)
+    """results/benchmark/**/<task>.json: the benchmark stage's scores (snaketune.report.benchmark)."""
+    benchmark_bases: dict[str, str] = field(default_factory=dict)
+    """Experiment -> the key of its base model's scores (results/benchmark/base/<key>/)."""
 
 
 def _number(value: str) -> float | str | None:
