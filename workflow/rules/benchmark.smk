@@ -7,7 +7,12 @@ rule benchmark_base:
     input:
         unpack(benchmark_base_input),
     output:
-        "results/benchmark/base/{key}/{task}.json",
+        report(
+            "results/benchmark/base/{key}/{task}.json",
+            caption="../report/benchmark.rst",
+            category="3. Evaluation",
+            labels={"model": "base", "task": "{task}"},
+        ),
     log:
         "logs/benchmark/base/{key}/{task}.log",
     benchmark:
@@ -29,7 +34,16 @@ rule benchmark:
     input:
         unpack(benchmark_input),
     output:
-        "results/benchmark/{experiment}/{model}/{task}.json",
+        report(
+            "results/benchmark/{experiment}/{model}/{task}.json",
+            caption="../report/benchmark.rst",
+            category="3. Evaluation",
+            labels={
+                "experiment": "{experiment}",
+                "model": "{model}",
+                "task": "{task}",
+            },
+        ),
     log:
         "logs/benchmark/{experiment}/{model}/{task}.log",
     benchmark:
@@ -51,7 +65,16 @@ rule benchmark_gguf:
     input:
         unpack(benchmark_gguf_input),
     output:
-        "results/benchmark/{experiment}/{model}-{quant}/{task}.json",
+        report(
+            "results/benchmark/{experiment}/{model}-{quant}/{task}.json",
+            caption="../report/benchmark.rst",
+            category="3. Evaluation",
+            labels={
+                "experiment": "{experiment}",
+                "model": "{model}-{quant}",
+                "task": "{task}",
+            },
+        ),
     log:
         "logs/benchmark/{experiment}/{model}-{quant}/{task}.log",
     benchmark:

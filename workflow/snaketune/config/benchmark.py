@@ -35,9 +35,10 @@ class BenchmarkConfig:
     """Per task, `limit` and `num_fewshot` over the values above, e.g. {arc_easy: {num_fewshot: 5}}."""
     models: tuple[str, ...] = BENCHMARK_MODELS
     """Which models: base, sft, dpo (dpo where the experiment's preference stage runs)."""
-    quants: tuple[str, ...] = ("q8_0", "q4_k_m")
+    quants: tuple[str, ...] = ("q4_k_m",)
     """GGUF types of the exported SFT and DPO models scored through llama.cpp's server: those of them that
-    export.quants makes (none with export off)."""
+    export.quants makes (none with export off). q4_k_m is what people deploy; add q8_0 to see where the loss
+    starts."""
     chat_template: bool = True
     """Render every prompt with the model's chat template, as the harness does for chat models
     (--apply_chat_template; few-shot examples as earlier turns, --fewshot_as_multiturn)."""

@@ -127,6 +127,12 @@ def _score(result: dict, key: str) -> dict | None:
 # ---- rendering ---------------------------------------------------------------------------------------
 
 
+def _name(label: str) -> str:
+    """base, SFT, DPO, `DPO q4_k_m` (a GGUF file of the DPO model)."""
+    model, _, quant = label.partition("-")
+    return f"{NAMES.get(model, model)} {quant}".strip()
+
+
 def _metric_name(key: str) -> str:
     metric, filt = key.split(",", 1)
     return metric if filt == "none" else f"{metric} ({filt})"
@@ -172,11 +178,11 @@ def benchmark_section(summary: dict | None) -> list[Block]:
         rows = []
         for task, t in per_task.items():
             for key, m in t["metrics"].items():
-                worse = [NAMES.get(lab, lab) for lab, c in m["change_vs_base"].items() if c and c["worse"]]
+                worse = [_name(lab) for lab, c in m["change_vs_base"].items() if c and c["worse"]]
                 rows.append([task, _metric_name(key), fmt(t["n"]), *(_cell(m["scores"].get(lab)) for lab in labels),
                              *(_delta(m["change_vs_base"].get(lab)) for lab in changed), ", ".join(worse) or "—"])  # fmt: skip
-        header = ["task", "metric", "n", *(NAMES.get(lab, lab) for lab in labels),
-                  *(f"{NAMES.get(lab, lab)} − base" for lab in changed), "worse than base"]  # fmt: skip
+        header = ["task", "metric", "n", *(_name(lab) for lab in labels),
+                  *(f"{_name(lab)} − base" for lab in changed), "worse than base"]  # fmt: skip
         blocks += [
             Heading(3, f"{exp}: forgetting"),
             Table(header, rows, numeric=[False, False, *[True] * (len(header) - 3), False]),
