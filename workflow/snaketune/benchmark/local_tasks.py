@@ -13,7 +13,6 @@ Both ask the evaluate stage's exact-match questions (``eval_examples`` with its 
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import json
@@ -113,7 +112,6 @@ def materialize(name: str, scratch: str | Path) -> dict:
     data_files pointing there and the datasets cache inside `scratch` (nothing written elsewhere)."""
     scratch = Path(scratch)
     config = yaml.safe_load(definition_path(name).read_text())
-    config = copy.deepcopy(config)
     files = config["dataset_kwargs"]["data_files"]
     for split, rows in docs(name).items():
         key = "test" if split == "test" else "validation"
