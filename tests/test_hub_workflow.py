@@ -108,6 +108,8 @@ def hub_run(tmp_path_factory):
         "eval": {"max_new_tokens": 6, "batch_size": 4},
         # GGUF out of the merged LoRA and QLoRA DPO models, with the real DeepSeek tokenizer
         "export": {"models": ["dpo"], "eval_tokens": 256},
+        # the benchmark stage: the tiny run (tests/test_benchmark_serve.py); a 102,400-token vocabulary's GGUF is slow there
+        "benchmark": {"enabled": False},
         "experiments": EXPERIMENTS,
     }
     (workdir / "hub.yaml").write_text(yaml.safe_dump(config))

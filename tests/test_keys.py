@@ -32,6 +32,7 @@ SCRIPT_STAGES = {
     "dpo.py": "dpo",
     "evaluate.py": "evaluate",
     "export.py": "export",
+    "benchmark.py": "benchmark",
     "report.py": "report",
     "manifest.py": "manifest",
 }

@@ -30,6 +30,7 @@ LAYERS = (
     ("snaketune.preference",),  # reference log-probs and DPO
     ("snaketune.evaluation",),
     ("snaketune.export",),  # GGUF files (llama.cpp), measured
+    ("snaketune.benchmark",),  # lm-evaluation-harness on the models and the GGUF files
     ("snaketune.report",),
 )
 """Each layer may import itself and the layers above it in this list, never one below."""

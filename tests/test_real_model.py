@@ -38,6 +38,8 @@ REAL = {
     # Replies long enough to end at the model's end of turn (<|im_end|>), for the export's check.
     "eval": {"prompts": PROMPTS, "max_new_tokens": 40, "builtin_examples": 0},
     "export": {"eval_tokens": 512},
+    # The benchmark on this file: tests/test_benchmark_serve.py (its echoed log-probabilities cost seconds a request).
+    "benchmark": {"enabled": False},
 }
 
 

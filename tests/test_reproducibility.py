@@ -32,21 +32,27 @@ CHANGE = "change.yaml"  # a second --configfile holding the change under test
 # A rule named twice runs twice (the export stage: once for the SFT model, once for the DPO model).
 END = ("manifest", "report", "all")
 ONLY_EVALUATE = ("evaluate", *END)
+# The benchmark stage (.test/config.yaml: one task, on the base, SFT and DPO model and each one's q4_k_m file): a
+# job per model. The base model's job reads the tokenizer only; a GGUF file's job, its export directory.
+BENCH_BASE = ("benchmark_base",)
+BENCH_FILES = ("benchmark_gguf", "benchmark_gguf")
+BENCH_ALL = ("benchmark_base", "benchmark", "benchmark", *BENCH_FILES)
 # The export stage reads the eval prompts and eval.max_new_tokens too (snaketune.data.prompts, not evaluate.py).
-FROM_EVALUATE = ("evaluate", "export", "export", *END)
+FROM_EVALUATE = ("evaluate", "export", "export", *BENCH_FILES, *END)
 ONLY_EXPORT = ("export", "export", *END)
+FROM_EXPORT = ("export", "export", *BENCH_FILES, *END)
 # The preference stages: the reference log-probs (of the SFT model), DPO on the SFT model, then evaluation and
-# the DPO model's export.
-FROM_DPO = ("dpo", "evaluate", "export", *END)
+# the DPO model's export, and the benchmark of the DPO model and its file.
+FROM_DPO = ("dpo", "evaluate", "export", "benchmark", "benchmark_gguf", *END)
 FROM_REFERENCE = ("reference", *FROM_DPO)
 FROM_PAIRS = ("tokenize_pairs", *FROM_REFERENCE)
-FROM_TRAIN = ("train", "export", *FROM_REFERENCE)
+FROM_TRAIN = ("train", "export", "benchmark", "benchmark_gguf", *FROM_REFERENCE)
 # The memory plans (rules plan, plan_dpo, plan_eval) read the memory settings and the DeepSpeed files; no stage reads
 # a plan file (each plans for itself where it starts), so a plan reruns alone unless the change is also a stage's.
 FROM_PLANS = ("plan", "plan_dpo", *FROM_TRAIN)
 FROM_TOKENIZE = ("tokenize", *FROM_TRAIN)
-# A new tokenizer remakes both tokenized caches.
-FROM_TOKENIZER = ("train_tokenizer", "tokenize", "tokenize_pairs", *FROM_TRAIN)
+# A new tokenizer remakes both tokenized caches, and the base model's benchmark reads it.
+FROM_TOKENIZER = ("train_tokenizer", "tokenize", "tokenize_pairs", *BENCH_BASE, *FROM_TRAIN)
 FROM_CONVERSATIONS = ("conversations", "preferences", *FROM_TOKENIZER)
 FROM_DOWNLOAD = ("download", *FROM_CONVERSATIONS)
 ONLY_REPORT = ("report", "all")
@@ -71,7 +77,7 @@ CASES = {
     "model.tokenizer": (
         # The real tokenizer's directory (a hub id would be pinned to a commit first: tests/test_hub_revisions.py).
         _config({"model": {"tokenizer": str(REALDATA_TOKENIZER)}}),
-        ("fetch_tokenizer", "tokenize", "tokenize_pairs", *FROM_TRAIN),
+        ("fetch_tokenizer", "tokenize", "tokenize_pairs", *BENCH_BASE, *FROM_TRAIN),
     ),
     "tokenizer vocabulary (rule file)": (
         _edit("workflow/rules/data.smk", "vocab_size=1024", "vocab_size=1000"),
@@ -91,7 +97,19 @@ CASES = {
     "eval.prompts": (_config({"eval": {"prompts": ["What is 2 + 2?"]}}), FROM_EVALUATE),
     # config: export (GGUF files). Only the export stage and the report.
     "export.quants": (_config({"export": {"quants": ["q8_0"]}}), ONLY_EXPORT),
-    "export.py": (_edit("workflow/snaketune/export/export.py"), ONLY_EXPORT),
+    "export.py": (_edit("workflow/snaketune/export/export.py"), FROM_EXPORT),
+    # config: the benchmark. A task added runs its jobs only; a setting of the files, their jobs only.
+    "benchmark.tasks (one added)": (
+        _config({"benchmark": {"tasks": ["builtin_choice", "builtin_answer"]}}),
+        (*BENCH_ALL, *END),
+    ),
+    "benchmark.limit": (_config({"benchmark": {"limit": 3}}), (*BENCH_ALL, *END)),
+    "benchmark.gguf_limit": (_config({"benchmark": {"gguf_limit": 2}}), (*BENCH_FILES, *END)),
+    "benchmark task file (builtin_choice.yaml)": (
+        _edit("workflow/snaketune/benchmark/tasks/builtin_choice.yaml"),
+        (*BENCH_ALL, *END),
+    ),
+    "benchmark/served.py": (_edit("workflow/snaketune/benchmark/served.py"), (*BENCH_ALL, *END)),
     # config: preference tuning. beta is not in the reference log-probs: they stay cached.
     "preference.beta": (_config({"preference": {"beta": 0.2}}), FROM_DPO),
     "preference.pairs": (_config({"preference": {"pairs": "all"}}), ("preferences", *FROM_PAIRS)),
@@ -137,9 +155,10 @@ CASES = {
     "preferences.py": (_edit("workflow/snaketune/data/preferences.py"), ("preferences", *FROM_PAIRS)),
     # the chat template code of every stage that tokenizes, loads the tokenizer or writes it
     "tokenizer.py": (_edit("workflow/snaketune/data/tokenizer.py"), FROM_TOKENIZER),
+    # (the benchmark stage loads the tokenizer through it: the base model's job too)
     "tokenization.py": (
         _edit("workflow/snaketune/data/tokenization.py"),
-        ("tokenize", "tokenize_pairs", *FROM_TRAIN),
+        ("tokenize", "tokenize_pairs", *BENCH_BASE, *FROM_TRAIN),
     ),
     "pairs.py": (_edit("workflow/snaketune/data/pairs.py"), FROM_PAIRS),
     "training.py": (_edit("workflow/snaketune/train/trainer.py"), FROM_TRAIN),
@@ -147,11 +166,11 @@ CASES = {
     "dpo.py": (_edit("workflow/snaketune/preference/dpo.py"), FROM_REFERENCE),
     "logprobs.py": (_edit("workflow/snaketune/preference/logprobs.py"), FROM_REFERENCE),
     "evaluate.py": (_edit("workflow/snaketune/evaluation/evaluate.py"), ONLY_EVALUATE),
-    # the dataclasses: imported by plan, training, the preference stages and evaluate; not by the data stages,
-    # which use only the allowed values (config/choices.py)
+    # the dataclasses: imported by plan, training, the preference stages, evaluate and the benchmark; not by the
+    # data stages, which use only the allowed values (config/choices.py)
     "config/schema.py": (
         _edit("workflow/snaketune/config/schema.py"),
-        ("plan", "plan_dpo", "plan_eval", *FROM_TRAIN),
+        ("plan", "plan_dpo", "plan_eval", *BENCH_BASE, *FROM_TRAIN),
     ),
     # what cannot change an output reruns nothing: a reworded docstring, comments and formatting (issue #42)
     "docstring (train/metrics.py)": (
@@ -273,6 +292,7 @@ def _jobs(workdir: Path, *, plans: bool = True) -> list[str]:
     reference = next((workdir / "results/preference/default").glob("reference-*")).name.removeprefix(
         "reference-"
     )
+    base = next((workdir / "results/benchmark/base").iterdir()).name
     jobs = [
         "download",
         "conversations",
@@ -286,6 +306,11 @@ def _jobs(workdir: Path, *, plans: bool = True) -> list[str]:
         "evaluate/default",
         "export/default_dpo",
         "export/default_sft",
+        f"benchmark_base/{base}_builtin_choice",
+        "benchmark/default_sft_builtin_choice",
+        "benchmark/default_dpo_builtin_choice",
+        "benchmark_gguf/default_sft_q4_k_m_builtin_choice",
+        "benchmark_gguf/default_dpo_q4_k_m_builtin_choice",
     ]
     return jobs + (["plan/default", "plan_dpo/default", "plan_eval/default"] if plans else [])
 

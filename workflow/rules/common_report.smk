@@ -18,6 +18,7 @@ def resolved_config():
         },
         "eval": to_dict(CFG.eval),
         "export": to_dict(CFG.export),
+        "benchmark": to_dict(CFG.benchmark),
     }
 
 
@@ -153,6 +154,7 @@ def manifest_input(wildcards):
             f"{dpo_dir(e)}/metrics.csv" for e in PREFERENCE_EXPERIMENTS.values()
         ],
         "exports": [f"results/export/{n}/{m}" for n, m in EXPORTS],
+        "benchmark": benchmark_results(),  # lm-evaluation-harness scores (common_benchmark.smk)
     }
 
 
@@ -183,6 +185,7 @@ def report_params():
         "exports": [list(e) for e in EXPORTS],
         "config": resolved_config(),
         "invocation": invocation(),
+        "benchmark_bases": {n: base_key(e) for n, e in EXPERIMENTS.items()},
         # Benchmarks are not inputs (a missing one must not rerun its job): the report shows what exists.
         "benchmarks": "benchmarks",
         "code": keys.code_hash("report"),

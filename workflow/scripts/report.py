@@ -62,6 +62,8 @@ def main(smk):
         benchmarks=Path(spec["benchmarks"]),
         manifest=Path(smk.input.manifest),
         invocation=spec["invocation"],
+        benchmark_results=[Path(p) for p in smk.input.benchmark],
+        benchmark_bases=spec["benchmark_bases"],
     )
     build_report(inputs, Path(smk.output.html).parent)
 

@@ -43,6 +43,7 @@ STAGE_MODULES = {
     "dpo": ("snaketune.train.launch", "snaketune.preference.dpo"),
     "evaluate": ("snaketune.evaluation.evaluate", "snaketune.gpus", "snaketune.plan.search"),
     "export": ("snaketune.export.export", "snaketune.data.prompts"),
+    "benchmark": ("snaketune.benchmark.run", "snaketune.gpus"),
     "report": ("snaketune.report.build",),
     "manifest": ("snaketune.provenance",),
 }

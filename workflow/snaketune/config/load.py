@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from snaketune.config.benchmark import BenchmarkConfig
 from snaketune.config.choices import EXPERIMENT_NAME, ConfigError, fail
 from snaketune.config.evaluation import EvalConfig
 from snaketune.config.export import ExportConfig
@@ -44,7 +45,7 @@ _EXPERIMENT_SECTIONS = ("model", "tokenize", "train", "preference")
 
 
 # Top-level keys that are not dataclass sections; other issues' stages add theirs here.
-_OTHER_TOP_LEVEL = ("experiments", "eval", "export", "report", "gpu_memory_gib", "gpu_ids")
+_OTHER_TOP_LEVEL = ("experiments", "eval", "export", "report", "gpu_memory_gib", "gpu_ids", "benchmark")
 
 
 def _check_keys(mapping: dict, allowed: list[str], where: str) -> None:
@@ -189,6 +190,9 @@ def load_config(raw: dict[str, Any]) -> Config:
     if not isinstance(raw.get("export") or {}, dict):
         fail("export", f"must be a mapping of export settings, got {raw['export']!r}")
     export_cfg = from_dict(ExportConfig, raw.get("export"), "export.")
+    if not isinstance(raw.get("benchmark") or {}, dict):
+        fail("benchmark", f"must be a mapping of benchmark settings, got {raw['benchmark']!r}")
+    benchmark_cfg = from_dict(BenchmarkConfig, raw.get("benchmark"), "benchmark.")
     gpu_memory_gib = raw.get("gpu_memory_gib")
     if gpu_memory_gib is not None:
         try:
@@ -206,6 +210,7 @@ def load_config(raw: dict[str, Any]) -> Config:
         raw=raw,
         eval=eval_cfg,
         export=export_cfg,
+        benchmark=benchmark_cfg,
         gpu_memory_gib=None if gpu_memory_gib is None else float(gpu_memory_gib),
         gpu_ids=gpu_ids,
     )

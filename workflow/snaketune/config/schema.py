@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from snaketune.config.benchmark import BenchmarkConfig
 from snaketune.config.choices import (
     ATTENTIONS,
     BF16_OPTIMIZERS,
@@ -408,6 +409,8 @@ class Config:
     """Evaluation settings, shared by all experiments."""
     export: ExportConfig = field(default_factory=ExportConfig)
     """GGUF export settings, shared by all experiments."""
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    """lm-evaluation-harness tasks on the base, fine-tuned and exported models, shared by all experiments."""
     gpu_memory_gib: float | None = None
     """The memory of the cards to plan for, GiB (a card name in the YAML resolves to its memory: rtx4090 is
     24,564 MiB): each process keeps what nvidia-smi shows for it under this less 0.5 GiB for the driver

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from snaketune.export import llama_cpp, measure
+from snaketune.export import llama_cpp, measure, modelfile
 from snaketune.io import atomic_dir, write_json
 from snaketune.model import batching
 from snaketune.model.inference import render_prompt
@@ -146,6 +146,10 @@ def export(
         }
         write_json(tmp / "metrics.json", metrics)
         (tmp / "replies.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in replies))
+        # Ollama Modelfiles, serve.sh and README.md: how to serve each file and talk to it (snaketune.export.modelfile).
+        modelfile.write_serving_files(
+            tmp, name, list(made), tokenizer, model_dir=model_dir, version=tools["llama_cpp_python"]
+        )
     for row in files:
         _log_file(row)
     return metrics

@@ -25,6 +25,7 @@ from typing import Any
 from snaketune import provenance as provenance_module
 from snaketune.io import atomic_files, write_json
 from snaketune.report import plots
+from snaketune.report.benchmark import benchmark_section, benchmark_summary
 from snaketune.report.export import export_section
 from snaketune.report.headline import final_model, headline_section, headline_summary, run_cost
 from snaketune.report.inputs import (
@@ -305,6 +306,7 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
         "job_software": {k: v for k, v in summary_of_jobs.get("software", {}).items() if len(v) > 1},
     }
     summary = make_summary(data, experiments, provenance, run)
+    summary["benchmark"] = benchmark_summary(inputs.benchmark_results, inputs.benchmark_bases)
     # Every file of the report, or none: all are written into a staging directory (the plots under their own
     # names, which report.md links to) and renamed into place together.
     with atomic_files(*(out_dir / name for name in OUTPUTS.values())) as staged:
@@ -332,6 +334,7 @@ def write_report(
         + preference_section(experiments, plot_paths["preference"])
         + comparison_section(experiments, summary)
         + export_section(experiments)
+        + benchmark_section(summary.get("benchmark"))
         + provenance_section(data, experiments, provenance, benchmarks, config)
     )
     names = ", ".join(exp.name for exp in experiments)

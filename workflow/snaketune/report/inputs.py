@@ -51,6 +51,10 @@ class ReportInputs:
     invocation: dict | None = None
     """How Snakemake was asked to run: {"configfiles": [...], "config_args": [...]} (--configfile and --config
     as given), for the report's reproduce box."""
+    benchmark_results: list[Path] = field(default_factory=list)
+    """results/benchmark/**/<task>.json: the benchmark stage's scores (snaketune.report.benchmark)."""
+    benchmark_bases: dict[str, str] = field(default_factory=dict)
+    """Experiment -> the key of its base model's scores (results/benchmark/base/<key>/)."""
 
 
 def _number(value: str) -> float | str | None:

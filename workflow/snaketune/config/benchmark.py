@@ -1,0 +1,117 @@
+"""The benchmark stage's settings (config key `benchmark`, shared by every experiment; snaketune.benchmark.run):
+which lm-evaluation-harness tasks, on how many examples and shots, on which models and GGUF files."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from snaketune.config.choices import EXPORT_QUANTS, fail
+
+BENCHMARK_MODELS = ("base", "sft", "dpo")
+"""benchmark.models: the base model (scored once for the experiments that share it), the SFT and the DPO model."""
+TASK_SETTINGS = ("limit", "num_fewshot")
+"""What benchmark.task_settings may set per task (over the section's own values)."""
+TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+"""A task name is a file name of the outputs (results/benchmark/.../<task>.json)."""
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    enabled: bool = True
+    """Score the models on `tasks` with lm-evaluation-harness (rules benchmark_base, benchmark, benchmark_gguf)."""
+    tasks: tuple[str, ...] = ("builtin_choice", "builtin_answer")
+    """Harness task names: this repository's local tasks (builtin_choice, builtin_answer: offline, on the builtin
+    dataset's questions) or the harness's own (arc_easy, hellaswag, ifeval, ...: their data comes from the hub)."""
+    limit: int | None = None
+    """Examples per task (the first ones); null: all (the local tasks have 200)."""
+    gguf_limit: int | None = None
+    """Examples per task for the GGUF files, the first ones (at most `limit`); null: as `limit`. The server computes
+    the echoed log-probabilities in Python, sorting the whole vocabulary per prompt token: ~0.1 s per token for a
+    49k vocabulary here, seconds per multiple-choice request of a real model."""
+    num_fewshot: int = 0
+    """Examples shown before each question; with chat_template as earlier user/assistant turns."""
+    task_settings: dict = field(default_factory=dict)
+    """Per task, `limit` and `num_fewshot` over the values above, e.g. {arc_easy: {num_fewshot: 5}}."""
+    models: tuple[str, ...] = BENCHMARK_MODELS
+    """Which models: base, sft, dpo (dpo where the experiment's preference stage runs)."""
+    quants: tuple[str, ...] = ("q4_k_m",)
+    """GGUF types of the exported SFT and DPO models scored through llama.cpp's server: those of them that
+    export.quants makes (none with export off). q4_k_m is what people deploy; add q8_0 to see where the loss
+    starts."""
+    chat_template: bool = True
+    """Render every prompt with the model's chat template, as the harness does for chat models
+    (--apply_chat_template; few-shot examples as earlier turns, --fewshot_as_multiturn)."""
+    batch_size: int = 8
+    """Sequences per forward pass of a transformers model."""
+    max_length: int = 2048
+    """Most tokens of a request (context + continuation; longer contexts lose their start); the server's context."""
+    threads: int = 2
+    """CPU threads of llama.cpp's server (the GGUF jobs' threads)."""
+
+    def __post_init__(self) -> None:
+        if self.enabled and not self.tasks:
+            fail("benchmark.tasks", "is empty; name at least one task or set benchmark.enabled: false")
+        for t in self.tasks:
+            if not TASK_NAME.match(t):
+                fail("benchmark.tasks", f"{t!r} is not a task name (letters, digits, '_', '.', '-')")
+        if len(set(self.tasks)) != len(self.tasks):
+            fail("benchmark.tasks", f"{list(self.tasks)} names a task twice")
+        self._check_settings("benchmark.", {"limit": self.limit, "num_fewshot": self.num_fewshot})
+        self._check_settings("benchmark.gguf_", {"limit": self.gguf_limit})
+        for task, settings in self.task_settings.items():
+            if task not in self.tasks:
+                fail(f"benchmark.task_settings.{task}", f"not in benchmark.tasks ({', '.join(self.tasks)})")
+            if not isinstance(settings, dict):
+                fail(
+                    f"benchmark.task_settings.{task}",
+                    f"{settings!r} must be a mapping of {', '.join(TASK_SETTINGS)}",
+                )
+            for key in settings:
+                if key not in TASK_SETTINGS:
+                    fail(
+                        f"benchmark.task_settings.{task}.{key}",
+                        f"unknown key; allowed: {', '.join(TASK_SETTINGS)}",
+                    )
+            self._check_settings(f"benchmark.task_settings.{task}.", settings)
+        for m in self.models:
+            if m not in BENCHMARK_MODELS:
+                fail("benchmark.models", f"{m!r} is not allowed; allowed: {', '.join(BENCHMARK_MODELS)}")
+        for q in self.quants:
+            if q not in EXPORT_QUANTS:
+                fail("benchmark.quants", f"{q!r} is not allowed; allowed: {', '.join(EXPORT_QUANTS)}")
+        if self.batch_size < 1:
+            fail("benchmark.batch_size", f"{self.batch_size} must be >= 1")
+        if self.max_length < 16:
+            fail("benchmark.max_length", f"{self.max_length} must be >= 16")
+        if not 1 <= self.threads <= 256:
+            fail("benchmark.threads", f"{self.threads} must be between 1 and 256")
+
+    @staticmethod
+    def _check_settings(where: str, settings: dict) -> None:
+        limit = settings.get("limit")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            fail(f"{where}limit", f"{limit!r} must be an integer >= 1 or null (all examples)")
+        shots = settings.get("num_fewshot", 0)
+        if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
+            fail(f"{where}num_fewshot", f"{shots!r} must be an integer >= 0")
+
+    def task_spec(self, task: str, *, gguf: bool = False) -> dict:
+        """What one task's scores depend on in this section (the rules add the task file's hash and the code); for
+        a GGUF file (`gguf`) at most gguf_limit examples."""
+        own = self.task_settings.get(task, {})
+        shots = own.get("num_fewshot", self.num_fewshot)
+        limit = own.get("limit", self.limit)
+        if gguf and self.gguf_limit is not None:
+            limit = self.gguf_limit if limit is None else min(limit, self.gguf_limit)
+        return {
+            "name": task,
+            "limit": limit,
+            "num_fewshot": shots,
+            "chat_template": self.chat_template,
+            "fewshot_as_multiturn": self.chat_template and shots > 0,
+        }
+
+    def scored_quants(self, export_enabled: bool, export_quants: tuple[str, ...]) -> list[str]:
+        """The GGUF types scored: those of `quants` that the export stage makes (none when it is off)."""
+        return [q for q in self.quants if export_enabled and q in export_quants] if self.enabled else []
