@@ -15,7 +15,7 @@ def base_key(exp):
     built = exp.model.is_builtin
     return keys.short_hash(
         {
-            "model": to_dict(exp.model),
+            "model": owners.model_settings(exp.model),
             "seed": exp.train.seed if built else None,
             "precision": exp.train.precision if built else None,
             "tokenizer": keys.tokenizer_id(exp.model),
@@ -78,7 +78,7 @@ def benchmark_task(wildcards, gguf=False):
 
 def _benchmark_spec(exp, source, task):
     return {
-        "source": {**source, "model": to_dict(exp.model)},
+        "source": {**source, "model": owners.model_settings(exp.model)},
         "task": task,
         "chat_template": exp.tokenize.chat_template,
         "batch_size": BENCHMARK.batch_size,
@@ -96,11 +96,14 @@ def benchmark_base_input(wildcards):
 
 def benchmark_base_params(wildcards):
     exp = BENCHMARK_BASES[wildcards.key]
+    built = (
+        exp.model.is_builtin
+    )  # a builtin model is initialised from the seed, in the training precision
     source = {
         "kind": "base",
         "label": "base",
-        "seed": exp.train.seed,
-        "precision": exp.train.precision,
+        "seed": exp.train.seed if built else None,
+        "precision": exp.train.precision if built else None,
         "quantize": exp.train.lora.quantize,
     }
     return {

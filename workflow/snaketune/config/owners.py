@@ -37,6 +37,8 @@ MEMORY = "memory"  # the memory a stage needs: its plan (plan, plan_dpo)
 WEIGHTS = "weights"  # what the stage trains: train, dpo
 LOGPROBS = "logprobs"  # the reference log-probabilities: how the model is built and computes, its data order
 EVALUATE = "evaluate"  # the evaluate stage: how it builds the base model (seed) or loads the models (4-bit)
+BASE = "base"  # how a builtin base model is built for the benchmark stage (seed, precision)
+BENCHMARK = "benchmark"  # how the benchmark stage loads the models (4-bit)
 EVAL_MEMORY = "eval_memory"  # the evaluate stage's memory plan (plan_eval)
 RUNTIME = "runtime"
 RECORD = "record"
@@ -59,7 +61,7 @@ TRAIN_FIELDS: dict[str, tuple[str, ...]] = {
     "epochs": (WEIGHTS,),
     "global_batch_size": (MEMORY, WEIGHTS),  # accumulation: the plan counts its gradient buffers
     "micro_batch_size": _MODEL,
-    "precision": _MODEL,  # the evaluate stage computes in bf16 on CUDA, fp32 on CPU, whatever trained
+    "precision": (*_MODEL, BASE),  # the evaluate stage computes in bf16 on CUDA, fp32 on CPU, whatever trained
     "gradient_checkpointing": _MODEL,
     "bf16_optimizer": (MEMORY, WEIGHTS),
     "optimizer_kernel": (MEMORY, WEIGHTS),
@@ -74,7 +76,7 @@ TRAIN_FIELDS: dict[str, tuple[str, ...]] = {
     "strategy": _MODEL,
     # The data order and dropout; the weights of a builtin model (the base the evaluate stage rebuilds) and of
     # LoRA's adapters at step 0.
-    "seed": (WEIGHTS, LOGPROBS, EVALUATE),
+    "seed": (WEIGHTS, LOGPROBS, EVALUATE, BASE),
     "checkpoint_every": (RUNTIME,),
     "keep_checkpoints": (RUNTIME,),
     "keep_final_checkpoint": (RUNTIME,),
@@ -86,18 +88,26 @@ TRAIN_FIELDS: dict[str, tuple[str, ...]] = {
     "lora.dropout": _MODEL,
     "lora.targets": _MODEL,
     # QLoRA's models are evaluated in 4 bits, as they trained.
-    "lora.quantize": (*_MODEL, EVALUATE, EVAL_MEMORY),
+    "lora.quantize": (*_MODEL, EVALUATE, EVAL_MEMORY, BASE, BENCHMARK),
 }
 """Every train key (lora's as lora.<key>) and what it changes."""
 
-SFT_STAGES = {MEMORY: "plan", WEIGHTS: "train", EVALUATE: "evaluate", EVAL_MEMORY: "plan_eval"}
+SFT_STAGES = {
+    MEMORY: "plan",
+    WEIGHTS: "train",
+    EVALUATE: "evaluate",
+    EVAL_MEMORY: "plan_eval",
+    BASE: "benchmark_base",
+    BENCHMARK: "benchmark",
+}
 """The stage each facet reaches when the key is read from `train` (the SFT side)."""
 DPO_STAGES = {MEMORY: "plan_dpo", WEIGHTS: "dpo", LOGPROBS: "reference"}
 """The stage each facet reaches when the key is read from the preference stage's train settings (`preference.train`
 merged over `train`)."""
 
 _PLANS = ("plan", "plan_dpo", "plan_eval")
-_MODEL_USERS = (*_PLANS, "train", "reference", "dpo", "evaluate")
+_BENCHMARKS = ("benchmark_base", "benchmark", "benchmark_gguf")
+_MODEL_USERS = (*_PLANS, "train", "reference", "dpo", "evaluate", *_BENCHMARKS)
 """The stages that load or size the model."""
 
 OWNERS: dict[str, tuple[str, ...]] = {
@@ -118,7 +128,7 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "tokenize.max_length": ("tokenize", "plan", "plan_eval", "evaluate", "export"),
     "tokenize.packing": ("tokenize",),
     "tokenize.assistant_only_loss": ("tokenize",),
-    "tokenize.chat_template": ("tokenize", "tokenize_pairs", "evaluate", "export"),
+    "tokenize.chat_template": ("tokenize", "tokenize_pairs", "evaluate", "export", *_BENCHMARKS),
     "preference.pairs": ("preferences", "tokenize_pairs"),
     "preference.max_length": ("tokenize_pairs", "plan_dpo", "reference", "dpo"),
     "preference.loss": ("dpo",),
@@ -134,6 +144,13 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "export.max_kl": ("export",),
     "export.eval_tokens": ("export",),
     "gpu_memory_gib": _PLANS,
+    "benchmark.limit": _BENCHMARKS,
+    "benchmark.gguf_limit": ("benchmark_gguf",),
+    "benchmark.num_fewshot": _BENCHMARKS,
+    "benchmark.task_settings": _BENCHMARKS,
+    "benchmark.chat_template": _BENCHMARKS,
+    "benchmark.batch_size": _BENCHMARKS,
+    "benchmark.max_length": _BENCHMARKS,
 }
 """Every key outside train (and preference.train) that changes an output, and the stages whose outputs it changes."""
 
@@ -144,6 +161,11 @@ UNOWNED: dict[str, str] = {
     "export.models": "structure: which models the export stage exports (a job each)",
     "export.threads": "runtime: llama.cpp's and transformers' CPU threads in the export stage",
     "gpu_ids": "runtime: which GPUs the jobs may use (the environment, not a param)",
+    "benchmark.enabled": "structure: adds or removes the benchmark stage",
+    "benchmark.tasks": "structure: adds or removes a task's jobs (one per model); the others are kept",
+    "benchmark.models": "structure: which models the benchmark stage scores (a job each)",
+    "benchmark.quants": "structure: which GGUF files the benchmark stage scores (a job each)",
+    "benchmark.threads": "runtime: llama.cpp's server threads in the GGUF files' jobs",
     "experiments": "structure: adds or removes experiments (each its own jobs)",
 }
 """Keys that own no stage, and why."""
@@ -274,7 +296,10 @@ def owners(
         name = key.removeprefix("train.")
         inherited = not no_dpo and not _overrides(overridden, name)
         dpo = _train_owners(name, DPO_STAGES, dpo_train) if inherited else ()
-        return tuple(dict.fromkeys(_train_owners(name, SFT_STAGES, sft_train) + dpo))
+        sft = _train_owners(name, SFT_STAGES, sft_train)
+        if exp is not None and not exp.model.is_builtin and name in ("seed", "precision"):
+            sft = tuple(s for s in sft if s != "benchmark_base")  # a pretrained base is loaded, not built
+        return tuple(dict.fromkeys(sft + dpo))
     if key in OWNERS:
         return OWNERS[key]
     if key in UNOWNED:
