@@ -143,6 +143,9 @@ CASES = [
          "MFU, memory", GPU + " (49 GB of it used)", _script("real_model/mfu.sh"), ("ROWS", "SMOL|GGUF")),
     Case("stage_times", "real_model", "wall time of the SFT and DPO stages of the SmolLM2 example beside TRL's "
          "(same invocation)", GPU, _script("real_model/stage_times.sh"), ("ROWS", "SMOL|GGUF")),
+    Case("benchmark_stage", "benchmark_stage", "the benchmark stage on the real SmolLM2-135M: wall time per model and "
+         "task, q8_0/q4_k_m beside bf16 (phases phase1 | phase2); an evaluation change's rerun (rerun)", GPU,
+         _script("benchmark_stage/device.sh"), ("GGUF",)),
     Case("recipes", "recipes", "config/examples/*.yaml as written, fewer steps, on a hub-format 7B: every stage's "
          "tokens/s and memory against the plan", "1 CUDA GPU of 141 GB (H200); the examples cap at 16-24 GB",
          _script("recipes/examples.sh"), ("ROWS", "TOKENIZER")),
