@@ -61,7 +61,10 @@ TRAIN_FIELDS: dict[str, tuple[str, ...]] = {
     "epochs": (WEIGHTS,),
     "global_batch_size": (MEMORY, WEIGHTS),  # accumulation: the plan counts its gradient buffers
     "micro_batch_size": _MODEL,
-    "precision": (*_MODEL, BASE),  # the evaluate stage computes in bf16 on CUDA, fp32 on CPU, whatever trained
+    "precision": (
+        *_MODEL,
+        BASE,
+    ),  # the evaluate stage computes in bf16 on CUDA, fp32 on CPU, whatever trained
     "gradient_checkpointing": _MODEL,
     "bf16_optimizer": (MEMORY, WEIGHTS),
     "optimizer_kernel": (MEMORY, WEIGHTS),
@@ -208,6 +211,9 @@ def train_settings(train: TrainConfig, facet: str, *, placement: dict | None = N
             out[key] = list(value) if isinstance(value, tuple) else value
     if facet in (WEIGHTS, LOGPROBS) and train.strategy == "auto" and placement is not None:
         out["placement"] = placement
+    if facet == LOGPROBS and train.strategy == "auto":
+        # The reference pass builds the model as DPO's plan chooses, from DPO's memory settings too.
+        out.update({k: v for k, v in train_settings(train, MEMORY).items() if k not in out})
     return out
 
 
@@ -321,6 +327,8 @@ def _train_owners(name: str, stages: dict[str, str], train: TrainConfig | None =
     if train is not None and _unread(train, name):
         return ()
     facets = TRAIN_FIELDS[name]
+    if stages is DPO_STAGES and train is not None and train.strategy == "auto" and MEMORY in facets:
+        facets = (*facets, LOGPROBS)  # the reference follows DPO's plan's choice (train_settings)
     if PLACEMENT in facets:
         return ("plan",) if stages is SFT_STAGES else ("plan_dpo",)
     return tuple(stages[f] for f in facets if f in stages)

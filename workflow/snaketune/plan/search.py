@@ -126,6 +126,11 @@ def _check_plannable(arch, source: str, train: dict, gpu_memory_gib, budget: Bud
         )
 
 
+def as_configured(train: dict, deepspeed_config: str, gpu_memory_gib: float | None, why: str) -> dict:
+    """A plan that checks nothing and chooses nothing: the stage runs as configured, under the memory cap."""
+    return {**_unplanned(train, deepspeed_config, why), "gpu_memory_gib": gpu_memory_gib}
+
+
 def _unplanned(train: dict, deepspeed_config: str, source: str) -> dict:
     chosen = {
         "name": "as configured",

@@ -76,7 +76,7 @@ def train_rule_job(
     tokenizer, deepspeed), `extra` keys added, the stage's memory plan made here, then train_job with the rule's
     outputs (default: model, metrics, tb, summary; all in one directory)."""
     from snaketune.config.owners import full_train
-    from snaketune.plan.search import candidate_files, stage_plan
+    from snaketune.plan.search import as_configured, candidate_files, stage_plan
     from snaketune.train.checkpoint import run_key  # torch: imported only where a training is launched
 
     spec = smk.params.spec
@@ -97,19 +97,27 @@ def train_rule_job(
         **extra,
     }
     # The stage's memory plan, made here as its plan rule makes it (stage_plan says why it is not an input); the
-    # preference stages' rows hold both sides of a pair.
+    # preference stages' rows hold both sides of a pair. The reference pass takes no step: whether DPO fits is DPO's
+    # plan's to say (rule plan_dpo, the dpo job); it follows that plan's choice only under strategy auto (its params
+    # then hold what the choice depends on), else it builds the model as configured.
     sft = smk.rule == "train"
-    plan = stage_plan(
-        experiment=smk.wildcards.experiment,
-        model=spec["model"],
-        train=train,
-        max_length=spec["max_length"] * (1 if sft else 2),
-        deepspeed_config=smk.input.deepspeed,
-        gpu_memory_gib=memory_cap_gib(resources),
-        candidate_files=candidate_files(),
-        objective="sft" if sft else "preference",
-        allow_download=not os.environ.get("HF_HUB_OFFLINE"),
-    )
+    cap = memory_cap_gib(resources)
+    if smk.rule == "reference" and train["strategy"] != "auto":
+        plan = as_configured(
+            train, smk.input.deepspeed, cap, "as configured: the reference pass takes no step"
+        )
+    else:
+        plan = stage_plan(
+            experiment=smk.wildcards.experiment,
+            model=spec["model"],
+            train=train,
+            max_length=spec["max_length"] * (1 if sft else 2),
+            deepspeed_config=smk.input.deepspeed,
+            gpu_memory_gib=cap,
+            candidate_files=candidate_files(),
+            objective="sft" if sft else "preference",
+            allow_download=not os.environ.get("HF_HUB_OFFLINE"),
+        )
     train_job(
         run_spec,
         checkpoints=smk.params.checkpoints,
