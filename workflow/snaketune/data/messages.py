@@ -36,6 +36,11 @@ SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 """File types a local dataset.source may have."""
 
 
+CHAT_HINT = (
+    "; it has `messages`, the chat format's field: dataset.format: chat (or auto) reads it, from a local file"
+)
+
+
 class DataError(ValueError):
     """The input messages are wrong; the message names the file, the field, the row and what is allowed."""
 
@@ -136,6 +141,7 @@ def _check_columns(messages: pd.DataFrame, source_name: str) -> None:
         raise DataError(
             f"{source_name}: missing required column(s) {', '.join(missing)}; "
             f"required: {', '.join(REQUIRED_COLUMNS)} (optional: {', '.join(OPTIONAL_COLUMNS)})"
+            + (CHAT_HINT if "messages" in messages.columns else "")
         )
     duplicated = messages.columns[messages.columns.duplicated()].tolist()
     if duplicated:

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from snaketune.data.messages import (
+    CHAT_HINT,
     LINES_ATTR,
     OPTIONAL_COLUMNS,
     REQUIRED_COLUMNS,
@@ -47,8 +48,9 @@ def _object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, An
     return record
 
 
-def _json_lines(path: Path):
-    """(line number, JSON object) of every non-blank line of a .jsonl or .jsonl.gz file."""
+def json_lines(path: Path, what: str = "one message or one tree"):
+    """(line number, JSON object) of every non-blank line of a .jsonl or .jsonl.gz file; `what` says in errors what
+    a line holds."""
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
         with opener(path, "rb") as fh:
@@ -75,7 +77,7 @@ def _json_lines(path: Path):
                     raise DataError(f"{path}: line {line_no}: {e}; allowed: each key once per object") from e
                 if not isinstance(record, dict):
                     raise DataError(
-                        f"{path}: line {line_no}: expected a JSON object (one message or one tree), "
+                        f"{path}: line {line_no}: expected a JSON object ({what}), "
                         f"got {type(record).__name__}; allowed: one JSON object per line"
                     )
                 yield line_no, record
@@ -148,7 +150,7 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
     trees: bool | None = None
     seen_trees: dict[str, tuple[int, tuple]] = {}
     repeated = 0
-    for line_no, record in _json_lines(path):
+    for line_no, record in json_lines(path):
         if trees is None:
             trees = is_tree_record(record)
         if trees:
@@ -189,6 +191,7 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
                 f"{path}: line {line_no}: missing required key(s) {', '.join(missing)}; "
                 f"required on every line: {', '.join(REQUIRED_COLUMNS)} (parent_id null for a root); or one "
                 "nested tree per line (LAION's *.trees.jsonl: message_tree_id, prompt with replies)"
+                + (CHAT_HINT if "messages" in record else "")
             )
         records.append(record)
         lines.append(line_no)
