@@ -260,8 +260,6 @@ def clean_chats(
     seen: set[str] = set()
     for row in rows:
         messages, reason, fixed = clean_conversation(row["messages"])
-        for k, v in fixed.items():
-            repairs[k] += v
         lang = row["lang"] or UNKNOWN_LANG
         if reason is None and wanted and lang not in wanted:
             reason = "language"
@@ -272,6 +270,8 @@ def clean_chats(
         if reason is not None:
             dropped[reason] += 1
             continue
+        for k, v in fixed.items():  # of the conversations kept
+            repairs[k] += v
         kept.append(
             {"conversation_id": row["id"], "message_tree_id": row["id"], "lang": lang, "messages": messages}
         )

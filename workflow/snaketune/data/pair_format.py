@@ -185,7 +185,6 @@ def build_pair_preferences(path: str | Path, *, validation_fraction: float) -> P
     seen: set[str] = set()
     for row in rows:
         pair, reason, n = _clean(row)
-        removed += n
         if pair is not None:
             key = json.dumps([message_hash(pair["prompt"]), pair["chosen"], pair["rejected"]], ensure_ascii=False)
             reason = "duplicate" if key in seen else None
@@ -193,6 +192,7 @@ def build_pair_preferences(path: str | Path, *, validation_fraction: float) -> P
         if reason is not None:
             dropped[reason] += 1
             continue
+        removed += n  # of the pairs kept
         prompt_id = message_hash(pair["prompt"])
         digest = hashlib.sha256(f"{prompt_id}\0{pair['chosen']}\0{pair['rejected']}".encode()).hexdigest()[:16]
         pair_id = pair["id"] if pair["id"] is not None else digest
