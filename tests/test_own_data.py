@@ -395,3 +395,10 @@ def test_builtin_and_hub_data_are_oasst():
     with pytest.raises(ConfigError, match="'dataset.format': 'chat' with dataset.source 'builtin'"):
         load_config({"dataset": {"format": "chat"}})
     assert resolve_format(load_config({})).dataset.format == "oasst"
+
+
+def test_the_dag_time_detector_knows_oasst_fields():
+    """snaketune.data.formats keeps its own copy of oasst's required fields (it must not import pandas)."""
+    from snaketune.data import formats, messages
+
+    assert formats.OASST_FIELDS == messages.REQUIRED_COLUMNS

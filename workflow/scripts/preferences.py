@@ -11,9 +11,7 @@ from snaketune.data.preferences import build_preferences, read_split_of_trees, w
 def main(smk):
     spec = smk.params.spec
     if "pairs_file" in spec:  # preference.source: a pairs file
-        result = build_pair_preferences(
-            smk.input.pairs, validation_fraction=spec["validation_fraction"]
-        )
+        result = build_pair_preferences(smk.input.pairs, validation_fraction=spec["validation_fraction"])
     else:  # the ranks of the dataset's replies
         result = build_preferences(
             read_messages(smk.input.messages),

@@ -244,7 +244,10 @@ def dataset_spec(dataset: DatasetConfig) -> dict:
 
 def pairs_file_identity(preference: PreferenceConfig) -> dict:
     """A pairs file (preference.source) by its content, as source_identity names a dataset file."""
-    return {"file_sha256": source_digest(preference.source), "suffix": "".join(Path(preference.source).suffixes[-2:])}
+    return {
+        "file_sha256": source_digest(preference.source),
+        "suffix": "".join(Path(preference.source).suffixes[-2:]),
+    }
 
 
 def pairs_name(exp: ExperimentConfig) -> str:
@@ -271,7 +274,10 @@ def pairs_key(exp: ExperimentConfig) -> str:
     and the split's fraction), the tokenizer, the chat template, the tokens per side and the code of every stage that
     makes them."""
     if exp.preference.from_file:  # the file's pairs, split by the hash of each prompt
-        source = {"pairs_file": pairs_file_identity(exp.preference), "validation_fraction": exp.dataset.validation_fraction}
+        source = {
+            "pairs_file": pairs_file_identity(exp.preference),
+            "validation_fraction": exp.dataset.validation_fraction,
+        }
         stages = ("preferences", "tokenizer", "pairs")
     else:
         source = {"dataset": dataset_spec(exp.dataset), "pairs": exp.preference.pairs}

@@ -52,7 +52,9 @@ class PreferenceConfig:
     wants ~5e-7 for full fine-tuning, ~5e-6 to 2e-5 with LoRA)."""
 
     def __post_init__(self) -> None:
-        if not self.source or (self.source != PAIRS_FROM_DATASET and not self.source.endswith(SOURCE_SUFFIXES)):
+        if not self.source or (
+            self.source != PAIRS_FROM_DATASET and not self.source.endswith(SOURCE_SUFFIXES)
+        ):
             fail(
                 "preference.source",
                 f"{self.source!r} is not allowed; allowed: {PAIRS_FROM_DATASET} | a pairs file ending in "

@@ -270,7 +270,8 @@ def encode_conversations(
                 out.append((text, spans[-1:] if last_turn_only else spans))
             except TemplateError as e:
                 raise TemplateError(f"conversation index {index}: {e}") from e
-            except Exception as e:  # jinja2 errors, raise_exception() in the template ("System role not supported")
+            # jinja2's errors, raise_exception() in the template ("System role not supported"), ...
+            except Exception as e:
                 roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
                 raise TemplateError(
                     f"conversation index {index}: the chat template cannot render it (roles {roles}; "

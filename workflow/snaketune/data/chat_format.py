@@ -29,13 +29,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from snaketune.data.forest import both_splits, split_by_hash
+from snaketune.data.jsonl import json_lines
 from snaketune.data.messages import SPLITS, UNKNOWN_LANG, DataError, _bad_value, _Source, _where
-from snaketune.data.readers import json_lines
 
 CHAT_ROLES = ("system", "user", "assistant")
 TOOL_ROLES = ("tool", "function", "ipython")
 """Roles of tool calling in the common format: read, and their conversations dropped (`tool_use`)."""
-ROLES_ALLOWED = "system, user, assistant (a conversation with tool, function or ipython turns is dropped and counted)"
+ROLES_ALLOWED = (
+    "system, user, assistant (a conversation with tool, function or ipython turns is dropped and counted)"
+)
 FIELDS = ("id", "split", "lang", "messages")
 DROP_REASONS = (
     "tool_use",
@@ -87,7 +89,9 @@ def parse_messages(value: Any, src: _Source, row: int, key: str) -> list[dict[st
             raise _missing(src, row, k, "content", "an object with role and content (a string)")
         content = message.get("content")
         if content is not None and not isinstance(content, str):
-            raise _bad_value(at, f"{k}.content", content, "a string or null (a list of content parts is not read)")
+            raise _bad_value(
+                at, f"{k}.content", content, "a string or null (a list of content parts is not read)"
+            )
         out.append({"role": role, "content": content})
     return out
 
@@ -304,7 +308,9 @@ def clean_chats(
         "messages_kept": sum(len(r["messages"]) for r in kept),
         "dropped": dropped,
         **repairs,
-        "with_system_turn": {s: sum(r["messages"][0]["role"] == "system" for r in by_split[s]) for s in SPLITS},
+        "with_system_turn": {
+            s: sum(r["messages"][0]["role"] == "system" for r in by_split[s]) for s in SPLITS
+        },
         "split_source": "source" if use_source else "hash",
         "split_fallback": fallback,
         "conversations": {s: len(by_split[s]) for s in SPLITS},

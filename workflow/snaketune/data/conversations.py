@@ -304,7 +304,9 @@ def conversations_of_file(
     stats["by_language"], stats["turns_mean"] = {}, {}
     for s in SPLITS:
         stats["by_language"][s], stats["turns_mean"][s] = _split_stats(by_split[s])
-    return Conversations(train=_frame(by_split["train"]), validation=_frame(by_split["validation"]), stats=stats)
+    return Conversations(
+        train=_frame(by_split["train"]), validation=_frame(by_split["validation"]), stats=stats
+    )
 
 
 # ---- files --------------------------------------------------------------------------------------------

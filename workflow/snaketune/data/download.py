@@ -30,7 +30,14 @@ import pyarrow as pa
 from snaketune.data import builtin as builtin_data
 from snaketune.data import chat_format
 from snaketune.data.formats import detect_format
-from snaketune.data.messages import OPTIONAL_COLUMNS, REQUIRED_COLUMNS, DataError, check_messages, where
+from snaketune.data.messages import (
+    OPTIONAL_COLUMNS,
+    REQUIRED_COLUMNS,
+    SUFFIXES,
+    DataError,
+    check_messages,
+    where,
+)
 from snaketune.data.readers import FORM_ATTR, REPEATED_ATTR, read_messages
 from snaketune.io import sha256_file, write_json, write_parquet, write_sha256sums
 
@@ -133,8 +140,8 @@ def materialize(
     """Write messages.parquet, SHA256SUMS and source.json into out_dir; return the source record. `fmt`: the
     dataset.format of a local file (`auto`: told from its fields, snaketune.data.formats)."""
     out_dir = Path(out_dir)
-    if fmt == "auto" and Path(source).is_file():
-        fmt = detect_format(source)
+    if fmt == "auto":
+        fmt = _told_format(source)
     if fmt == "chat":
         return _materialize_chats(source, out_dir)
     messages = load_source(source, builtin_trees=builtin_trees, builtin_seed=builtin_seed, revision=revision)
@@ -160,6 +167,17 @@ def materialize(
     write_json(out_dir / "source.json", record)
     log.info("materialized %d messages from %s into %s", len(messages), source, out_dir)
     return record
+
+
+def _told_format(source: str) -> str:
+    """`chat` where a local file's fields say so; else `oasst`, whose reader names what is wrong with a file that is
+    neither (the workflow tells the format when the config loads, and stops there on such a file)."""
+    if not Path(source).is_file() or not source.endswith(SUFFIXES):
+        return "oasst"
+    try:
+        return detect_format(source)
+    except DataError:
+        return "oasst"
 
 
 def _materialize_chats(source: str, out_dir: Path) -> dict:

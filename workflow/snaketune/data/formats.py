@@ -16,21 +16,23 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from snaketune.config.choices import fail
 from snaketune.config.load import check_pairs_source
-from snaketune.data.messages import REQUIRED_COLUMNS, DataError
-from snaketune.data.readers import is_tree_record, json_lines
+from snaketune.data.jsonl import DataError, is_tree_record, json_lines
 
 CHAT_FIELD = "messages"
 """The field of a chat-format record (TRL's, Axolotl's and LLaMA-Factory's `messages`)."""
+OASST_FIELDS = ("message_id", "parent_id", "role", "text")
+"""snaketune.data.messages.REQUIRED_COLUMNS, kept here: this module runs when Snakemake builds the DAG, where pandas
+(which messages imports) is not loaded (tests/test_keys.py)."""
 
 
 def _first_fields(path: Path) -> tuple[str, set[str], bool]:
     """(where the fields were read, the field names, whether it is a LAION nested tree) of a file's first record."""
     if path.suffix == ".parquet":
+        import pyarrow as pa  # only for a Parquet source: a tenth of a second at DAG time otherwise spent
+        import pyarrow.parquet as pq
+
         try:
             return "its schema", set(pq.read_schema(path).names), False
         except (pa.ArrowException, OSError) as e:
@@ -38,7 +40,9 @@ def _first_fields(path: Path) -> tuple[str, set[str], bool]:
     for line_no, record in json_lines(path, "one record"):
         tree = is_tree_record(record) and isinstance(record.get("prompt"), dict)
         return f"line {line_no}", set(map(str, record)), tree
-    raise DataError(f"{path}: no records (the file is empty or has only blank lines); allowed: one JSON object per line")
+    raise DataError(
+        f"{path}: no records (the file is empty or has only blank lines); allowed: one JSON object per line"
+    )
 
 
 def detect_format(path: str | Path) -> str:
@@ -46,7 +50,7 @@ def detect_format(path: str | Path) -> str:
     the file and the fields when they show both or neither."""
     path = Path(path)
     where, names, tree = _first_fields(path)
-    oasst_fields = sorted(names & set(REQUIRED_COLUMNS))
+    oasst_fields = sorted(names & set(OASST_FIELDS))
     oasst = tree or "message_id" in names or {"role", "text"} <= names
     chat = CHAT_FIELD in names
     found = ", ".join(sorted(names)) or "none"

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from snaketune.data.jsonl import DataError
+
 REQUIRED_COLUMNS = ("message_id", "parent_id", "role", "text")
 OPTIONAL_COLUMNS = (
     "lang",
@@ -39,10 +41,6 @@ SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 CHAT_HINT = (
     "; it has `messages`, the chat format's field: dataset.format: chat (or auto) reads it, from a local file"
 )
-
-
-class DataError(ValueError):
-    """The input messages are wrong; the message names the file, the field, the row and what is allowed."""
 
 
 @dataclass(frozen=True, slots=True)

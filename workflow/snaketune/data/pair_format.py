@@ -33,9 +33,9 @@ from snaketune.data.chat_format import (
     parse_split,
 )
 from snaketune.data.forest import both_splits, split_by_hash
+from snaketune.data.jsonl import json_lines
 from snaketune.data.messages import SPLITS, UNKNOWN_LANG, DataError, _bad_value, _Source, _where
 from snaketune.data.preferences import Preferences, frame_pairs
-from snaketune.data.readers import json_lines
 
 DROP_REASONS = ("tool_use", "empty_content", "roles_out_of_order", "identical", "duplicate")
 FIELDS = ("id", "split", "lang", "prompt", "chosen", "rejected")
@@ -53,11 +53,16 @@ def _reply(value: Any, src: _Source, row: int, key: str) -> tuple[Turns | None, 
     if isinstance(value, str):
         return None, value
     if not isinstance(value, list | np.ndarray) or len(value) == 0:
-        raise _bad_value((src, row, None), key, value, "a string, or a messages list ending in the assistant's reply")
+        raise _bad_value(
+            (src, row, None), key, value, "a string, or a messages list ending in the assistant's reply"
+        )
     turns = parse_messages(value, src, row, key)
     if turns[-1]["role"] != "assistant":
         raise _bad_value(
-            (src, row, None), f"{key}[{len(turns) - 1}].role", turns[-1]["role"], "assistant (the reply is the last turn)"
+            (src, row, None),
+            f"{key}[{len(turns) - 1}].role",
+            turns[-1]["role"],
+            "assistant (the reply is the last turn)",
         )
     return turns[:-1], turns[-1]["content"]
 
@@ -66,7 +71,9 @@ def _prompt(value: Any, src: _Source, row: int) -> Turns:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list | np.ndarray) or len(value) == 0:
-        raise _bad_value((src, row, None), "prompt", value, "a string, or a messages list ending in a user turn")
+        raise _bad_value(
+            (src, row, None), "prompt", value, "a string, or a messages list ending in a user turn"
+        )
     turns = parse_messages(value, src, row, "prompt")
     if turns[-1]["role"] != "user":
         raise _bad_value(
@@ -96,14 +103,20 @@ def _parse_pair(record: dict, src: _Source, row: int) -> dict[str, Any]:
     elif chosen_before and chosen_before == rejected_before:
         prompt = chosen_before
     else:
-        why = "differ" if chosen_before and rejected_before else "are not messages lists with turns before the reply"
+        why = (
+            "differ"
+            if chosen_before and rejected_before
+            else "are not messages lists with turns before the reply"
+        )
         raise DataError(
             f"{src.name}: {src.at(row)}: no prompt, and chosen and rejected {why}; {_REQUIRED}"
             + ("" if "prompt" in record else " (the record has no key 'prompt')")
         )
     raw_id = record.get("id")
     if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, str | int) or raw_id == ""):
-        raise _bad_value((src, row, None), "id", raw_id, "a non-empty string or an integer, unique in the file (or null)")
+        raise _bad_value(
+            (src, row, None), "id", raw_id, "a non-empty string or an integer, unique in the file (or null)"
+        )
     lang = record.get("lang")
     if lang is not None and not isinstance(lang, str):
         raise _bad_value((src, row, None), "lang", lang, "a language code string (e.g. en, pt-BR) or null")
@@ -129,7 +142,10 @@ def _records(path: Path) -> tuple[list[dict], _Source]:
             table = pq.read_table(path)
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{path}: not a readable Parquet file ({e}); allowed: a Parquet file") from e
-        records, src = table.select([c for c in FIELDS if c in table.column_names]).to_pylist(), _Source(str(path))
+        records, src = (
+            table.select([c for c in FIELDS if c in table.column_names]).to_pylist(),
+            _Source(str(path)),
+        )
     else:
         raise DataError(f"{path}: unsupported file type; allowed: .jsonl, .jsonl.gz, .parquet")
     if not records:
@@ -186,7 +202,9 @@ def build_pair_preferences(path: str | Path, *, validation_fraction: float) -> P
     for row in rows:
         pair, reason, n = _clean(row)
         if pair is not None:
-            key = json.dumps([message_hash(pair["prompt"]), pair["chosen"], pair["rejected"]], ensure_ascii=False)
+            key = json.dumps(
+                [message_hash(pair["prompt"]), pair["chosen"], pair["rejected"]], ensure_ascii=False
+            )
             reason = "duplicate" if key in seen else None
             seen.add(key)
         if reason is not None:
@@ -194,7 +212,9 @@ def build_pair_preferences(path: str | Path, *, validation_fraction: float) -> P
             continue
         removed += n  # of the pairs kept
         prompt_id = message_hash(pair["prompt"])
-        digest = hashlib.sha256(f"{prompt_id}\0{pair['chosen']}\0{pair['rejected']}".encode()).hexdigest()[:16]
+        digest = hashlib.sha256(f"{prompt_id}\0{pair['chosen']}\0{pair['rejected']}".encode()).hexdigest()[
+            :16
+        ]
         pair_id = pair["id"] if pair["id"] is not None else digest
         kept.append({**pair, "pair_id": pair_id, "message_tree_id": prompt_id})
     if not kept:
