@@ -119,7 +119,7 @@ def current(cfg, key: str):
         value, rest = to_dict(exp.dpo_train), rest[1:]
     elif section in ("model", "tokenize", "train", "preference"):
         value = to_dict(getattr(exp, section))
-    elif section in ("dataset", "eval", "export"):
+    elif section in ("dataset", "eval", "export", "benchmark"):
         value = to_dict(getattr(cfg, section))
     else:
         return getattr(cfg, section)
