@@ -50,7 +50,7 @@ wildcard_constraints:
     experiment="|".join(re.escape(name) for name in EXPERIMENTS),  # a.b must not match axb
     key="[0-9a-f]{16}",
     tokenizer="[A-Za-z0-9-]+",
-    pairs="best_vs_rest|all",
+    pairs="best_vs_rest|all|file-[0-9a-f]{12}",
     gguf="[A-Za-z0-9-]+",
     model="sft|dpo",
 

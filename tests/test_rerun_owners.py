@@ -41,6 +41,8 @@ ARGS = ("--cores", "2", "--resources", "gpu=2")
 TRAINING = {"download", "conversations", "tokenize", "tokenize_pairs", "train", "reference", "dpo"}
 SOURCE_FILE = "messages.parquet"
 """dataset.source's step: the tiny run's own messages as a local file (other data for the download stage)."""
+PAIRS_FILE = "pairs.parquet"
+"""preference.source's step: the tiny run's training pairs as a pairs file (prompt, chosen, rejected)."""
 
 
 class Together(dict):
@@ -49,6 +51,7 @@ class Together(dict):
 
 STEPS = {
     "dataset.source": [SOURCE_FILE],
+    "preference.source": [PAIRS_FILE],
     "dataset.revision": ["v2"],
     "dataset.languages": [["en"]],
     "dataset.tree_states": [[], ["ready_for_export", "growing"]],
@@ -116,7 +119,7 @@ def current(cfg, key: str):
         value, rest = to_dict(exp.dpo_train), rest[1:]
     elif section in ("model", "tokenize", "train", "preference"):
         value = to_dict(getattr(exp, section))
-    elif section in ("dataset", "eval", "export"):
+    elif section in ("dataset", "eval", "export", "benchmark"):
         value = to_dict(getattr(cfg, section))
     else:
         return getattr(cfg, section)
@@ -180,6 +183,9 @@ def steps(workdir: Path) -> dict[str, tuple[dict, str | None]]:
 def finished(tiny_run, tmp_path_factory) -> Path:
     workdir = clone_run(tiny_run, tmp_path_factory.mktemp("owners") / "wf")
     (workdir / SOURCE_FILE).write_bytes((workdir / "results/data/raw/messages.parquet").read_bytes())
+    (workdir / PAIRS_FILE).write_bytes(
+        (workdir / "results/data/preferences/best_vs_rest/train.parquet").read_bytes()
+    )
     return workdir
 
 
@@ -270,6 +276,10 @@ def test_every_key_has_an_owner_entry():
             "'dataset.source': 'exports/oasst.jsonl' does not exist",
         ),
         ({"model": {"base": "./models/deepseek"}}, "'model.base': './models/deepseek' does not exist"),
+        (
+            {"preference": {"source": "exports/pairs.jsonl"}},
+            "'preference.source': 'exports/pairs.jsonl' does not exist",
+        ),
         (
             {"model": {"tokenizer": "/no/such/tokenizer"}},
             "'model.tokenizer': '/no/such/tokenizer' does not exist",

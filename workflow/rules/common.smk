@@ -14,12 +14,15 @@ from snaketune.config import owners  # noqa: E402
 from snaketune.config.choices import ConfigError  # noqa: E402
 from snaketune.config.load import load_config, to_dict
 from snaketune.config.paths import check_input_paths
+from snaketune.data.formats import resolve_format
 from snaketune.io import sha256_file  # noqa: E402
 
 try:
     CFG = load_config(config)
     # Local inputs that do not exist stop the workflow here, before any job (snaketune.config.paths says why).
     check_input_paths(CFG)
+    # dataset.format auto told from the file's fields (snaketune.data.formats): every stage and key sees what it is.
+    CFG = resolve_format(CFG)
     # Hub revisions pinned to commits once (snaketune.hub): what every stage loads and every key names.
     CFG = hub.pin_config(CFG, hub.Pins())
 except ConfigError as e:
@@ -101,6 +104,7 @@ def download_params():
     return {
         "source": ds.source,
         **keys.source_identity(ds),
+        "format": ds.format,
         "code": keys.code_hash("download"),
     }
 
@@ -112,12 +116,13 @@ def download_input():
 
 
 def conversations_params():
+    """paths and tree_states only for oasst-format data: chat-format conversations have no trees."""
     ds = CFG.dataset
+    oasst = {"paths": ds.paths, "tree_states": list(ds.tree_states)}
     return {
         "languages": list(ds.languages),
-        "paths": ds.paths,
+        **(oasst if ds.format == "oasst" else {}),
         "validation_fraction": ds.validation_fraction,
-        "tree_states": list(ds.tree_states),
         "code": keys.code_hash("conversations"),
     }
 

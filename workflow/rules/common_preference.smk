@@ -3,6 +3,8 @@
 
 PREFERENCE_EXPERIMENTS = {n: e for n, e in EXPERIMENTS.items() if e.preference.enabled}
 PAIR_KEYS = {keys.pairs_key(e): e for e in PREFERENCE_EXPERIMENTS.values()}
+# results/data/preferences/<name>: the pairing of the dataset's ranks, or a pairs file by its content.
+PAIR_NAMES = {keys.pairs_name(e): e for e in PREFERENCE_EXPERIMENTS.values()}
 
 
 def preference_enabled(exp):
@@ -10,7 +12,7 @@ def preference_enabled(exp):
 
 
 def preferences_dir(exp):
-    return f"results/data/preferences/{exp.preference.pairs}"
+    return f"results/data/preferences/{keys.pairs_name(exp)}"
 
 
 def pairs_dir(exp):
@@ -36,8 +38,29 @@ def dpo_dir(exp):
 # ---- preferences / tokenize_pairs --------------------------------------------------------------------
 
 
+def preferences_input(wildcards):
+    """A pairs file (preference.source), or the dataset's messages and the conversations' split."""
+    exp = PAIR_NAMES[wildcards.pairs]
+    if exp.preference.from_file:
+        return {"pairs": exp.preference.source}
+    return {
+        "messages": rules.download.output.messages,
+        "train": rules.conversations.output.train,
+        "validation": rules.conversations.output.validation,
+    }
+
+
 def preferences_params(wildcards):
+    """A pairs file: its content and the split's fraction (a hash of each prompt); the dataset's ranks: the pairing
+    and the filters of the trees."""
+    exp = PAIR_NAMES[wildcards.pairs]
     ds = CFG.dataset
+    if exp.preference.from_file:
+        return {
+            "pairs_file": keys.pairs_file_identity(exp.preference),
+            "validation_fraction": ds.validation_fraction,
+            "code": keys.code_hash("preferences"),
+        }
     return {
         "pairs": wildcards.pairs,
         "languages": list(ds.languages),

@@ -136,12 +136,9 @@ def manifest_input(wildcards):
         "evals": [f"results/eval/{n}/metrics.json" for n in names],
         "generations": [f"results/eval/{n}/generations.jsonl" for n in names],
         # The preference stages, for the experiments that run them (report_params names them, in order).
-        "preferences": sorted(
-            {
-                f"{preferences_dir(e)}/stats.json"
-                for e in PREFERENCE_EXPERIMENTS.values()
-            }
-        ),
+        "preferences": [
+            f"{preferences_dir(e)}/stats.json" for e in PREFERENCE_EXPERIMENTS.values()
+        ],
         "pairs": [pairs_dir(e) for e in PREFERENCE_EXPERIMENTS.values()],
         "references": [
             f"{reference_dir(e)}/reference.json"

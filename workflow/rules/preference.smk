@@ -1,12 +1,10 @@
-# Preference tuning from the ranks oasst already has: pairs -> tokenized pairs -> reference log-probabilities
-# (once) -> DPO on the SFT model. Only experiments with preference.enabled.
+# Preference tuning from the ranks oasst already has, or from a pairs file (preference.source): pairs -> tokenized
+# pairs -> reference log-probabilities (once) -> DPO on the SFT model. Only experiments with preference.enabled.
 
 
 rule preferences:
     input:
-        messages=rules.download.output.messages,
-        train=rules.conversations.output.train,
-        validation=rules.conversations.output.validation,
+        unpack(preferences_input),
     output:
         train="results/data/preferences/{pairs}/train.parquet",
         validation="results/data/preferences/{pairs}/validation.parquet",

@@ -1,18 +1,18 @@
 import _stage
 
-from snaketune.data.conversations import build_conversations, read_messages, write_conversations
+from snaketune.data.conversations import conversations_of_file, write_conversations
 from snaketune.io import atomic_files
 
 
 def main(smk):
     spec = smk.params.spec
-    result = build_conversations(
-        read_messages(smk.input.messages),
+    # paths and tree_states are oasst's: the params hold them only for oasst-format data.
+    oasst = {k: spec[k] for k in ("paths", "tree_states") if k in spec}
+    result = conversations_of_file(
+        smk.input.messages,
         languages=spec["languages"],
-        paths=spec["paths"],
         validation_fraction=spec["validation_fraction"],
-        tree_states=spec["tree_states"],
-        source_name=smk.input.messages,
+        **oasst,
     )
     # All three files or none (snaketune.io.atomic_files).
     with atomic_files(*smk.output) as (train, _, _):

@@ -15,6 +15,7 @@ def main(smk):
             builtin_trees=builtin.get("trees", 1000),
             builtin_seed=builtin.get("seed", 0),
             revision=spec.get("revision", "main"),
+            fmt=spec["format"],
         )
 
 

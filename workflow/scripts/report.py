@@ -11,21 +11,21 @@ def main(smk):
     names = spec["experiments"]
     # The preference stages' files, for the experiments that ran them (in the order report_params names them).
     pref_names = spec["preference_experiments"]
-    by_pairs_mode = {Path(p).parent.name: Path(p) for p in smk.input.preferences}
     preference = {
         name: dict(
             dpo_summary=Path(summary),
             dpo_metrics=Path(metrics),
             reference=Path(reference),
             pairs=Path(pairs),
-            preferences=by_pairs_mode[spec["config"]["experiments"][name]["preference"]["pairs"]],
+            preferences=Path(preferences),
         )
-        for name, summary, metrics, reference, pairs in zip(
+        for name, summary, metrics, reference, pairs, preferences in zip(
             pref_names,
             smk.input.dpo_summaries,
             smk.input.dpo_metrics,
             smk.input.references,
             smk.input.pairs,
+            smk.input.preferences,
             strict=True,
         )
     }

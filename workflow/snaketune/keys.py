@@ -19,6 +19,7 @@ from functools import cache
 from pathlib import Path
 
 from snaketune.config.load import to_dict
+from snaketune.config.preference import PreferenceConfig
 from snaketune.config.schema import DatasetConfig, ExperimentConfig, ModelConfig, TokenizeConfig
 from snaketune.io import sha256_file, stable_json
 
@@ -37,7 +38,7 @@ STAGE_MODULES = {
     "tokenize": ("snaketune.data.tokenization",),
     "plan": ("snaketune.plan.search",),
     "train": ("snaketune.train.launch", "snaketune.train.trainer"),
-    "preferences": ("snaketune.data.preferences", "snaketune.data.readers"),
+    "preferences": ("snaketune.data.preferences", "snaketune.data.readers", "snaketune.data.pair_format"),
     "pairs": ("snaketune.data.pairs",),
     "reference": ("snaketune.train.launch", "snaketune.preference.reference"),
     "dpo": ("snaketune.train.launch", "snaketune.preference.dpo"),
@@ -231,13 +232,30 @@ def source_identity(dataset: DatasetConfig) -> dict:
 
 
 def dataset_spec(dataset: DatasetConfig) -> dict:
-    """The dataset's part of a data cache key: what the data is and how conversations are made of it."""
-    rest = {
-        k: v
-        for k, v in to_dict(dataset).items()
-        if k not in ("source", "revision", "builtin_trees", "builtin_seed")
-    }
+    """The dataset's part of a data cache key: what the data is, the format it is read as (resolved from `auto` when
+    the config loads: snaketune.data.formats) and how conversations are made of it (paths and tree_states are oasst's:
+    chat-format data does not read them)."""
+    skip = {"source", "revision", "builtin_trees", "builtin_seed"}
+    if dataset.format == "chat":
+        skip |= {"paths", "tree_states"}
+    rest = {k: v for k, v in to_dict(dataset).items() if k not in skip}
     return {**source_identity(dataset), **rest}
+
+
+def pairs_file_identity(preference: PreferenceConfig) -> dict:
+    """A pairs file (preference.source) by its content, as source_identity names a dataset file."""
+    return {
+        "file_sha256": source_digest(preference.source),
+        "suffix": "".join(Path(preference.source).suffixes[-2:]),
+    }
+
+
+def pairs_name(exp: ExperimentConfig) -> str:
+    """The directory under results/data/preferences/ of an experiment's pairs: the pairing of the dataset's ranked
+    replies (preference.pairs), or `file-` and 12 hex digits of a pairs file's sha256."""
+    if exp.preference.from_file:
+        return f"file-{pairs_file_identity(exp.preference)['file_sha256'][:12]}"
+    return exp.preference.pairs
 
 
 def data_key(exp: ExperimentConfig) -> str:
@@ -252,15 +270,24 @@ def data_key(exp: ExperimentConfig) -> str:
 
 
 def pairs_key(exp: ExperimentConfig) -> str:
-    """Cache key of the tokenized preference pairs of one experiment: the dataset, the pairing, the tokenizer,
-    the chat template, the tokens per side and the code of every stage that makes them."""
+    """Cache key of the tokenized preference pairs of one experiment: the dataset and the pairing (or the pairs file
+    and the split's fraction), the tokenizer, the chat template, the tokens per side and the code of every stage that
+    makes them."""
+    if exp.preference.from_file:  # the file's pairs, split by the hash of each prompt
+        source = {
+            "pairs_file": pairs_file_identity(exp.preference),
+            "validation_fraction": exp.dataset.validation_fraction,
+        }
+        stages = ("preferences", "tokenizer", "pairs")
+    else:
+        source = {"dataset": dataset_spec(exp.dataset), "pairs": exp.preference.pairs}
+        stages = ("download", "conversations", "preferences", "tokenizer", "pairs")
     spec = {
-        "dataset": dataset_spec(exp.dataset),
-        "pairs": exp.preference.pairs,
+        **source,
         "max_length": exp.preference.max_length,
         "tokenizer": tokenizer_id(exp.model),
         "chat_template": exp.tokenize.chat_template,
-        "code": [code_hash(s) for s in ("download", "conversations", "preferences", "tokenizer", "pairs")],
+        "code": [code_hash(s) for s in stages],
     }
     return _short(stable_json(spec), 16)
 

@@ -42,6 +42,14 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SOURCE_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 """snaketune.data.messages.SUFFIXES (kept here so that the config does not import pandas)."""
 
+DATASET_FORMATS = ("auto", "oasst", "chat")
+"""dataset.format: `oasst` (message trees: flat rows or LAION's nested trees), `chat` (one conversation per line or
+row, a `messages` list of {role, content}), `auto` (told from the file's fields when the config loads:
+snaketune.data.formats)."""
+
+PAIRS_FROM_DATASET = "dataset"
+"""preference.source that takes the pairs from the dataset's ranked replies (oasst); else a pairs file."""
+
 TREE_STATES = (
     "initial_prompt_review",
     "prompt_lottery_waiting",

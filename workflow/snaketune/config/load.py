@@ -184,6 +184,7 @@ def load_config(raw: dict[str, Any]) -> Config:
                     f"{sections['model'].base!r} is built here (use a hub id or a hub-format directory, or quantize: none)",
                 )
         experiments[name] = ExperimentConfig(name=name, dataset=dataset, dpo_train=dpo_train, **sections)
+    check_pairs_source(dataset, experiments, raw)
     if not isinstance(raw.get("eval") or {}, dict):
         fail("eval", f"must be a mapping of eval settings, got {raw['eval']!r}")
     eval_cfg = from_dict(EvalConfig, raw.get("eval"), "eval.")
@@ -214,6 +215,25 @@ def load_config(raw: dict[str, Any]) -> Config:
         gpu_memory_gib=None if gpu_memory_gib is None else float(gpu_memory_gib),
         gpu_ids=gpu_ids,
     )
+
+
+def check_pairs_source(dataset: DatasetConfig, experiments: dict[str, ExperimentConfig], raw: dict) -> None:
+    """Chat-format data has no ranks to pair replies by: an experiment that tunes on preferences must name a pairs
+    file then. Checked when the config loads (dataset.format: chat) and again once `auto` is told from the file
+    (snaketune.data.formats)."""
+    if dataset.format != "chat":
+        return
+    for name, exp in experiments.items():
+        if not exp.preference.enabled or exp.preference.from_file:
+            continue
+        overrides = (raw.get("experiments") or {}).get(name) or {}
+        where = f"experiments.{name}.preference" if "preference" in overrides else "preference"
+        fail(
+            f"{where}.source",
+            f"'dataset' pairs replies by the ranks of oasst-format data, and dataset.source {dataset.source!r} is "
+            "chat-format (no ranks); allowed: a pairs file (.jsonl, .jsonl.gz or .parquet with prompt, chosen, "
+            f"rejected) as {where}.source, or {where}.enabled: false",
+        )
 
 
 def to_dict(obj: Any) -> Any:

@@ -115,12 +115,13 @@ _MODEL_USERS = (*_PLANS, "train", "reference", "dpo", "evaluate", *_BENCHMARKS)
 
 OWNERS: dict[str, tuple[str, ...]] = {
     "dataset.source": ("download",),
+    "dataset.format": ("download",),
     "dataset.revision": ("download",),
     "dataset.builtin_trees": ("download",),
     "dataset.builtin_seed": ("download",),
     "dataset.languages": ("conversations", "preferences"),
     "dataset.paths": ("conversations",),
-    "dataset.validation_fraction": ("conversations",),
+    "dataset.validation_fraction": ("conversations", "preferences"),  # a pairs file's split by prompt hash
     "dataset.tree_states": ("conversations", "preferences"),
     "model.base": ("tokenizer", "import_gguf", *_MODEL_USERS),
     "model.tokenizer": ("tokenizer",),
@@ -132,6 +133,7 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "tokenize.packing": ("tokenize",),
     "tokenize.assistant_only_loss": ("tokenize",),
     "tokenize.chat_template": ("tokenize", "tokenize_pairs", "evaluate", "export", *_BENCHMARKS),
+    "preference.source": ("preferences", "tokenize_pairs"),
     "preference.pairs": ("preferences", "tokenize_pairs"),
     "preference.max_length": ("tokenize_pairs", "plan_dpo", "reference", "dpo"),
     "preference.loss": ("dpo",),
@@ -259,6 +261,12 @@ def unused(key: str, exp: ExperimentConfig) -> bool:
         return True
     if key in ("dataset.builtin_trees", "dataset.builtin_seed"):
         return exp.dataset.source != "builtin"
+    if key == "dataset.format":  # the builtin sample and hub datasets are oasst, whatever the key says
+        return exp.dataset.source == "builtin" or exp.dataset.source.startswith("hub:")
+    if key in ("dataset.paths", "dataset.tree_states"):  # oasst's trees: chat-format data has none
+        return exp.dataset.format == "chat"
+    if key == "preference.pairs":  # the pairing of ranked replies: a pairs file has its pairs
+        return exp.preference.from_file
     if key == "dataset.revision":
         return not exp.dataset.source.startswith("hub:")
     if key in ("model.revision", "model.tokenizer_revision"):
@@ -307,6 +315,9 @@ def owners(
             sft = tuple(s for s in sft if s != "benchmark_base")  # a pretrained base is loaded, not built
         return tuple(dict.fromkeys(sft + dpo))
     if key in OWNERS:
+        if exp is not None and exp.preference.from_file and key.startswith("dataset."):
+            # A pairs file's pairs read none of the dataset's keys but the split's fraction.
+            return tuple(s for s in OWNERS[key] if s != "preferences" or key == "dataset.validation_fraction")
         return OWNERS[key]
     if key in UNOWNED:
         return ()

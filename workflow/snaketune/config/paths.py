@@ -38,6 +38,18 @@ def check_dataset_source(source: str, workdir: Path) -> None:
         )
 
 
+def check_pairs_source(key: str, source: str, workdir: Path) -> None:
+    """preference.source naming a pairs file: it exists."""
+    p = Path(_where(source, workdir))
+    if not p.is_file():
+        what = "is a directory" if p.is_dir() else "does not exist"
+        fail(
+            key,
+            f"{source!r} {what} ({p}); allowed: dataset | an existing pairs file ending in "
+            f"{', '.join(SOURCE_SUFFIXES)} (prompt, chosen, rejected)",
+        )
+
+
 def check_model_dir(key: str, name: str, needs: tuple[str, ...], workdir: Path) -> None:
     """A model or tokenizer named by a local directory: it exists and holds one of `needs`. A hub id is checked by
     snaketune.hub when its revision is pinned."""
@@ -74,6 +86,8 @@ def check_input_paths(cfg: Config, workdir: str | Path = ".") -> None:
     for name, exp in cfg.experiments.items():
         where = f"experiments.{name}." if len(cfg.experiments) > 1 else ""
         check_model(where, exp.model, workdir)
+        if exp.preference.enabled and exp.preference.from_file:
+            check_pairs_source(f"{where}preference.source", exp.preference.source, workdir)
         for train, key in ((exp.train, "train.deepspeed"), (exp.dpo_train, "preference.train.deepspeed")):
             if train is not None and not Path(_where(train.deepspeed, workdir)).is_file():
                 fail(

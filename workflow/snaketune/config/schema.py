@@ -18,6 +18,7 @@ from snaketune.config.choices import (
     BF16_OPTIMIZERS,
     BUILTIN_MODELS,
     CHAT_TEMPLATES,
+    DATASET_FORMATS,
     FP8,
     GGUF_SUFFIX,
     KERNELS,
@@ -44,7 +45,12 @@ from snaketune.config.preference import PreferenceConfig
 @dataclass(frozen=True)
 class DatasetConfig:
     source: str = "builtin"
-    """`builtin` | `hub:<dataset id>` | path to a local .jsonl or .parquet file in the oasst1 message schema."""
+    """`builtin` | `hub:<dataset id>` (oasst schema) | path to a local .jsonl, .jsonl.gz or .parquet file in the oasst
+    message schema or the common chat format (`format`)."""
+    format: str = "auto"
+    """What a local file holds: `oasst` (message trees: flat rows or LAION's nested trees), `chat` (one conversation
+    per line or row: `messages`, a list of {role, content} with roles system, user, assistant), `auto` (told from the
+    file's fields when the config loads; builtin and hub sources are oasst)."""
     revision: str = "main"
     """Hub revision (branch, tag or commit) of a `hub:` dataset, pinned to a commit once (snaketune.hub)."""
     builtin_trees: int = 1000
@@ -68,11 +74,19 @@ class DatasetConfig:
             fail(
                 "dataset.source",
                 f"{src!r} is not allowed; allowed: builtin | hub:<dataset id> | a path ending in "
-                f"{', '.join(SOURCE_SUFFIXES)} (flat message rows or LAION's nested trees)",
+                f"{', '.join(SOURCE_SUFFIXES)} (oasst message rows or trees, or chat-format conversations)",
             )
         if src.startswith("hub:") and not re.match(r"^hub:[\w.-]+(/[\w.-]+)?$", src):
             fail("dataset.source", f"{src!r} is not a hub dataset id (expected hub:<owner>/<name>)")
         check_revision("dataset.revision", self.revision)
+        if self.format not in DATASET_FORMATS:
+            fail("dataset.format", f"{self.format!r} is not allowed; allowed: {', '.join(DATASET_FORMATS)}")
+        if self.format == "chat" and (src == "builtin" or src.startswith("hub:")):
+            fail(
+                "dataset.format",
+                f"'chat' with dataset.source {src!r}, which is read in the oasst schema; allowed: auto, oasst (chat-"
+                "format data: a local .jsonl, .jsonl.gz or .parquet file as dataset.source)",
+            )
         if self.paths not in PATHS_MODES:
             fail("dataset.paths", f"{self.paths!r} is not allowed; allowed: {', '.join(PATHS_MODES)}")
         if not 0.0 < self.validation_fraction < 1.0:

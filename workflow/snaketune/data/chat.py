@@ -270,6 +270,14 @@ def encode_conversations(
                 out.append((text, spans[-1:] if last_turn_only else spans))
             except TemplateError as e:
                 raise TemplateError(f"conversation index {index}: {e}") from e
+            # jinja2's errors, raise_exception() in the template ("System role not supported"), ...
+            except Exception as e:
+                roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
+                raise TemplateError(
+                    f"conversation index {index}: the chat template cannot render it (roles {roles}; "
+                    f"{_template_id(tokenizer)}): {type(e).__name__}: {e}; allowed: a template that renders these "
+                    "roles, e.g. tokenize.chat_template: deepseek (system turns as text before the first user turn)"
+                ) from e
         return out
 
     def encode(texts_spans):

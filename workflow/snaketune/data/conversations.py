@@ -1,5 +1,8 @@
 """Stage 2, conversations: oasst-format message trees -> chat conversations (train / validation) with stats.
 
+Chat-format data (one conversation per record: snaketune.data.chat_format) is cleaned there and framed here, into the
+same files; `conversations_of_file` picks the way by what the download stage wrote.
+
 The messages are read and checked by snaketune.data.messages and cleaned by snaketune.data.forest (deleted, failed
 review, empty text and their subtrees dropped; language and tree-state filters on the root; splits by tree).
 This module turns the surviving trees into root-to-leaf conversations: ``top1`` follows, from the root, the
@@ -21,7 +24,7 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
-from snaketune.data import forest
+from snaketune.data import chat_format, forest
 from snaketune.data.forest import DEFAULT_TREE_STATES, MESSAGE_DROP_REASONS, split_hash
 from snaketune.data.messages import (
     REQUIRED_COLUMNS,
@@ -46,6 +49,7 @@ __all__ = [
     "DataError",
     "build_conversations",
     "check_messages",
+    "conversations_of_file",
     "read_messages",
     "split_hash",
     "where",
@@ -267,6 +271,41 @@ def build_conversations(
         stats["by_language"][s], stats["turns_mean"][s] = _split_stats(split_rows[s])
     return Conversations(
         train=_frame(split_rows["train"]), validation=_frame(split_rows["validation"]), stats=stats
+    )
+
+
+def conversations_of_file(
+    path: str | os.PathLike[str],
+    *,
+    languages: Sequence[str] = (),
+    paths: str = "top1",
+    validation_fraction: float = 0.05,
+    tree_states: Sequence[str] = DEFAULT_TREE_STATES,
+) -> Conversations:
+    """The conversations of the download stage's messages.parquet: oasst messages (`build_conversations`) or
+    chat-format conversations (snaketune.data.chat_format; paths and tree_states are oasst's and not read)."""
+    if not chat_format.is_chat_table(path):
+        return build_conversations(
+            read_messages(path),
+            languages=languages,
+            paths=paths,
+            validation_fraction=validation_fraction,
+            tree_states=tree_states,
+            source_name=str(path),
+        )
+    if not 0.0 <= validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction {validation_fraction} must be >= 0 and < 1")
+    by_split, stats = chat_format.clean_chats(
+        chat_format.read_chat_table(path),
+        languages=languages,
+        validation_fraction=validation_fraction,
+        source=str(path),
+    )
+    stats["by_language"], stats["turns_mean"] = {}, {}
+    for s in SPLITS:
+        stats["by_language"][s], stats["turns_mean"][s] = _split_stats(by_split[s])
+    return Conversations(
+        train=_frame(by_split["train"]), validation=_frame(by_split["validation"]), stats=stats
     )
 
 

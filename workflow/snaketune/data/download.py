@@ -5,9 +5,12 @@ Sources (config key `dataset.source`):
 - `hub:<id>`: a HuggingFace hub dataset in the oasst1 schema (e.g. `hub:OpenAssistant/oasst1`), all its
   splits, each row tagged with its split;
 - a local file in either official oasst form (snaketune.data.messages): flat message rows (`.jsonl`, `.jsonl.gz`,
-  `.parquet`) or LAION's nested trees (`*.trees.jsonl[.gz]`), flattened to rows.
+  `.parquet`) or LAION's nested trees (`*.trees.jsonl[.gz]`), flattened to rows;
+- a local file in the common chat format (`dataset.format: chat`, snaketune.data.chat_format): one conversation per
+  line or row, written as one checked conversation per row.
 
-Output: `<out_dir>/messages.parquet` (one row per message; column `split` when the source has splits),
+Output: `<out_dir>/messages.parquet` (one row per message, column `split` when the source has splits; chat-format
+data: one row per conversation, chat_format.RAW_SCHEMA),
 `<out_dir>/SHA256SUMS` and `<out_dir>/source.json` (what was read, from where, how many rows).
 
 The messages are checked (snaketune.data.messages.check_messages) before anything is written, so a bad
@@ -25,7 +28,16 @@ import pandas as pd
 import pyarrow as pa
 
 from snaketune.data import builtin as builtin_data
-from snaketune.data.messages import OPTIONAL_COLUMNS, REQUIRED_COLUMNS, DataError, check_messages, where
+from snaketune.data import chat_format
+from snaketune.data.formats import detect_format
+from snaketune.data.messages import (
+    OPTIONAL_COLUMNS,
+    REQUIRED_COLUMNS,
+    SUFFIXES,
+    DataError,
+    check_messages,
+    where,
+)
 from snaketune.data.readers import FORM_ATTR, REPEATED_ATTR, read_messages
 from snaketune.io import sha256_file, write_json, write_parquet, write_sha256sums
 
@@ -123,9 +135,15 @@ def materialize(
     builtin_trees: int = 600,
     builtin_seed: int = 0,
     revision: str = "main",
+    fmt: str = "auto",
 ) -> dict:
-    """Write messages.parquet, SHA256SUMS and source.json into out_dir; return the source record."""
+    """Write messages.parquet, SHA256SUMS and source.json into out_dir; return the source record. `fmt`: the
+    dataset.format of a local file (`auto`: told from its fields, snaketune.data.formats)."""
     out_dir = Path(out_dir)
+    if fmt == "auto":
+        fmt = _told_format(source)
+    if fmt == "chat":
+        return _materialize_chats(source, out_dir)
     messages = load_source(source, builtin_trees=builtin_trees, builtin_seed=builtin_seed, revision=revision)
     # Everything that can fail runs before the first write: a failed run leaves the old outputs alone.
     check_messages(messages, source)
@@ -135,6 +153,7 @@ def materialize(
     sums = write_sha256sums(out_dir, ["messages.parquet"])
     record = {
         "source": source,
+        "format": "oasst",
         "revision": revision if source.startswith("hub:") else None,
         "input_sha256": sha256_file(source) if Path(source).is_file() else None,
         "messages": int(len(messages)),
@@ -147,4 +166,39 @@ def materialize(
     }
     write_json(out_dir / "source.json", record)
     log.info("materialized %d messages from %s into %s", len(messages), source, out_dir)
+    return record
+
+
+def _told_format(source: str) -> str:
+    """`chat` where a local file's fields say so; else `oasst`, whose reader names what is wrong with a file that is
+    neither (the workflow tells the format when the config loads, and stops there on such a file)."""
+    if not Path(source).is_file() or not source.endswith(SUFFIXES):
+        return "oasst"
+    try:
+        return detect_format(source)
+    except DataError:
+        return "oasst"
+
+
+def _materialize_chats(source: str, out_dir: Path) -> dict:
+    """A chat-format file, checked (snaketune.data.chat_format), as one conversation per row."""
+    path = Path(source)
+    if not path.is_file():
+        load_source(source)  # the error that names the key
+    table, read = chat_format.read_chats(path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_parquet(table, out_dir / "messages.parquet")
+    sums = write_sha256sums(out_dir, ["messages.parquet"])
+    record = {
+        "source": source,
+        "format": "chat",
+        "revision": None,
+        "input_sha256": sha256_file(source),
+        **read,
+        "form": "conversations",
+        "repeated_trees_skipped": 0,
+        "sha256": sums,
+    }
+    write_json(out_dir / "source.json", record)
+    log.info("materialized %d conversations from %s into %s", read["conversations"], source, out_dir)
     return record

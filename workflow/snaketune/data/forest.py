@@ -233,27 +233,41 @@ def assign_splits(
     tree_roots: dict[str, Message], validation_fraction: float, use_source: bool, src: _Source
 ) -> tuple[dict[str, str], dict[str, str] | None]:
     """Split per tree id; return the assignment and the fallback move made (if any)."""
+    if not use_source:
+        return split_by_hash(tree_roots, validation_fraction)
     assignment: dict[str, str] = {}
     for tree_id, root in sorted(tree_roots.items()):
-        if use_source:
-            if root.split is None:
-                raise DataError(
-                    f"{_where(src, 'split', root.row, root.message_id)}: "
-                    f"the root of tree {tree_id!r} has no split while other rows have one; "
-                    f"allowed: {', '.join(SPLITS)}"
-                )
-            assignment[tree_id] = root.split
-        else:
-            assignment[tree_id] = "validation" if split_hash(tree_id) < validation_fraction else "train"
+        if root.split is None:
+            raise DataError(
+                f"{_where(src, 'split', root.row, root.message_id)}: "
+                f"the root of tree {tree_id!r} has no split while other rows have one; "
+                f"allowed: {', '.join(SPLITS)}"
+            )
+        assignment[tree_id] = root.split
+    return assignment, both_splits(assignment)
+
+
+def split_by_hash(ids, validation_fraction: float) -> tuple[dict[str, str], dict[str, str] | None]:
+    """Each id's split by its hash against validation_fraction (the same id, the same split, on any machine), both
+    splits kept non-empty (`both_splits`); returns the assignment and the fallback move made (if any)."""
+    assignment = {
+        unit: "validation" if split_hash(unit) < validation_fraction else "train" for unit in sorted(ids)
+    }
+    return assignment, both_splits(assignment)
+
+
+def both_splits(assignment: dict[str, str]) -> dict[str, str] | None:
+    """Move one unit (chosen by hash, so the choice is stable) into a split that has none, in place: tiny datasets
+    (or filters that remove every held-out unit) must still give both splits, since training evaluates on
+    validation. Returns the move made, or None."""
+    if len(assignment) < 2:
+        return None
+    by_hash = sorted(assignment, key=lambda t: (split_hash(t), t))
     fallback = None
-    if len(assignment) >= 2:
-        # Tiny datasets (or filters that remove every held-out tree) must still give both splits, since
-        # training evaluates on validation; move one tree, chosen by hash so the choice is stable.
-        by_hash = sorted(assignment, key=lambda t: (split_hash(t), t))
-        if "validation" not in assignment.values():
-            fallback = {"message_tree_id": by_hash[0], "moved_to": "validation"}
-        elif "train" not in assignment.values():
-            fallback = {"message_tree_id": by_hash[-1], "moved_to": "train"}
-        if fallback is not None:
-            assignment[fallback["message_tree_id"]] = fallback["moved_to"]
-    return assignment, fallback
+    if "validation" not in assignment.values():
+        fallback = {"message_tree_id": by_hash[0], "moved_to": "validation"}
+    elif "train" not in assignment.values():
+        fallback = {"message_tree_id": by_hash[-1], "moved_to": "train"}
+    if fallback is not None:
+        assignment[fallback["message_tree_id"]] = fallback["moved_to"]
+    return fallback

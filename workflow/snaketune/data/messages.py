@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from snaketune.data.jsonl import DataError
+
 REQUIRED_COLUMNS = ("message_id", "parent_id", "role", "text")
 OPTIONAL_COLUMNS = (
     "lang",
@@ -36,8 +38,9 @@ SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 """File types a local dataset.source may have."""
 
 
-class DataError(ValueError):
-    """The input messages are wrong; the message names the file, the field, the row and what is allowed."""
+CHAT_HINT = (
+    "; it has `messages`, the chat format's field: dataset.format: chat (or auto) reads it, from a local file"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +139,7 @@ def _check_columns(messages: pd.DataFrame, source_name: str) -> None:
         raise DataError(
             f"{source_name}: missing required column(s) {', '.join(missing)}; "
             f"required: {', '.join(REQUIRED_COLUMNS)} (optional: {', '.join(OPTIONAL_COLUMNS)})"
+            + (CHAT_HINT if "messages" in messages.columns else "")
         )
     duplicated = messages.columns[messages.columns.duplicated()].tolist()
     if duplicated:

@@ -134,10 +134,10 @@ def build_preferences(
         raise DataError(
             f"{cleaned.src.name}: no preference pairs (preference.pairs: {pairs!r}): {groups} prompts with "
             f"assistant replies, dropped: {', '.join(f'{k} {v}' for k, v in drops.items() if v) or 'none'}; "
-            "allowed: data where some prompt has two replies of different rank (oasst's rank field), or "
-            "preference.enabled: false"
+            "allowed: data where some prompt has two replies of different rank (oasst's rank field), a pairs "
+            "file as preference.source, or preference.enabled: false"
         )
-    frames = {s: _frame(rows[s]) for s in SPLITS}
+    frames = {s: frame_pairs(rows[s]) for s in SPLITS}
     stats: dict[str, Any] = {
         "pairs_mode": pairs,
         "languages": sorted(languages),
@@ -189,7 +189,7 @@ def _drop_reason(
     return None
 
 
-def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+def frame_pairs(rows: list[dict[str, Any]]) -> pd.DataFrame:
     rows = sorted(rows, key=lambda r: (r["message_tree_id"], r["pair_id"]))
     return pd.DataFrame({c: pd.Series([r[c] for r in rows], dtype=object) for c in OUTPUT_COLUMNS})
 

@@ -14,7 +14,6 @@ allowed; the table remembers the file and each row's line (snaketune.data.messag
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 from pathlib import Path
@@ -25,70 +24,15 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from snaketune.data.jsonl import DataError, is_tree_record, json_lines
 from snaketune.data.messages import (
+    CHAT_HINT,
     LINES_ATTR,
     OPTIONAL_COLUMNS,
     REQUIRED_COLUMNS,
     SOURCE_ATTR,
     SUFFIXES,
-    DataError,
 )
-
-
-def _object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    record = dict(pairs)
-    if len(record) < len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                # json.loads would keep the last value silently; which one the author meant is a guess.
-                raise ValueError(f"key {key!r} appears twice in one object")
-            seen.add(key)
-    return record
-
-
-def _json_lines(path: Path):
-    """(line number, JSON object) of every non-blank line of a .jsonl or .jsonl.gz file."""
-    opener = gzip.open if path.name.endswith(".gz") else open
-    try:
-        with opener(path, "rb") as fh:
-            for line_no, raw in enumerate(fh, start=1):
-                try:
-                    # utf-8-sig on the first line: editors on Windows often start a file with a BOM.
-                    line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(
-                        f"{path}: line {line_no}: invalid UTF-8 at byte {e.start} of the line; "
-                        "allowed: UTF-8 text"
-                    ) from e
-                if not line.strip():
-                    continue
-                try:
-                    # Without the line end: an unclosed string would otherwise end in "invalid control character".
-                    record = json.loads(line.rstrip("\r\n"), object_pairs_hook=_object_without_duplicate_keys)
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"{path}: line {line_no}: malformed JSON at column {e.colno} ({e.msg}); "
-                        "allowed: one JSON object per line"
-                    ) from e
-                except ValueError as e:  # from the duplicate-key hook
-                    raise DataError(f"{path}: line {line_no}: {e}; allowed: each key once per object") from e
-                if not isinstance(record, dict):
-                    raise DataError(
-                        f"{path}: line {line_no}: expected a JSON object (one message or one tree), "
-                        f"got {type(record).__name__}; allowed: one JSON object per line"
-                    )
-                yield line_no, record
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise DataError(
-            f"{path}: not a readable gzip file ({e}); allowed: a .jsonl.gz written by gzip"
-        ) from e
-
-
-def is_tree_record(record: dict) -> bool:
-    """A line of LAION's nested export (`*.trees.jsonl`): a tree with its root message under `prompt`."""
-    return "prompt" in record and "role" not in record
-
 
 TREE_KEYS = ("message_tree_id", "tree_state")
 """Keys of a nested tree line that every message of the tree inherits (unless it has its own)."""
@@ -148,7 +92,7 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
     trees: bool | None = None
     seen_trees: dict[str, tuple[int, tuple]] = {}
     repeated = 0
-    for line_no, record in _json_lines(path):
+    for line_no, record in json_lines(path):
         if trees is None:
             trees = is_tree_record(record)
         if trees:
@@ -189,6 +133,7 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
                 f"{path}: line {line_no}: missing required key(s) {', '.join(missing)}; "
                 f"required on every line: {', '.join(REQUIRED_COLUMNS)} (parent_id null for a root); or one "
                 "nested tree per line (LAION's *.trees.jsonl: message_tree_id, prompt with replies)"
+                + (CHAT_HINT if "messages" in record else "")
             )
         records.append(record)
         lines.append(line_no)

@@ -1,0 +1,323 @@
+"""The common chat format (`dataset.format: chat`): one conversation per JSONL line or Parquet row, what TRL, Axolotl
+and LLaMA-Factory read.
+
+A record: `messages` (required), a list of {role, content} with roles `system`, `user` and `assistant`; optional
+`id` (a string or an integer, unique in the file: names the conversation and decides its split), `split` (`train` or
+`validation`, on every record or on none) and `lang` (a language code, for dataset.languages). Other fields, and
+other keys of a message, are not read.
+
+Reading (the download stage, `read_chats`) refuses what cannot be a conversation: each error names the file, the
+line (JSONL, 1-based) or row (Parquet, 0-based), the field (`messages[2].role`) and what is allowed. Cleaning (the
+conversations stage, `clean_chats`) drops what is a conversation but not one to train on, each counted in stats.json
+under the first reason that applies, in the order of DROP_REASONS: a tool turn (roles tool, function, ipython), an
+empty user or assistant turn, roles out of order (an optional system turn first, then user and assistant
+alternating from a user turn), no assistant turn, a language outside dataset.languages, a conversation already seen.
+An empty system turn is removed and a trailing user turn cut (both counted): what remains still teaches. The split is
+the records' own, else a hash of the id (a hash of the messages where a record has no id), as for oasst's trees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from snaketune.data.forest import both_splits, split_by_hash
+from snaketune.data.jsonl import json_lines
+from snaketune.data.messages import SPLITS, UNKNOWN_LANG, DataError, _bad_value, _Source, _where
+
+CHAT_ROLES = ("system", "user", "assistant")
+TOOL_ROLES = ("tool", "function", "ipython")
+"""Roles of tool calling in the common format: read, and their conversations dropped (`tool_use`)."""
+ROLES_ALLOWED = (
+    "system, user, assistant (a conversation with tool, function or ipython turns is dropped and counted)"
+)
+FIELDS = ("id", "split", "lang", "messages")
+DROP_REASONS = (
+    "tool_use",
+    "empty_content",
+    "roles_out_of_order",
+    "no_assistant_turn",
+    "language",
+    "duplicate",
+)
+_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+RAW_SCHEMA = pa.schema(
+    [("id", pa.string()), ("split", pa.string()), ("lang", pa.string()), ("messages", pa.list_(_MESSAGE))]
+)
+"""The download stage's messages.parquet for chat-format data: one checked conversation per row."""
+
+
+def is_chat_table(path: str | Path) -> bool:
+    """Whether a messages.parquet of the download stage holds chat-format conversations (else oasst messages)."""
+    return pq.read_schema(path).names == RAW_SCHEMA.names
+
+
+# ---- reading and checking (download) --------------------------------------------------------------------------
+
+
+def _missing(src: _Source, row: int, key: str, name: str, allowed: str) -> DataError:
+    return DataError(f"{_where(src, key, row)}: missing key {name!r}; allowed: {allowed}")
+
+
+def parse_messages(value: Any, src: _Source, row: int, key: str) -> list[dict[str, str | None]]:
+    """A record's messages list as [{role, content}], every message checked (content null stays null: the cleaning
+    counts it as empty)."""
+    at = (src, row, None)
+    if isinstance(value, np.ndarray):  # a list column that pandas holds
+        value = value.tolist()
+    if not isinstance(value, list):
+        raise _bad_value(at, key, value, "a list of {role, content} objects")
+    out = []
+    for i, message in enumerate(value):
+        k = f"{key}[{i}]"
+        if not isinstance(message, dict):
+            raise _bad_value(at, k, message, "an object with role and content")
+        if "role" not in message:
+            raise _missing(src, row, k, "role", f"an object with role ({ROLES_ALLOWED}) and content")
+        role = message["role"]
+        if not isinstance(role, str) or role not in CHAT_ROLES + TOOL_ROLES:
+            raise _bad_value(at, f"{k}.role", role, ROLES_ALLOWED)
+        # A tool result, or an assistant turn that only calls tools, may come without content.
+        if "content" not in message and role not in TOOL_ROLES and not message.get("tool_calls"):
+            raise _missing(src, row, k, "content", "an object with role and content (a string)")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            raise _bad_value(
+                at, f"{k}.content", content, "a string or null (a list of content parts is not read)"
+            )
+        out.append({"role": role, "content": content})
+    return out
+
+
+def message_hash(messages: Sequence[dict]) -> str:
+    """16 hex digits of sha256 over the messages: a record's id when it has none (stable across machines)."""
+    text = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def parse_split(value: Any, src: _Source, row: int) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in SPLITS:
+        raise _bad_value((src, row, None), "split", value, ", ".join(SPLITS) + " or null")
+    return value
+
+
+def _parse_record(record: dict, src: _Source, row: int) -> dict[str, Any]:
+    at = (src, row, None)
+    messages = parse_messages(record["messages"], src, row, "messages")
+    raw_id = record.get("id")
+    if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, str | int) or raw_id == ""):
+        raise _bad_value(at, "id", raw_id, "a non-empty string or an integer, unique in the file (or null)")
+    lang = record.get("lang")
+    if lang is not None and not isinstance(lang, str):
+        raise _bad_value(at, "lang", lang, "a language code string (e.g. en, pt-BR) or null")
+    return {
+        "id": None if raw_id is None else str(raw_id),
+        "split": parse_split(record.get("split"), src, row),
+        "lang": lang,
+        "messages": messages,
+    }
+
+
+def _records(path: Path) -> tuple[list[dict], _Source, list[str]]:
+    """The file's records (JSONL lines or Parquet rows), where they came from, and the fields the file has."""
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        records, lines, fields = [], [], set()
+        for line_no, record in json_lines(path, "one conversation"):
+            if "messages" not in record:
+                raise DataError(
+                    f"{path}: line {line_no}: missing required key 'messages' (the line has "
+                    f"{', '.join(map(str, record)) or 'no keys'}); required on every line: messages (a list of "
+                    "{role, content}); optional: id, split, lang"
+                )
+            records.append(record)
+            lines.append(line_no)
+            fields.update(map(str, record))
+        if not records:
+            raise DataError(f"{path}: no conversations (the file is empty or has only blank lines)")
+        return records, _Source(str(path), np.asarray(lines, dtype=np.int64)), sorted(fields)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e}); allowed: a Parquet file") from e
+    if "messages" not in table.column_names:
+        raise DataError(
+            f"{path}: missing required column messages (the file has {', '.join(table.column_names)}); required: "
+            "messages (a list of {role, content}); optional: id, split, lang"
+        )
+    if table.num_rows == 0:
+        raise DataError(f"{path}: no conversations (the table is empty)")
+    read = table.select([c for c in FIELDS if c in table.column_names])
+    return read.to_pylist(), _Source(str(path)), sorted(table.column_names)
+
+
+def check_chats(records: list[dict], src: _Source) -> list[dict[str, Any]]:
+    """Every record checked and normalized ({id, split, lang, messages}); ids unique, splits on all or none."""
+    rows = [_parse_record(record, src, i) for i, record in enumerate(records)]
+    first: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        if row["id"] is None:
+            continue
+        if row["id"] in first:
+            raise DataError(
+                f"{_where(src, 'id', i)}: duplicate id {row['id']!r} (first in {src.at(first[row['id']])}); "
+                "allowed: ids unique in the file (or no id: the messages' hash names the conversation)"
+            )
+        first[row["id"]] = i
+    with_split = [i for i, row in enumerate(rows) if row["split"] is not None]
+    if with_split and len(with_split) < len(rows):
+        i = next(i for i, row in enumerate(rows) if row["split"] is None)
+        raise DataError(
+            f"{_where(src, 'split', i)}: no split while {src.at(with_split[0])} has one; allowed: "
+            f"{', '.join(SPLITS)} on every record, or on none (then a hash of the id splits them)"
+        )
+    for row in rows:
+        if row["id"] is None:
+            row["id"] = message_hash(row["messages"])
+    return rows
+
+
+def read_chats(path: str | Path) -> tuple[pa.Table, dict[str, Any]]:
+    """A chat-format file (.jsonl, .jsonl.gz, .parquet), checked, as the download stage's table (RAW_SCHEMA), and
+    what source.json records of it."""
+    path = Path(path)
+    records, src, fields = _records(path)
+    rows = check_chats(records, src)
+    record = {
+        "conversations": len(rows),
+        "messages": sum(len(r["messages"]) for r in rows),
+        "columns": fields,
+        "splits": sorted({r["split"] for r in rows if r["split"] is not None}),
+    }
+    return pa.Table.from_pylist(rows, schema=RAW_SCHEMA), record
+
+
+# ---- cleaning (conversations) ---------------------------------------------------------------------------------
+
+
+def roles_in_order(messages: Sequence[dict]) -> bool:
+    """An optional system turn first, then user and assistant alternating from a user turn."""
+    body = messages[1:] if messages and messages[0]["role"] == "system" else messages
+    return all(m["role"] == ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(body))
+
+
+def is_empty(content: str | None) -> bool:
+    return content is None or not content.strip()
+
+
+def clean_conversation(messages: list[dict]) -> tuple[list[dict] | None, str | None, dict[str, int]]:
+    """The conversation to train on, or None and the first drop reason; with the repairs made (an empty system
+    turn removed, a trailing user turn cut)."""
+    repairs = {"empty_system_turns_removed": 0, "trailing_user_turns_cut": 0}
+    if any(m["role"] in TOOL_ROLES for m in messages):
+        return None, "tool_use", repairs
+    kept = []
+    for m in messages:
+        if is_empty(m["content"]):
+            if m["role"] != "system":
+                return None, "empty_content", repairs
+            repairs["empty_system_turns_removed"] += 1  # an empty instruction instructs nothing
+            continue
+        kept.append(m)
+    if not roles_in_order(kept):
+        return None, "roles_out_of_order", repairs
+    if kept and kept[-1]["role"] == "user":
+        kept = kept[:-1]  # an unanswered question teaches nothing; the exchanges before it still do
+        repairs["trailing_user_turns_cut"] += 1
+    if not any(m["role"] == "assistant" for m in kept):
+        return None, "no_assistant_turn", repairs
+    return kept, None, repairs
+
+
+def _check_languages(wanted: set[str], rows: list[dict], source: str) -> None:
+    have: dict[str, int] = {}
+    for row in rows:
+        lang = row["lang"] or UNKNOWN_LANG
+        have[lang] = have.get(lang, 0) + 1
+    absent = sorted(wanted - have.keys())
+    if absent:
+        listing = ", ".join(f"{k} ({n})" for k, n in sorted(have.items(), key=lambda x: (-x[1], x[0])))
+        raise DataError(
+            f"config key 'dataset.languages': {', '.join(map(repr, absent))} in no conversation of {source} (the "
+            f"filter reads each record's lang; without one: {UNKNOWN_LANG}); allowed: the languages the data has: "
+            f"{listing}"
+        )
+
+
+def clean_chats(
+    rows: list[dict], *, languages: Sequence[str], validation_fraction: float, source: str
+) -> tuple[dict[str, list[dict]], dict[str, Any]]:
+    """The conversations of each split (conversations stage rows) and the counts for stats.json."""
+    wanted = set(languages)
+    _check_languages(wanted, rows, source)
+    dropped = dict.fromkeys(DROP_REASONS, 0)
+    repairs = {"empty_system_turns_removed": 0, "trailing_user_turns_cut": 0}
+    kept: list[dict] = []
+    seen: set[str] = set()
+    for row in rows:
+        messages, reason, fixed = clean_conversation(row["messages"])
+        lang = row["lang"] or UNKNOWN_LANG
+        if reason is None and wanted and lang not in wanted:
+            reason = "language"
+        if reason is None:
+            content = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+            reason = "duplicate" if content in seen else None
+            seen.add(content)
+        if reason is not None:
+            dropped[reason] += 1
+            continue
+        for k, v in fixed.items():  # of the conversations kept
+            repairs[k] += v
+        kept.append(
+            {"conversation_id": row["id"], "message_tree_id": row["id"], "lang": lang, "messages": messages}
+        )
+    if not kept:
+        raise DataError(
+            f"{source}: no conversation is left to train on: {len(rows)} read, dropped: "
+            f"{', '.join(f'{k} {v}' for k, v in dropped.items() if v) or 'none'}; allowed: conversations where a "
+            "user turn is answered by an assistant turn, roles in order (an optional system turn first, then user "
+            "and assistant alternating), no empty user or assistant turn"
+        )
+    use_source = any(row["split"] is not None for row in rows)
+    if use_source:
+        split_of: dict[str, str] = {}
+        for row in rows:
+            split_of.setdefault(row["id"], row["split"])  # a repeat without an id shares the first one's hash
+        assignment = {r["message_tree_id"]: split_of[r["message_tree_id"]] for r in kept}
+        fallback = both_splits(assignment)
+    else:
+        assignment, fallback = split_by_hash([r["message_tree_id"] for r in kept], validation_fraction)
+    by_split: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    for r in kept:
+        by_split[assignment[r["message_tree_id"]]].append(r)
+    stats = {
+        "format": "chat",
+        "languages": sorted(wanted),
+        "validation_fraction": validation_fraction,
+        "rows": len(rows),
+        "rows_kept": len(kept),
+        "messages": sum(len(row["messages"]) for row in rows),
+        "messages_kept": sum(len(r["messages"]) for r in kept),
+        "dropped": dropped,
+        **repairs,
+        "with_system_turn": {
+            s: sum(r["messages"][0]["role"] == "system" for r in by_split[s]) for s in SPLITS
+        },
+        "split_source": "source" if use_source else "hash",
+        "split_fallback": fallback,
+        "conversations": {s: len(by_split[s]) for s in SPLITS},
+    }
+    return by_split, stats
+
+
+def read_chat_table(path: str | Path) -> list[dict]:
+    """The download stage's chat table (RAW_SCHEMA) as rows."""
+    return pq.read_table(path).to_pylist()
