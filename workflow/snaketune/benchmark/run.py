@@ -62,24 +62,48 @@ def _load_transformers(source: dict, tokenizer, device: str | None):
         if precision == "auto":  # as training resolves it on this device (snaketune.train.trainer)
             precision = "bf16" if dev.type == "cuda" else "fp32"
         train_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        net = load_base_model(model_cfg, tokenizer, seed=source["seed"], train_dtype=train_dtype, dtype=dtype,
-                              device=dev, quantize=quantize)  # fmt: skip
+        net = load_base_model(
+            model_cfg,
+            tokenizer,
+            seed=source["seed"],
+            train_dtype=train_dtype,
+            dtype=dtype,
+            device=dev,
+            quantize=quantize,
+        )
     else:
         net = load_tuned_model(source["dir"], model_cfg, dtype=dtype, device=dev, quantize=quantize)
-    info = {"runtime": "transformers", "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
-            "quantize": quantize}  # fmt: skip
+    info = {
+        "runtime": "transformers",
+        "device": str(dev),
+        "dtype": str(dtype).removeprefix("torch."),
+        "quantize": quantize,
+    }
     return net, info
 
 
 @contextlib.contextmanager
-def open_model(source: dict, tokenizer, *, batch_size: int, max_length: int, threads: int, log_file,
-               device: str | None = None) -> Iterator[tuple[Any, dict]]:  # fmt: skip
+def open_model(
+    source: dict,
+    tokenizer,
+    *,
+    batch_size: int,
+    max_length: int,
+    threads: int,
+    log_file,
+    device: str | None = None,
+) -> Iterator[tuple[Any, dict]]:
     """The harness's model for `source` (kind base, tuned or gguf) and what describes it."""
     if source["kind"] == "gguf":
         gguf = Path(source["gguf"])
         with served.serve(gguf, n_ctx=max_length, threads=threads, log_file=log_file) as url:
-            info = {"runtime": "llama.cpp server (llama_cpp.server)", "file": gguf.name,
-                    "bytes": gguf.stat().st_size, "sha256": sha256_file(gguf), "threads": threads}  # fmt: skip
+            info = {
+                "runtime": "llama.cpp server (llama_cpp.server)",
+                "file": gguf.name,
+                "bytes": gguf.stat().st_size,
+                "sha256": sha256_file(gguf),
+                "threads": threads,
+            }
             yield served.LlamaServerLM(url, tokenizer, max_length=max_length), info
         return
     from lm_eval.models.huggingface import HFLM
@@ -110,15 +134,22 @@ def scores(out: dict, name: str) -> dict:
         metric, filt = key.split(",", 1)
         if _number(value) is None:
             continue
-        metrics[key] = {"metric": metric, "filter": filt, "value": _number(value),
-                        "stderr": _number(res.get(f"{metric}_stderr,{filt}")),
-                        "higher_is_better": better.get(metric)}  # fmt: skip
+        metrics[key] = {
+            "metric": metric,
+            "filter": filt,
+            "value": _number(value),
+            "stderr": _number(res.get(f"{metric}_stderr,{filt}")),
+            "higher_is_better": better.get(metric),
+        }
     names = {m["metric"] for m in metrics.values()}
     samples = [
-        {"doc_id": s["doc_id"], "filter": s.get("filter", "none"),
-         **{m: _number(s[m]) for m in names if m in s and _number(s[m]) is not None}}
+        {
+            "doc_id": s["doc_id"],
+            "filter": s.get("filter", "none"),
+            **{m: _number(s[m]) for m in names if m in s and _number(s[m]) is not None},
+        }
         for s in out.get("samples", {}).get(name, [])
-    ]  # fmt: skip
+    ]
     first = out.get("samples", {}).get(name, [{}])[0] if out.get("samples", {}).get(name) else {}
     return {
         "metrics": metrics,
@@ -154,31 +185,68 @@ def evaluate_task(lm, task: dict, scratch: Path) -> dict:
     return scores(out, task["name"])
 
 
-def benchmark(*, source: dict, tasks: list[dict], outs: list[str | Path], tokenizer_dir: str | Path,
-              chat_template: str, batch_size: int, max_length: int, threads: int, log_file: str | Path,
-              device: str | None = None) -> list[dict]:  # fmt: skip
+def benchmark(
+    *,
+    source: dict,
+    tasks: list[dict],
+    outs: list[str | Path],
+    tokenizer_dir: str | Path,
+    chat_template: str,
+    batch_size: int,
+    max_length: int,
+    threads: int,
+    log_file: str | Path,
+    device: str | None = None,
+) -> list[dict]:
     """Score `source` on each task (BenchmarkConfig.task_spec), writing one result file per task to `outs`."""
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(tokenizer_dir, chat_template)
     results = []
-    with open_model(source, tokenizer, batch_size=batch_size, max_length=max_length, threads=threads,
-                    log_file=log_file, device=device) as (lm, info):  # fmt: skip
+    with open_model(
+        source,
+        tokenizer,
+        batch_size=batch_size,
+        max_length=max_length,
+        threads=threads,
+        log_file=log_file,
+        device=device,
+    ) as (lm, info):
         load_s = time.perf_counter() - t0
         for task, out in zip(tasks, outs, strict=True):
             t = time.perf_counter()
             with tempfile.TemporaryDirectory(prefix="snaketune-benchmark-") as scratch:
                 result = evaluate_task(lm, task, Path(scratch))
             result.update(
-                task=task["name"], spec=task,
-                model={"label": source["label"], "experiment": source.get("experiment"), "kind": source["kind"],
-                       **info},
-                settings={"batch_size": batch_size, "max_length": max_length, "bootstrap_iters": BOOTSTRAP_ITERS,
-                          **SEEDS},
-                versions=versions(), load_s=load_s, time_s=time.perf_counter() - t,
-            )  # fmt: skip
+                task=task["name"],
+                spec=task,
+                model={
+                    "label": source["label"],
+                    "experiment": source.get("experiment"),
+                    "kind": source["kind"],
+                    **info,
+                },
+                settings={
+                    "batch_size": batch_size,
+                    "max_length": max_length,
+                    "bootstrap_iters": BOOTSTRAP_ITERS,
+                    **SEEDS,
+                },
+                versions=versions(),
+                load_s=load_s,
+                time_s=time.perf_counter() - t,
+            )
             write_json(out, result)
             results.append(result)
-            log.info("%s on %s: %s (n=%s, %d-shot), %.1f s (model loaded in %.1f s)", source["label"], task["name"],
-                     ", ".join(f"{k} {m['value']:.4g} ± {m['stderr'] or 0:.2g}" for k, m in result["metrics"].items()),
-                     result["n"], task["num_fewshot"], result["time_s"], load_s)  # fmt: skip
+            log.info(
+                "%s on %s: %s (n=%s, %d-shot), %.1f s (model loaded in %.1f s)",
+                source["label"],
+                task["name"],
+                ", ".join(
+                    f"{k} {m['value']:.4g} ± {m['stderr'] or 0:.2g}" for k, m in result["metrics"].items()
+                ),
+                result["n"],
+                task["num_fewshot"],
+                result["time_s"],
+                load_s,
+            )
     return results

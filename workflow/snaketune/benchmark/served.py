@@ -49,9 +49,22 @@ def free_port() -> int:
 def server_command(gguf: str | Path, port: int, *, n_ctx: int, threads: int) -> list[str]:
     """The command that serves `gguf` (also what serve.sh beside the exported files runs)."""
     return [
-        sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-        "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--verbose", "False",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(n_ctx),
+        "--n_threads",
+        str(threads),
+        "--verbose",
+        "False",
+    ]
 
 
 @contextlib.contextmanager

@@ -68,8 +68,14 @@ def turn_format(tokenizer) -> TurnFormat:
     u1, a1, u2, s1 = (MARK.format(n) for n in ("u1", "a1", "u2", "s1"))
     one = _render(tokenizer, [{"role": "user", "content": u1}])
     two = _render(tokenizer, [{"role": "user", "content": u1}, {"role": "assistant", "content": a1}])
-    three = _render(tokenizer, [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
-                                {"role": "user", "content": u2}])  # fmt: skip
+    three = _render(
+        tokenizer,
+        [
+            {"role": "user", "content": u1},
+            {"role": "assistant", "content": a1},
+            {"role": "user", "content": u2},
+        ],
+    )
     user = _split(_after(three, two), u2)
     assistant = _split(_after(two, one), a1)
     head = _split(one, u1)[0]
@@ -127,18 +133,26 @@ def _lit(text: str) -> str:
 def go_template(fmt: TurnFormat) -> str:
     branches = [
         f'{"if" if i == 0 else "else if"} eq .Role "{role}" }}}}{_lit(fmt.around[role][0])}{{{{ .Content }}}}'
-        + (f"{{{{ if not $last }}}}{_lit(fmt.around[role][1])}{{{{ end }}}}" if role == "assistant" else _lit(fmt.around[role][1]))
+        + (
+            f"{{{{ if not $last }}}}{_lit(fmt.around[role][1])}{{{{ end }}}}"
+            if role == "assistant"
+            else _lit(fmt.around[role][1])
+        )
         for i, role in enumerate(r for r in ROLES if r in fmt.around)
-    ]  # fmt: skip
+    ]
     lines = [
         _lit(fmt.start) + "{{- range $i, $_ := .Messages }}",
         "{{- $last := eq (len (slice $.Messages $i)) 1 }}",
-        *([f'{{{{- if and (eq $i 0) (ne .Role "system") }}}}{_lit(fmt.first_extra)}{{{{ end }}}}'] if fmt.first_extra else []),
+        *(
+            [f'{{{{- if and (eq $i 0) (ne .Role "system") }}}}{_lit(fmt.first_extra)}{{{{ end }}}}']
+            if fmt.first_extra
+            else []
+        ),
         *(f"{{{{- {b}" for b in branches),
         "{{- end }}",
         f'{{{{- if and $last (ne .Role "assistant") }}}}{_lit(fmt.generation)}{{{{ end }}}}',
         "{{- end }}",
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)
 
 
@@ -158,7 +172,7 @@ def modelfile(gguf_name: str, tokenizer, num_ctx: int) -> str:
     lines = [
         f"# Ollama: ollama create {Path(gguf_name).stem} -f {Path(gguf_name).stem}.Modelfile && ollama run {Path(gguf_name).stem}",
         f"FROM ./{gguf_name}",
-    ]  # fmt: skip
+    ]
     if fmt is None:
         lines.append(f"# No TEMPLATE: Ollama reads the chat template stored in the file ({why}).")
     else:
@@ -211,8 +225,9 @@ has its Modelfile: the chat template as Ollama's TEMPLATE, the stop strings, gre
 """
 
 
-def write_serving_files(out_dir: str | Path, name: str, types: list[str], tokenizer, *, model_dir: str | Path,
-                        version: str) -> list[Path]:  # fmt: skip
+def write_serving_files(
+    out_dir: str | Path, name: str, types: list[str], tokenizer, *, model_dir: str | Path, version: str
+) -> list[Path]:
     """`<name>-<type>.Modelfile` for each type, serve.sh and README.md in `out_dir`; the default type served is the
     last (the smallest quant). The context is the model's (config.json's max_position_embeddings), up to
     MAX_NUM_CTX."""

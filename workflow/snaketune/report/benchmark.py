@@ -111,11 +111,22 @@ def benchmark_summary(paths: list[Path], bases: dict[str, str]) -> dict:
     for (owner, label, task), r in results.items():
         if r["model"]["kind"] == "gguf" and (owner, label.split("-")[0], task) in results:
             model = results[(owner, label.split("-")[0], task)]
-            out["deployed"].append({
-                "experiment": owner, "model": label.split("-")[0], "file": label, "task": task,
-                "metrics": {key: {"transformers": _score(model, key), "gguf": _score(r, key),
-                                  "difference": change(model, r, key)} for key in r["metrics"]},
-            })  # fmt: skip
+            out["deployed"].append(
+                {
+                    "experiment": owner,
+                    "model": label.split("-")[0],
+                    "file": label,
+                    "task": task,
+                    "metrics": {
+                        key: {
+                            "transformers": _score(model, key),
+                            "gguf": _score(r, key),
+                            "difference": change(model, r, key),
+                        }
+                        for key in r["metrics"]
+                    },
+                }
+            )
     return out
 
 
@@ -179,10 +190,24 @@ def benchmark_section(summary: dict | None) -> list[Block]:
         for task, t in per_task.items():
             for key, m in t["metrics"].items():
                 worse = [_name(lab) for lab, c in m["change_vs_base"].items() if c and c["worse"]]
-                rows.append([task, _metric_name(key), fmt(t["n"]), *(_cell(m["scores"].get(lab)) for lab in labels),
-                             *(_delta(m["change_vs_base"].get(lab)) for lab in changed), ", ".join(worse) or "—"])  # fmt: skip
-        header = ["task", "metric", "n", *(_name(lab) for lab in labels),
-                  *(f"{_name(lab)} − base" for lab in changed), "worse than base"]  # fmt: skip
+                rows.append(
+                    [
+                        task,
+                        _metric_name(key),
+                        fmt(t["n"]),
+                        *(_cell(m["scores"].get(lab)) for lab in labels),
+                        *(_delta(m["change_vs_base"].get(lab)) for lab in changed),
+                        ", ".join(worse) or "—",
+                    ]
+                )
+        header = [
+            "task",
+            "metric",
+            "n",
+            *(_name(lab) for lab in labels),
+            *(f"{_name(lab)} − base" for lab in changed),
+            "worse than base",
+        ]
         blocks += [
             Heading(3, f"{exp}: forgetting"),
             Table(header, rows, numeric=[False, False, *[True] * (len(header) - 3), False]),
@@ -191,19 +216,28 @@ def benchmark_section(summary: dict | None) -> list[Block]:
         rows = []
         for d in summary["deployed"]:
             for key, m in d["metrics"].items():
-                rows.append([f"{d['experiment']} {NAMES.get(d['model'], d['model'])}", d["task"], _metric_name(key),
-                             _cell(m["transformers"]), d["file"].split("-", 1)[1], _cell(m["gguf"]), _delta(m["difference"])])  # fmt: skip
+                rows.append(
+                    [
+                        f"{d['experiment']} {NAMES.get(d['model'], d['model'])}",
+                        d["task"],
+                        _metric_name(key),
+                        _cell(m["transformers"]),
+                        d["file"].split("-", 1)[1],
+                        _cell(m["gguf"]),
+                        _delta(m["difference"]),
+                    ]
+                )
         blocks += [
             Heading(3, "The deployed files"),
             Para(
                 "Each exported GGUF file served by llama.cpp's OpenAI-compatible server (llama-cpp-python) and scored "
                 "by the harness over HTTP, beside the transformers model it was exported from, on the same examples.",
                 muted=True,
-            ),  # fmt: skip
+            ),
             Table(
                 ["model", "task", "metric", "transformers", "GGUF", "GGUF score", "GGUF − transformers"],
                 rows,
                 numeric=[False, False, False, True, False, True, True],
-            ),  # fmt: skip
+            ),
         ]
     return blocks
