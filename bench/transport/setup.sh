@@ -53,6 +53,8 @@ for t in .carry/export/llama_cpp_python-*-converter.tar.xz .x25/llama_cpp_python
         || echo "the converter in $t did not install"
     break
 done
+# Installed by an earlier call of this warm machine.
+[ -f "$KEEP/llama.cpp-converter/convert_hf_to_gguf.py" ] && export SNAKETUNE_LLAMA_CPP_CONVERTER=$KEEP/llama.cpp-converter
 
 # The real data.
 for x in .carry/*/oasst_real.hf_rows.jsonl.xz .rm/c1/oasst_real.hf_rows.jsonl.xz; do

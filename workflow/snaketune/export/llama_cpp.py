@@ -260,7 +260,7 @@ def _convert_main(conv: str, fallback: str, args: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["convert"]:
         _convert_main(sys.argv[2], sys.argv[3], sys.argv[4:])
-    elif sys.argv[1:2] == ["install"] and len(sys.argv) == 3:
-        print(install_converter(sys.argv[2]))
+    elif sys.argv[1:2] == ["install"] and len(sys.argv) in (3, 4):
+        print(install_converter(*sys.argv[2:]))
     else:
-        sys.exit("usage: python -m snaketune.export.llama_cpp install <llama_cpp_python sdist>")
+        sys.exit("usage: python -m snaketune.export.llama_cpp install <llama_cpp_python sdist> [destination]")
