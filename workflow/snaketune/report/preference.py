@@ -82,9 +82,9 @@ def preference_section(experiments: list[Experiment], plot: Path) -> list[Block]
     blocks: list[Block] = [
         Heading(2, "Preference tuning"),
         Para(
-            "Pairs come from oasst's ranks: for each prompt, replies of a better rank are chosen over worse "
-            "siblings (ties never pair), after the conversations stage's cleaning and with its train/validation "
-            "split. The reference model's log-probabilities are computed once and cached; DPO trains the SFT "
+            "Pairs come from oasst's ranks (for each prompt, replies of a better rank are chosen over worse "
+            "siblings, ties never pair, after the conversations stage's cleaning and with its train/validation "
+            "split) or from a pairs file (preference.source: prompt, chosen, rejected). The reference model's log-probabilities are computed once and cached; DPO trains the SFT "
             "model against them. Preference accuracy: share of held-out pairs where a model gives the chosen "
             "reply the higher summed log-probability. Reward accuracy: share where the implicit reward "
             "beta × (log π − log π_ref) of the chosen reply is larger (the reference itself scores 0 on every "

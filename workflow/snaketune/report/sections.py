@@ -93,13 +93,21 @@ def _conversations_blocks(conv: dict) -> list[Block]:
         turns = fmt((conv.get("turns_mean") or {}).get(split))
         rows.append([split, trees, fmt(n), turns] + [fmt(by_lang.get(lang, 0)) for lang in languages])
     header = ["split", "trees", "conversations", "mean turns"] + [f"`{lang}`" for lang in languages]
-    return [
-        Heading(3, "Conversations"),
-        Para(
+    if conv.get("format") == "chat":  # one conversation per record: no trees, no paths
+        system = sum((conv.get("with_system_turn") or {}).values())
+        summary = (
+            f"{fmt(conv.get('rows'))} chat records ({fmt(conv.get('messages'))} messages), {fmt(conv.get('rows_kept'))} "
+            f"kept, {fmt(system)} with a system turn; validation split by `{conv.get('split_source')}`."
+        )
+    else:
+        summary = (
             f"{fmt(conv.get('trees'))} message trees, {fmt(conv.get('messages'))} messages, "
             f"{fmt(conv.get('messages_kept'))} kept; paths: `{conv.get('paths')}`; validation split by "
             f"`{conv.get('split_source')}`."
-        ),
+        )
+    return [
+        Heading(3, "Conversations"),
+        Para(summary),
         Columns(
             [
                 Table(header, rows),
