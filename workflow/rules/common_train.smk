@@ -60,8 +60,8 @@ def checkpoints_dir(stage):
     """Where a stage's resumable checkpoints live (not outputs: they survive a failure)."""
 
     def directory(wildcards):
-        sub = "" if stage == "train" else f"/{stage}"
-        return f"results/checkpoints/{wildcards.experiment}{sub}"
+        root = Path("results/checkpoints", wildcards.experiment)
+        return str(root if stage == "train" else root / stage)
 
     return directory
 
