@@ -23,6 +23,7 @@ JOBS = {
     "download": 1,
     "plan": 1,
     "plan_dpo": 1,
+    "plan_eval": 1,
     "conversations": 1,
     "preferences": 1,
     "train_tokenizer": 1,

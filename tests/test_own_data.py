@@ -26,7 +26,8 @@ from snaketune.data import download
 from snaketune.data.chat import IGNORE_INDEX, TemplateError, encode_conversation, encode_conversations
 from snaketune.data.chat_format import clean_chats, read_chats
 from snaketune.data.conversations import conversations_of_file
-from snaketune.data.formats import detect_format, resolve_format
+from snaketune.data.format_config import resolve_format
+from snaketune.data.formats import detect_format
 from snaketune.data.messages import DataError
 from snaketune.data.pair_format import build_pair_preferences
 from snaketune.data.prompts import resolve_prompts

@@ -148,8 +148,9 @@ CASES = {
     "download.py": (_edit("workflow/snaketune/data/download.py"), FROM_DOWNLOAD),
     # download reads local sources with snaketune.data.messages, so it runs messages.py too
     "messages.py": (_edit("workflow/snaketune/data/messages.py"), FROM_DOWNLOAD),
-    # the cleaning rules of conversations and preferences
-    "forest.py": (_edit("workflow/snaketune/data/forest.py"), FROM_CONVERSATIONS),
+    # the cleaning rules of conversations and preferences, and the split by hash that download's chat-format reader
+    # shares (snaketune.data.chat_format)
+    "forest.py": (_edit("workflow/snaketune/data/forest.py"), FROM_DOWNLOAD),
     # the preferences read the conversations' split: a rewritten conversations file reruns them too
     "conversations.py": (_edit("workflow/snaketune/data/conversations.py"), FROM_CONVERSATIONS),
     "preferences.py": (_edit("workflow/snaketune/data/preferences.py"), ("preferences", *FROM_PAIRS)),
@@ -185,8 +186,9 @@ CASES = {
         ),
         (),
     ),
-    # records are not outputs: a new record format remakes the manifest, never a stage
-    "provenance.py": (_edit("workflow/snaketune/provenance.py"), END),
+    # records are not outputs: a new record format remakes the manifest, and the evaluation, which reports package
+    # versions as records do (provenance.package_versions), never a training stage
+    "provenance.py": (_edit("workflow/snaketune/provenance.py"), ONLY_EVALUATE),
     # Snakemake's own trigger: a script newer than the outputs (even a comment: Snakemake compares its mtime)
     "workflow/scripts/evaluate.py": (_edit("workflow/scripts/evaluate.py"), ONLY_EVALUATE),
 }
@@ -209,6 +211,12 @@ def job_stats(result: Result) -> dict[str, int]:
     return stats
 
 
+def edit_line(path: Path, by: str) -> str:
+    """A line that changes what a file does: code in a Python module (a comment would change no code hash), a
+    comment in any other file (hashed by its bytes: a task's YAML)."""
+    return f"_EDITED_BY_TEST = True  # {by}\n" if str(path).endswith(".py") else f"# edited by {by}\n"
+
+
 @contextlib.contextmanager
 def edited(path: Path, old: str | None, new: str | None) -> Iterator[None]:
     """The file changed for the duration; then its bytes and its timestamps are as before (Snakemake
@@ -216,7 +224,7 @@ def edited(path: Path, old: str | None, new: str | None) -> Iterator[None]:
     data, stat = path.read_bytes(), path.stat()
     text = data.decode()
     if old is None:
-        changed = text + "_EDITED_BY_TEST = True  # tests/test_reproducibility.py\n"
+        changed = text + edit_line(path, "tests/test_reproducibility.py")
     else:
         assert text.count(old) == 1, f"{old!r} not found once in {path}"
         changed = text.replace(old, new)

@@ -15,11 +15,13 @@ import re
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
+import pandas as pd
 import pytest
 
 from conftest import HUB_TOKENS, TINY_CONFIG
 from snaketune.config.choices import ConfigError
 from snaketune.config.load import load_config
+from snaketune.config.paths import check_input_paths
 from snaketune.report.reproducibility import remote_code_line
 from test_faults import new_workdir
 from test_workflow import FAST_CONFIG, snakemake
@@ -347,8 +349,10 @@ REJECTED = {
     "experiment a/b": ({"experiments": {"a/b": {}}}, "experiments.a/b"),
     "experiment ..": ({"experiments": {"..": {}}}, "experiments..."),
     "revision with ..": ({"model": {"revision": "../../../tmp/evil"}}, "model.revision"),
+    # Neither a hub id (owner/name) nor a directory that exists: refused before any job (issue #42).
+    "hub id with ..": ({"model": {"base": "hub/../../x"}}, "model.base"),
 }
-ALLOWED_TEXT = {"model.revision": "is not a git revision"}
+ALLOWED_TEXT = {"model.revision": "is not a git revision", "model.base": "does not exist"}
 """What the message says is allowed, by key (experiment names otherwise)."""
 """Configs that validation refuses, with the key its message names (the hub's cache uses a revision as a path)."""
 
@@ -357,11 +361,14 @@ def accepted_configs(outside: Path) -> dict[str, dict]:
     """Adversarial configs that are valid: their names and paths must still lead only into results/."""
     return {
         "experiment x..y": {"experiments": {"x..y": {}, "default": {}}},
+        # Directories that exist (inputs are checked before any job), reached through ".." and absolute paths.
         "model and tokenizer with ..": {
-            "model": {"base": "../../outside/model", "tokenizer": "../../../etc/passwd"}
+            "model": {
+                "base": f"../{outside.name}/model",
+                "tokenizer": f"../{outside.name}/../{outside.name}/tokenizer",
+            }
         },
-        "absolute model": {"model": {"base": "/abs/outside/model", "revision": "refs/pr/1"}},
-        "hub id with ..": {"model": {"base": "hub/../../x"}},
+        "absolute model": {"model": {"base": str(outside / "model"), "revision": "refs/pr/1"}},
         "source outside the repo": {"dataset": {"source": str(outside / "messages.parquet")}},
         "relative source outside": {"dataset": {"source": f"../{outside.name}/messages.parquet"}},
         "deepspeed outside": {"train": {"deepspeed": str(outside / "zero2.json")}},
@@ -396,14 +403,21 @@ def test_config_names_that_leave_results_are_refused(workdir, tmp_path, case):
         -2000:
     ]
     assert ALLOWED_TEXT.get(key, "experiment names use letters, digits") in result.output
-    with pytest.raises(ConfigError):
-        load_config(override)
+    with pytest.raises(ConfigError):  # the checks the workflow makes before any job
+        check_input_paths(load_config(override), workdir)
 
 
 @pytest.mark.parametrize("case", list(accepted_configs(Path("x"))))
 def test_config_paths_lead_only_into_results(workdir, tmp_path_factory, case):
     outside = tmp_path_factory.mktemp("outside")  # beside the working directory, not inside it
-    (outside / "messages.parquet").write_bytes(b"")  # only its existence matters to a dry run
+    # What a dry run reads of them: a Parquet file's columns (dataset.format auto), a model's config.json and
+    # tokenizer.json (the paths checked before any job).
+    pd.DataFrame({"message_id": ["m"], "parent_id": [None], "role": ["prompter"], "text": ["hi"]}).to_parquet(
+        outside / "messages.parquet"
+    )
+    for d, name in (("model", "config.json"), ("tokenizer", "tokenizer.json")):
+        (outside / d).mkdir(exist_ok=True)
+        (outside / d / name).write_text("{}")
     (outside / "zero2.json").write_text((REPO / "config/deepspeed/zero2.json").read_text())
     override = accepted_configs(outside)[case]
     config = outside / "adversarial.yaml"

@@ -392,7 +392,8 @@ def test_bookkeeping_changes_no_weight(base_run, tiny_data, tmp_path):
     steps again, logging every 3rd, validating every 4th, checkpointing every 5th (keeping 1): every weight equal."""
     bookkeeping = dict(log_every=3, eval_every=4, checkpoint_every=5, keep_checkpoints=1)
     run = run_training(tmp_path, tiny_data, nproc=1, train_overrides=bookkeeping)
-    assert [r["step"] for r in run.rows if r.get("train/loss") is not None][:3] == [3, 6, 9]
+    logged = {int(r["step"]) for r in run.rows if r.get("train/loss") is not None}
+    assert {3, 6, 9} <= logged and not {1, 2, 5} & logged, sorted(logged)
     got = load_file(run.out_dir / "model" / "model.safetensors")
     want = load_file(base_run.out_dir / "model" / "model.safetensors")
     assert got.keys() == want.keys()

@@ -14,7 +14,7 @@ from snaketune.config import owners  # noqa: E402
 from snaketune.config.choices import ConfigError  # noqa: E402
 from snaketune.config.load import load_config, to_dict
 from snaketune.config.paths import check_input_paths
-from snaketune.data.formats import resolve_format
+from snaketune.data.format_config import resolve_format
 from snaketune.io import sha256_file  # noqa: E402
 
 try:

@@ -7,17 +7,14 @@
 
 `auto` reads the first record of a JSONL file (or a Parquet file's schema) and names the format its fields show; a
 record with the fields of both, or of neither, stops the workflow before any job, naming the file and the fields it
-found. The builtin sample and hub datasets are oasst. `resolve_format` puts the answer into the config (as snaketune.hub
+found. The builtin sample and hub datasets are oasst. `snaketune.data.format_config.resolve_format` puts the answer into the config (as snaketune.hub
 pins revisions), so every stage, cache key and rerun sees the format the data is read as, not the word `auto`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
-from snaketune.config.choices import fail
-from snaketune.config.load import check_pairs_source
 from snaketune.data.jsonl import DataError, is_tree_record, json_lines
 
 CHAT_FIELD = "messages"
@@ -74,24 +71,3 @@ def detect_format(path: str | Path) -> str:
         "role, text; or a nested tree: prompt with replies) nor the chat format's (messages: a list of {role, "
         f"content}}){hint}; allowed: a file in one of them, dataset.format: oasst | chat"
     )
-
-
-def resolve_format(cfg, workdir: str | Path = "."):
-    """`cfg` (snaketune.config.schema.Config) with dataset.format `auto` replaced by the format the data is read as;
-    ConfigError when it cannot be told, or when chat-format data meets an experiment that takes its preference pairs
-    from the dataset's ranks (snaketune.config.load.check_pairs_source)."""
-    ds = cfg.dataset
-    if ds.source == "builtin" or ds.source.startswith("hub:"):
-        fmt = "oasst"  # a hub dataset is read in the oasst schema (DatasetConfig refuses chat for it)
-    elif ds.format != "auto":
-        fmt = ds.format
-    else:
-        path = Path(ds.source).expanduser()
-        try:
-            fmt = detect_format(path if path.is_absolute() else Path(workdir) / path)
-        except DataError as e:
-            fail("dataset.format", f"auto: {e}")
-    dataset = dataclasses.replace(ds, format=fmt)
-    experiments = {name: dataclasses.replace(exp, dataset=dataset) for name, exp in cfg.experiments.items()}
-    check_pairs_source(dataset, experiments, cfg.raw)
-    return dataclasses.replace(cfg, dataset=dataset, experiments=experiments)
