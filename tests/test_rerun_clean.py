@@ -73,13 +73,22 @@ SHARED_KINDS = {
 }
 STAGE_KINDS = {"export.quants": {"export": {"quants": ["q8_0"]}}}
 """Changes that rerun one stage and the report only (the reproducibility table shows it)."""
-BENCHMARK_ONLY = ("benchmark.tasks (one added)", "benchmark.limit", "benchmark.gguf_limit")
+BENCHMARK_ONLY = (
+    "benchmark.tasks (one added)",
+    "benchmark.limit",
+    "benchmark.gguf_limit",
+    "benchmark task file (builtin_choice.yaml)",
+    "benchmark/served.py",
+)
 """Changes that rerun only the benchmark stage: scores this test does not compare (a harness run is deterministic on
-CPU; tests/test_benchmark.py checks its scores), whose reruns tests/test_rerun_owners.py checks key by key."""
+CPU; tests/test_benchmark.py checks its scores), whose reruns tests/test_reproducibility.py and
+tests/test_rerun_owners.py check. The runs here leave the benchmark stage out (NO_BENCHMARK): its jobs would cost
+a minute of CPU per run and compare nothing."""
+NO_BENCHMARK = "nobench.yaml"
 CODE_KINDS = [
     kind
     for kind, ((what, _), stages) in CASES.items()
-    if what == "file" and stages and kind not in SHARED_KINDS
+    if what == "file" and stages and kind not in SHARED_KINDS and kind not in BENCHMARK_ONLY
 ]
 """The code edits that rerun something (an edit that cannot change an output reruns nothing: the reproducibility
 test's)."""
@@ -367,9 +376,12 @@ def shared(tiny_run, tmp_path_factory) -> dict:
         shutil.copy2(tiny_run / "tiny.yaml", clean / "tiny.yaml")
         extra = _apply(incremental, kind)
         assert _apply(clean, kind) == extra
+        for w in (incremental, clean):
+            (w / NO_BENCHMARK).write_text(json.dumps({"benchmark": {"enabled": False}}))
         pairs[kind] = (incremental, clean)
         targets = ("results/eval/default/metrics.json",) if kind in NO_EXPORT else ()
-        args = (*targets, "--cores", "1", "--resources", "gpu=1", "--configfile", "tiny.yaml", *extra)
+        configs = ("tiny.yaml", *extra, NO_BENCHMARK)
+        args = (*targets, "--cores", "1", "--resources", "gpu=1", "--configfile", *configs)
         # The longest runs first, so that the last two end together: those of every stage (clean runs, the code
         # edits' rerun), then those without the export stage, and eval.prompts' rerun (evaluation, export) last.
         length = 1 if kind in NO_EXPORT else 0
