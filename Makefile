@@ -50,7 +50,7 @@ run: $(STAMP)
 # (their runs are CPU ranks by design: golden CPU losses, 2 ranks = 1 on one machine; with a GPU visible their
 # ranks would take it), then the `gpu`-marked ones (kernels, the GPU fast path) with the GPUs visible.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
 test: $(STAMP) lint
 	if command -v nvidia-smi >/dev/null; then \
 		CUDA_VISIBLE_DEVICES= $(PYTEST) -m "not gpu" $(PYTEST_ARGS) && $(PYTEST) -m gpu $(PYTEST_ARGS); \
