@@ -184,12 +184,12 @@ def test_the_readme_records_are_read_as_written(tmp_path):
 @pytest.fixture(scope="module")
 def own_run(tmp_path_factory) -> Path:
     """One workflow run of the tiny config with the README's own-data YAML over it, on the data above under the
-    names it gives (GGUF export off: it adds nothing here)."""
+    names it gives (GGUF export and the benchmark stage off: they read only the models, and add nothing here)."""
     example = readme_example()
     workdir = copy_workflow(tmp_path_factory.mktemp("own_data") / "wf")
     shutil.copy2(TINY_CONFIG, workdir / "tiny.yaml")
     (workdir / example["config_name"]).write_text(example["config"])
-    (workdir / "no_export.yaml").write_text("export: {enabled: false}\n")
+    (workdir / "no_export.yaml").write_text("export: {enabled: false}\nbenchmark: {enabled: false}\n")
     sources = yaml.safe_load(example["config"])
     write_jsonl(workdir / sources["dataset"]["source"], chats())
     write_jsonl(workdir / sources["preference"]["source"], pairs())

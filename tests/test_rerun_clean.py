@@ -17,13 +17,16 @@ throughput, run keys, the experiment's name and `resumed_from_step`. Two designs
   reference_dir says why).
 - Kinds that change what every experiment shares (dataset, eval, a rule file, a DeepSpeed file): the tiny run
   is copied, changed and rerun, and beside it a fresh copy of the workflow with the change runs from nothing,
-  two Snakemake runs at a time. Two of them carry more kinds that need a run of their own otherwise
-  (RIDERS): the export kind (export.quants) rides on eval.prompts, which reruns the export stage too, and the
-  code edits (a comment appended to each stage's modules and scripts, in both copies: every stage reruns
-  under new code hashes) ride on dataset.languages, whose rerun is then a rerun of every stage; dataset.paths
-  keeps the rerun from the conversations on. The runs of the kinds whose rerun remakes every model and whose
-  riders do not concern the export (NO_EXPORT) stop at the evaluation: their GGUF files and report, pure
-  functions of the models, data and settings compared here, are compared for the other kinds.
+  two Snakemake runs at a time. Each carries more kinds that need a run of their own otherwise (RIDERS): the
+  export kind (export.quants) rides on eval.prompts, which reruns the export stage too; the code edits (a
+  comment appended to each stage's modules and scripts, in both copies: every stage reruns under new code
+  hashes) ride on dataset.languages, whose rerun is then a rerun of every stage; the edits of a rule file and a
+  DeepSpeed file (FILE_KINDS: they rerun the tokenizer, the training and what follows) ride on dataset.paths,
+  which keeps the rerun from the conversations on (the download's output is reused). Which stages each of them
+  reruns alone is tests/test_reproducibility.py's (dry runs); here a rerun of them all must equal a clean run.
+  The runs of the kinds whose rerun remakes every model and whose riders do not concern the export (NO_EXPORT)
+  stop at the evaluation and the memory plans: their GGUF files and report, pure functions of the models, data
+  and settings compared here, are compared for the other kinds.
 """
 
 from __future__ import annotations
@@ -62,15 +65,17 @@ SHARED_KINDS = {
     "dataset.languages": ("config", {"dataset": {"languages": ["en"]}}),
     "dataset.paths": ("config", {"dataset": {"paths": "all"}}),
     "eval.prompts": ("config", {"eval": {"prompts": ["What is 2 + 2?"]}}),
-    "tokenizer vocabulary (rule file)": (
-        "file",
-        ("workflow/rules/data.smk", "vocab_size=1024", "vocab_size=1000"),
-    ),
+}
+FILE_KINDS = {
+    "tokenizer vocabulary (rule file)": ("workflow/rules/data.smk", "vocab_size=1024", "vocab_size=1000"),
     "ZeRO config file contents": (
-        "file",
-        ("config/deepspeed/zero2.json", '"reduce_bucket_size": 200000000', '"reduce_bucket_size": 5e8'),
+        "config/deepspeed/zero2.json",
+        '"reduce_bucket_size": 200000000',
+        '"reduce_bucket_size": 5e8',
     ),
 }
+"""Edits of shared files (path, old text, new text) that rerun the tokenizer or the training and what follows: riders
+of dataset.paths (four Snakemake runs fewer than pairs of their own)."""
 STAGE_KINDS = {"export.quants": {"export": {"quants": ["q8_0"]}}}
 """Changes that rerun one stage and the report only (the reproducibility table shows it)."""
 BENCHMARK_ONLY = (
@@ -88,15 +93,18 @@ NO_BENCHMARK = "nobench.yaml"
 CODE_KINDS = [
     kind
     for kind, ((what, _), stages) in CASES.items()
-    if what == "file" and stages and kind not in SHARED_KINDS and kind not in BENCHMARK_ONLY
+    if what == "file" and stages and kind not in FILE_KINDS and kind not in BENCHMARK_ONLY
 ]
 """The code edits that rerun something (an edit that cannot change an output reruns nothing: the reproducibility
 test's)."""
-RIDERS = {"eval.prompts": [*STAGE_KINDS], "dataset.languages": CODE_KINDS}
+RIDERS = {"eval.prompts": [*STAGE_KINDS], "dataset.languages": CODE_KINDS, "dataset.paths": [*FILE_KINDS]}
 """Shared kind -> the kinds made with it, in both runs: the export kind with a change that reruns the export stage
-too, the code edits (every stage reruns) with the most upstream config change (dataset.paths reruns the same
-stages without them)."""
-NO_EXPORT = ("dataset.paths", "tokenizer vocabulary (rule file)", "ZeRO config file contents")
+too, the code edits (every stage reruns) with the most upstream config change, the file edits with dataset.paths
+(which reruns from the conversations on, as they do from the tokenizer or the training on)."""
+NO_EXPORT = ("dataset.paths",)
+PLANS = ("results/plan/default.json", "results/plan/dpo/default.json", "results/plan/eval/default.json")
+"""The memory plans: no stage reads them (workflow/rules/common_plan.smk), so a run that stops at the evaluation
+asks for them by name (the clean run would not make them, the rerun would keep stale ones)."""
 """Shared kinds whose runs stop at the evaluation (every model reruns; no rider concerns the export)."""
 CHAINS = (
     ("preference.pairs", "preference.beta", "train.deepspeed (ZeRO-2 -> ZeRO-3)", "preference.max_length"),
@@ -116,12 +124,14 @@ RECORD_FIELDS = {"experiment", "wall_time_s", "run_key", "resumed_from_step", "t
 
 def test_every_change_kind_is_covered():
     no_op = [kind for kind, (_, stages) in CASES.items() if not stages]
-    covered = [*EXPERIMENT_KINDS, ADDED, *SHARED_KINDS, *STAGE_KINDS, *CODE_KINDS, *no_op, *BENCHMARK_ONLY]
-    assert sorted(covered) == sorted(CASES)
+    covered = [*EXPERIMENT_KINDS, ADDED, *SHARED_KINDS, *FILE_KINDS, *STAGE_KINDS, *CODE_KINDS, *no_op]
+    assert sorted([*covered, *BENCHMARK_ONLY]) == sorted(CASES)
     assert sorted(kind for chain in CHAINS for kind in chain) == sorted(EXPERIMENT_KINDS)
     assert sorted(kind for riders in RIDERS.values() for kind in riders) == sorted(
-        [*STAGE_KINDS, *CODE_KINDS]
+        [*STAGE_KINDS, *CODE_KINDS, *FILE_KINDS]
     )
+    for kind, edit in FILE_KINDS.items():
+        assert CASES[kind][0] == ("file", edit), kind  # the reproducibility test's edit
 
 
 # ---- what a run produced, for comparison ---------------------------------------------------------------------
@@ -343,16 +353,17 @@ def test_sft_learning_rate_rerun_retrains_dpo_from_scratch(experiments):
 
 def _apply(workdir: Path, kind: str) -> tuple[str, ...]:
     """Apply a shared change and its riders in `workdir`; the extra --configfile they need."""
-    what, change = SHARED_KINDS[kind]
-    config = change if what == "config" else {}
-    if what == "file":
-        path, old, new = change
-        text = (workdir / path).read_text()
-        assert text.count(old) == 1, (path, old)
-        (workdir / path).write_text(text.replace(old, new))
+    what, config = SHARED_KINDS[kind]
+    assert what == "config", kind
     for rider in RIDERS.get(kind, ()):
         if rider in STAGE_KINDS:
             config = _merge(config, STAGE_KINDS[rider])
+            continue
+        if rider in FILE_KINDS:
+            path, old, new = FILE_KINDS[rider]
+            text = (workdir / path).read_text()
+            assert text.count(old) == 1, (path, old)
+            (workdir / path).write_text(text.replace(old, new))
             continue
         (_, (path, old, _)), _ = CASES[rider]
         assert old is None, rider  # a code edit: a comment appended
@@ -379,7 +390,7 @@ def shared(tiny_run, tmp_path_factory) -> dict:
         for w in (incremental, clean):
             (w / NO_BENCHMARK).write_text(json.dumps({"benchmark": {"enabled": False}}))
         pairs[kind] = (incremental, clean)
-        targets = ("results/eval/default/metrics.json",) if kind in NO_EXPORT else ()
+        targets = ("results/eval/default/metrics.json", *PLANS) if kind in NO_EXPORT else ()
         configs = ("tiny.yaml", *extra, NO_BENCHMARK)
         args = (*targets, "--cores", "1", "--resources", "gpu=1", "--configfile", *configs)
         # The longest runs first, so that the last two end together: those of every stage (clean runs, the code
@@ -394,11 +405,12 @@ def shared(tiny_run, tmp_path_factory) -> dict:
     return pairs
 
 
-@pytest.mark.parametrize("kind", list(SHARED_KINDS))
+@pytest.mark.parametrize("kind", [*SHARED_KINDS, *FILE_KINDS])
 def test_rerun_after_a_shared_change_equals_a_clean_run(shared, kind):
-    incremental, clean = shared[kind]
+    carrier = kind if kind in SHARED_KINDS else _carrier(kind)
+    incremental, clean = shared[carrier]
     assert data_files(incremental) == data_files(clean), f"{kind}: data files differ from the clean run's"
-    exported = kind not in NO_EXPORT
+    exported = carrier not in NO_EXPORT
     assert_same(
         outputs(incremental, "default", exported=exported), outputs(clean, "default", exported=exported), kind
     )
