@@ -45,12 +45,13 @@ run: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES) --resources gpu=$(GPUS) $(SNAKEMAKE_ARGS)
 
 # Two workers, one test file at a time each (a file's module fixtures are built once): the end-to-end runs spend
-# much of their time in one process importing torch, so the other worker's tests fill the second core.
+# much of their time in one process importing torch, so the other worker's tests fill the second core. The files
+# start in collection order, longest first (tests/conftest.py's HEAVY_FIRST), not xdist's most-tests-first.
 # On a machine with NVIDIA GPUs the suite runs twice: every test but the `gpu`-marked ones with the GPUs hidden
 # (their runs are CPU ranks by design: golden CPU losses, 2 ranks = 1 on one machine; with a GPU visible their
 # ranks would take it), then the `gpu`-marked ones (kernels, the GPU fast path) with the GPUs visible.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 test: $(STAMP) lint
 	if command -v nvidia-smi >/dev/null; then \
 		CUDA_VISIBLE_DEVICES= $(PYTEST) -m "not gpu" $(PYTEST_ARGS) && $(PYTEST) -m gpu $(PYTEST_ARGS); \

@@ -354,19 +354,29 @@ def tok(tok_dir):
 HEAVY_FIRST = (
     "test_rerun_clean.py",
     "test_faults.py",
-    "test_hub_workflow.py",
     "test_default_run.py",
+    "test_hub_workflow.py",
     "test_workflow.py",
-    "test_slurm.py",
+    "test_real_model.py",
     "test_reproducibility.py",
+    "test_rerun_owners.py",
+    "test_slurm.py",
     "test_bench.py",
-    "test_preferences.py",
-    "test_fast_path.py",
     "test_training.py",
     "test_quantized.py",
+    "test_preferences.py",
+    "test_own_data.py",
+    "test_security.py",
+    "test_fast_path.py",
+    "test_write_faults.py",
+    "test_gpus.py",
 )
-"""The files with the longest runs, in the order they start: the two workers of `make test` (pytest-xdist,
---dist loadfile) take files in collection order, so the long ones start first and short ones fill the end."""
+"""The files with the longest runs, longest first (`make test`'s slowest durations, CI 2026-12-06): the two workers of
+`make test` (pytest-xdist, --dist loadfile with --no-loadscope-reorder) take files in collection order, so the long
+ones start first and short ones fill the end. The first two files start together and the second one (its
+`reference`) makes the shared tiny run while the first trains its own experiments, so no later file waits for it.
+xdist's default order (files with the most tests first) started the two dry-run walks over the schema first, one of
+them idle for the 100 s the other spent making the tiny run, and left the long runs for the end."""
 
 
 def pytest_collection_modifyitems(items):

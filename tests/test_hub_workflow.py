@@ -260,17 +260,14 @@ def test_the_merged_qlora_model_goes_out_as_gguf_with_the_deepseek_tokenizer(hub
     assert [
         p.relative_to(workdir / "results/export").as_posix() for p in (workdir / "results/export").glob("*/*")
     ] == ["qlora/dpo"]
-    for name in ("qlora",):
-        m = _json(workdir / f"results/export/{name}/dpo/metrics.json")
-        # llama.cpp's converter knows DeepSeek-LLM's pre-tokenizer by its hash; its tokenizer gives the prompt
-        # tokens transformers' does.
-        assert m["metadata"]["pre_tokenizer"] == "deepseek-llm" and m["metadata"]["eos_matches"], m[
-            "metadata"
-        ]
-        replies = [json.loads(line) for line in (workdir / f"results/export/{name}/dpo/replies.jsonl").open()]
-        assert replies and all(r["llama_cpp_tokenizer_matches"] for r in replies)
-        unquantized = m["files"][0]
-        assert unquantized["kl_mean"] < 1e-3 and unquantized["failing"] == [], unquantized
+    m = _json(workdir / "results/export/qlora/dpo/metrics.json")
+    # llama.cpp's converter knows DeepSeek-LLM's pre-tokenizer by its hash; its tokenizer gives the prompt
+    # tokens transformers' does.
+    assert m["metadata"]["pre_tokenizer"] == "deepseek-llm" and m["metadata"]["eos_matches"], m["metadata"]
+    replies = [json.loads(line) for line in (workdir / "results/export/qlora/dpo/replies.jsonl").open()]
+    assert replies and all(r["llama_cpp_tokenizer_matches"] for r in replies)
+    unquantized = m["files"][0]
+    assert unquantized["kl_mean"] < 1e-3 and unquantized["failing"] == [], unquantized
 
 
 @needs_realdata

@@ -102,10 +102,10 @@ RIDERS = {"eval.prompts": [*STAGE_KINDS], "dataset.languages": CODE_KINDS, "data
 too, the code edits (every stage reruns) with the most upstream config change, the file edits with dataset.paths
 (which reruns from the conversations on, as they do from the tokenizer or the training on)."""
 NO_EXPORT = ("dataset.paths",)
+"""Shared kinds whose runs stop at the evaluation (every model reruns; no rider concerns the export)."""
 PLANS = ("results/plan/default.json", "results/plan/dpo/default.json", "results/plan/eval/default.json")
 """The memory plans: no stage reads them (workflow/rules/common_plan.smk), so a run that stops at the evaluation
 asks for them by name (the clean run would not make them, the rerun would keep stale ones)."""
-"""Shared kinds whose runs stop at the evaluation (every model reruns; no rider concerns the export)."""
 CHAINS = (
     ("preference.pairs", "preference.beta", "train.deepspeed (ZeRO-2 -> ZeRO-3)", "preference.max_length"),
     ("preference.train.learning_rate", "train.learning_rate", "tokenize.packing", "model.tokenizer"),
