@@ -373,8 +373,8 @@ HEAVY_FIRST = (
 )
 """The files with the longest runs, longest first (`make test`'s slowest durations, CI 2026-12-06): the two workers of
 `make test` (pytest-xdist, --dist loadfile with --no-loadscope-reorder) take files in collection order, so the long
-ones start first and short ones fill the end. The first two files start together and the second one (its
-`reference`) makes the shared tiny run while the first trains its own experiments, so no later file waits for it.
+ones start first and short ones fill the end. The first two files start together; the second (test_faults.py, through
+its `reference`) makes the shared tiny run while the first trains its own experiments, before most of its users start.
 xdist's default order (files with the most tests first) started the two dry-run walks over the schema first, one of
 them idle for the 100 s the other spent making the tiny run, and left the long runs for the end."""
 

@@ -189,11 +189,11 @@ def own_run(tmp_path_factory) -> Path:
     workdir = copy_workflow(tmp_path_factory.mktemp("own_data") / "wf")
     shutil.copy2(TINY_CONFIG, workdir / "tiny.yaml")
     (workdir / example["config_name"]).write_text(example["config"])
-    (workdir / "no_export.yaml").write_text("export: {enabled: false}\nbenchmark: {enabled: false}\n")
+    (workdir / "models_only.yaml").write_text("export: {enabled: false}\nbenchmark: {enabled: false}\n")
     sources = yaml.safe_load(example["config"])
     write_jsonl(workdir / sources["dataset"]["source"], chats())
     write_jsonl(workdir / sources["preference"]["source"], pairs())
-    configs = ("tiny.yaml", example["config_name"], "no_export.yaml")
+    configs = ("tiny.yaml", example["config_name"], "models_only.yaml")
     run_snakemake(workdir, *ARGS, "--configfile", *configs)
     return workdir
 
@@ -239,7 +239,7 @@ def test_a_pairs_file_tunes_the_sft_model(own_run):
 def test_naming_the_format_auto_found_reruns_no_data_stage(own_run):
     """auto is resolved when the config loads, so writing the format it found changes no stage's params."""
     (own_run / "format.yaml").write_text("dataset: {format: chat}\n")
-    configs = ("tiny.yaml", readme_example()["config_name"], "no_export.yaml")
+    configs = ("tiny.yaml", readme_example()["config_name"], "models_only.yaml")
     code, output = dry_run(own_run, (*ARGS, "--configfile", *configs))
     assert code == 0 and job_stats(output) == {}, output[-2000:]
     code, output = dry_run(own_run, (*ARGS, "--configfile", *configs, "format.yaml"))
