@@ -125,7 +125,6 @@ def test_the_local_tasks_ask_the_evaluate_stages_questions():
         ({"task_settings": {"builtin_choice": {"num_fewshot": -1}}}, "num_fewshot"),
         ({"models": ["tuned"]}, "benchmark.models"),
         ({"quants": ["q3_k"]}, "benchmark.quants"),
-        ({"gguf_limit": 0}, "benchmark.gguf_limit"),
     ],
 )
 def test_bad_settings_name_the_key(settings, key):
@@ -133,13 +132,10 @@ def test_bad_settings_name_the_key(settings, key):
         BenchmarkConfig(**settings)
 
 
-def test_a_task_spec_takes_its_own_settings_and_the_gguf_limit():
-    cfg = BenchmarkConfig(
-        limit=200, gguf_limit=50, task_settings={"builtin_answer": {"limit": 20, "num_fewshot": 3}}
-    )
+def test_a_task_spec_takes_its_own_settings():
+    cfg = BenchmarkConfig(limit=200, task_settings={"builtin_answer": {"limit": 20, "num_fewshot": 3}})
     assert cfg.task_spec("builtin_choice")["limit"] == 200
-    assert cfg.task_spec("builtin_choice", gguf=True)["limit"] == 50
-    answer = cfg.task_spec("builtin_answer", gguf=True)
+    answer = cfg.task_spec("builtin_answer")
     assert (answer["limit"], answer["num_fewshot"], answer["fewshot_as_multiturn"]) == (20, 3, True)
     assert cfg.scored_quants(True, ("q4_k_m",)) == ["q4_k_m"] and cfg.scored_quants(False, ("q4_k_m",)) == []
 

@@ -61,15 +61,15 @@ def benchmark_results():
     return files
 
 
-def benchmark_task(wildcards, gguf=False):
-    """The task's spec: the section's settings for it (for a GGUF file, at most benchmark.gguf_limit examples), and
-    the task file's hash for a local task (the harness's own tasks come with the pinned lm-eval).
+def benchmark_task(wildcards):
+    """The task's spec: the section's settings for it, the same for every model and file, and the task file's hash
+    for a local task (the harness's own tasks come with the pinned lm-eval).
     """
     if wildcards.task not in BENCHMARK.tasks:
         raise WorkflowError(
             f"benchmark task {wildcards.task!r} is not in benchmark.tasks ({', '.join(BENCHMARK.tasks)})"
         )
-    spec = BENCHMARK.task_spec(wildcards.task, gguf=gguf)
+    spec = BENCHMARK.task_spec(wildcards.task)
     spec["definition"] = (
         definition_sha256(wildcards.task) if is_local(wildcards.task) else "lm-eval"
     )
@@ -157,6 +157,6 @@ def benchmark_gguf_params(wildcards):
         "file": f"{exp.name}-{wildcards.model}-{wildcards.quant}.gguf",
     }
     return {
-        **_benchmark_spec(exp, source, benchmark_task(wildcards, gguf=True)),
+        **_benchmark_spec(exp, source, benchmark_task(wildcards)),
         "code": keys.code_hash("benchmark"),
     }

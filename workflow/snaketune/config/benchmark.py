@@ -25,10 +25,6 @@ class BenchmarkConfig:
     dataset's questions) or the harness's own (arc_easy, hellaswag, ifeval, ...: their data comes from the hub)."""
     limit: int | None = None
     """Examples per task (the first ones); null: all (the local tasks have 200)."""
-    gguf_limit: int | None = None
-    """Examples per task for the GGUF files, the first ones (at most `limit`); null: as `limit`. The server computes
-    the echoed log-probabilities in Python, sorting the whole vocabulary per prompt token: ~0.1 s per token for a
-    49k vocabulary here, seconds per multiple-choice request of a real model."""
     num_fewshot: int = 0
     """Examples shown before each question; with chat_template as earlier user/assistant turns."""
     task_settings: dict = field(default_factory=dict)
@@ -58,7 +54,6 @@ class BenchmarkConfig:
         if len(set(self.tasks)) != len(self.tasks):
             fail("benchmark.tasks", f"{list(self.tasks)} names a task twice")
         self._check_settings("benchmark.", {"limit": self.limit, "num_fewshot": self.num_fewshot})
-        self._check_settings("benchmark.gguf_", {"limit": self.gguf_limit})
         for task, settings in self.task_settings.items():
             if task not in self.tasks:
                 fail(f"benchmark.task_settings.{task}", f"not in benchmark.tasks ({', '.join(self.tasks)})")
@@ -96,14 +91,12 @@ class BenchmarkConfig:
         if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
             fail(f"{where}num_fewshot", f"{shots!r} must be an integer >= 0")
 
-    def task_spec(self, task: str, *, gguf: bool = False) -> dict:
-        """What one task's scores depend on in this section (the rules add the task file's hash and the code); for
-        a GGUF file (`gguf`) at most gguf_limit examples."""
+    def task_spec(self, task: str) -> dict:
+        """What one task's scores depend on in this section (the rules add the task file's hash and the code): the
+        same for every model and file, so that their examples pair up."""
         own = self.task_settings.get(task, {})
         shots = own.get("num_fewshot", self.num_fewshot)
         limit = own.get("limit", self.limit)
-        if gguf and self.gguf_limit is not None:
-            limit = self.gguf_limit if limit is None else min(limit, self.gguf_limit)
         return {
             "name": task,
             "limit": limit,

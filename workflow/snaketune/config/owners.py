@@ -150,7 +150,6 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "export.eval_tokens": ("export",),
     "gpu_memory_gib": _PLANS,
     "benchmark.limit": _BENCHMARKS,
-    "benchmark.gguf_limit": ("benchmark_gguf",),
     "benchmark.num_fewshot": _BENCHMARKS,
     "benchmark.task_settings": _BENCHMARKS,
     "benchmark.chat_template": _BENCHMARKS,
