@@ -1,6 +1,6 @@
 """Stage 10, benchmark: lm-evaluation-harness tasks on the base, SFT and DPO models (transformers, the harness's `hf`
-model on the loaded model) and on the exported GGUF files (served by llama.cpp's OpenAI-compatible server,
-snaketune.benchmark.served), one task per job, so that a new task reruns only its own jobs.
+model on the loaded model) and on the exported GGUF files (llama.cpp in this process,
+snaketune.benchmark.llama_lm), one task per job, so that a new task reruns only its own jobs.
 
 Every model renders its prompts with the same tokenizer and chat template (the data stages' tokenizer with
 `tokenize.chat_template`), as the harness does for chat models (`apply_chat_template`; few-shot examples as earlier

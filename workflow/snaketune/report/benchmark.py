@@ -230,8 +230,8 @@ def benchmark_section(summary: dict | None) -> list[Block]:
         blocks += [
             Heading(3, "The deployed files"),
             Para(
-                "Each exported GGUF file served by llama.cpp's OpenAI-compatible server (llama-cpp-python) and scored "
-                "by the harness over HTTP, beside the transformers model it was exported from, on the same examples.",
+                "Each exported GGUF file run by llama.cpp (llama-cpp-python, in the job's process) and scored by the "
+                "harness, beside the transformers model it was exported from, on the same examples.",
                 muted=True,
             ),
             Table(
