@@ -5,6 +5,8 @@ from snaketune.benchmark.local_tasks import definition_sha256, is_local  # noqa:
 from snaketune.config.choices import EXPORT_QUANTS  # noqa: E402
 
 BENCHMARK = CFG.benchmark
+BUILTIN_DATA = CFG.dataset.source == "builtin"
+BENCHMARK_TASKS = BENCHMARK.task_names(BUILTIN_DATA)  # benchmark.tasks, auto resolved by the data
 TASK_WILDCARD = "[A-Za-z0-9][A-Za-z0-9_.-]*"  # snaketune.config.benchmark.TASK_NAME
 
 
@@ -48,7 +50,7 @@ def benchmark_results():
     if not BENCHMARK.enabled:
         return []
     files = []
-    for task in BENCHMARK.tasks:
+    for task in BENCHMARK_TASKS:
         if "base" in BENCHMARK.models:
             files += [
                 f"results/benchmark/base/{k}/{task}.json" for k in BENCHMARK_BASES
@@ -65,9 +67,9 @@ def benchmark_task(wildcards):
     """The task's spec: the section's settings for it, the same for every model and file, and the task file's hash
     for a local task (the harness's own tasks come with the pinned lm-eval).
     """
-    if wildcards.task not in BENCHMARK.tasks:
+    if wildcards.task not in BENCHMARK_TASKS:
         raise WorkflowError(
-            f"benchmark task {wildcards.task!r} is not in benchmark.tasks ({', '.join(BENCHMARK.tasks)})"
+            f"benchmark task {wildcards.task!r} is not in benchmark.tasks ({', '.join(BENCHMARK_TASKS)})"
         )
     spec = BENCHMARK.task_spec(wildcards.task)
     spec["definition"] = (

@@ -14,15 +14,30 @@ TASK_SETTINGS = ("limit", "num_fewshot")
 """What benchmark.task_settings may set per task (over the section's own values)."""
 TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 """A task name is a file name of the outputs (results/benchmark/.../<task>.json)."""
+AUTO_TASKS = {
+    "builtin": (
+        ("builtin_choice",),
+        "the builtin data's own questions (builtin_choice): what it teaches, and what forgetting would lose; the "
+        "evaluate stage already scores their exact answers",
+    ),
+    "own": (
+        ("mmlu_dev",),
+        "general knowledge (mmlu_dev: MMLU's dev questions, offline), which fine-tuning on your data should keep; "
+        "the hub's tasks (e.g. benchmark.tasks: [arc_easy, hellaswag, ifeval]) need network",
+    ),
+}
+"""benchmark.tasks: auto, by the data: (tasks, why), as the report says it."""
 
 
 @dataclass(frozen=True)
 class BenchmarkConfig:
     enabled: bool = True
     """Score the models on `tasks` with lm-evaluation-harness (rules benchmark_base, benchmark, benchmark_gguf)."""
-    tasks: tuple[str, ...] = ("builtin_choice", "builtin_answer")
-    """Harness task names: this repository's local tasks (builtin_choice, builtin_answer: offline, on the builtin
-    dataset's questions) or the harness's own (arc_easy, hellaswag, ifeval, ...: their data comes from the hub)."""
+    tasks: tuple[str, ...] | str = "auto"
+    """Harness task names: this repository's local tasks (offline: builtin_choice, builtin_answer on the builtin
+    dataset's questions; mmlu_dev, general knowledge) or the harness's own (arc_easy, hellaswag, ifeval, ...: their
+    data comes from the hub); auto: the tasks that fit the data (AUTO_TASKS), resolved when the config loads."""
+
     limit: int | None = None
     """Examples per task (the first ones); null: all (the local tasks have 200)."""
     num_fewshot: int = 0
@@ -46,17 +61,21 @@ class BenchmarkConfig:
     """CPU threads of llama.cpp's server (the GGUF jobs' threads)."""
 
     def __post_init__(self) -> None:
-        if self.enabled and not self.tasks:
+        if isinstance(self.tasks, str) and self.tasks != "auto":
+            fail("benchmark.tasks", f"{self.tasks!r} must be a list of task names or auto")
+        # With auto, the tasks any data could pick: a setting for one the data does not pick is kept for another.
+        named = sorted({t for tasks, _ in AUTO_TASKS.values() for t in tasks}) if self.tasks == "auto" else self.tasks
+        if self.enabled and not named:
             fail("benchmark.tasks", "is empty; name at least one task or set benchmark.enabled: false")
-        for t in self.tasks:
+        for t in named:
             if not TASK_NAME.match(t):
                 fail("benchmark.tasks", f"{t!r} is not a task name (letters, digits, '_', '.', '-')")
-        if len(set(self.tasks)) != len(self.tasks):
-            fail("benchmark.tasks", f"{list(self.tasks)} names a task twice")
+        if len(set(named)) != len(named):
+            fail("benchmark.tasks", f"{list(named)} names a task twice")
         self._check_settings("benchmark.", {"limit": self.limit, "num_fewshot": self.num_fewshot})
         for task, settings in self.task_settings.items():
-            if task not in self.tasks:
-                fail(f"benchmark.task_settings.{task}", f"not in benchmark.tasks ({', '.join(self.tasks)})")
+            if task not in named:
+                fail(f"benchmark.task_settings.{task}", f"not in benchmark.tasks ({', '.join(named)})")
             if not isinstance(settings, dict):
                 fail(
                     f"benchmark.task_settings.{task}",
@@ -81,6 +100,18 @@ class BenchmarkConfig:
             fail("benchmark.max_length", f"{self.max_length} must be >= 16")
         if not 1 <= self.threads <= 256:
             fail("benchmark.threads", f"{self.threads} must be between 1 and 256")
+
+    def task_names(self, builtin_data: bool) -> tuple[str, ...]:
+        """The tasks that run: those named, or for `auto` those that fit the data (builtin or the user's own)."""
+        return AUTO_TASKS["builtin" if builtin_data else "own"][0] if self.tasks == "auto" else self.tasks
+
+    def tasks_reason(self, builtin_data: bool) -> str:
+        """Why these tasks run, in words (the report's)."""
+        if self.tasks != "auto":
+            return "named in benchmark.tasks"
+        return f"benchmark.tasks auto, for {'the builtin' if builtin_data else 'your own'} data: " + AUTO_TASKS[
+            "builtin" if builtin_data else "own"
+        ][1]
 
     @staticmethod
     def _check_settings(where: str, settings: dict) -> None:

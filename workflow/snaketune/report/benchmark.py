@@ -177,6 +177,8 @@ def benchmark_section(summary: dict | None) -> list[Block]:
             muted=True,
         ),
     ]
+    if summary.get("tasks_reason"):
+        blocks.append(Para(f"Why these tasks: {summary['tasks_reason']}."))
     for exp, per_task in summary["experiments"].items():
         if not per_task:
             continue
