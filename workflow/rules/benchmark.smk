@@ -84,7 +84,7 @@ rule benchmark_gguf:
         task=TASK_WILDCARD,
     conda:
         "../../envs/benchmark.yaml"
-    threads: CFG.benchmark.threads
+    threads: all_cores
     params:
         spec=benchmark_gguf_params,
     script:

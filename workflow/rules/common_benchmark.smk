@@ -6,7 +6,9 @@ from snaketune.config.choices import EXPORT_QUANTS  # noqa: E402
 
 BENCHMARK = CFG.benchmark
 BUILTIN_DATA = CFG.dataset.source == "builtin"
-BENCHMARK_TASKS = BENCHMARK.task_names(BUILTIN_DATA)  # benchmark.tasks, auto resolved by the data
+BENCHMARK_TASKS = BENCHMARK.task_names(
+    BUILTIN_DATA
+)  # benchmark.tasks, auto resolved by the data
 TASK_WILDCARD = "[A-Za-z0-9][A-Za-z0-9_.-]*"  # snaketune.config.benchmark.TASK_NAME
 
 

@@ -57,14 +57,16 @@ class BenchmarkConfig:
     """Sequences per forward pass of a transformers model."""
     max_length: int = 2048
     """Most tokens of a request (context + continuation; longer contexts lose their start); the server's context."""
-    threads: int = 2
-    """CPU threads of llama.cpp's server (the GGUF jobs' threads)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tasks, str) and self.tasks != "auto":
             fail("benchmark.tasks", f"{self.tasks!r} must be a list of task names or auto")
         # With auto, the tasks any data could pick: a setting for one the data does not pick is kept for another.
-        named = sorted({t for tasks, _ in AUTO_TASKS.values() for t in tasks}) if self.tasks == "auto" else self.tasks
+        named = (
+            sorted({t for tasks, _ in AUTO_TASKS.values() for t in tasks})
+            if self.tasks == "auto"
+            else self.tasks
+        )
         if self.enabled and not named:
             fail("benchmark.tasks", "is empty; name at least one task or set benchmark.enabled: false")
         for t in named:
@@ -98,8 +100,6 @@ class BenchmarkConfig:
             fail("benchmark.batch_size", f"{self.batch_size} must be >= 1")
         if self.max_length < 16:
             fail("benchmark.max_length", f"{self.max_length} must be >= 16")
-        if not 1 <= self.threads <= 256:
-            fail("benchmark.threads", f"{self.threads} must be between 1 and 256")
 
     def task_names(self, builtin_data: bool) -> tuple[str, ...]:
         """The tasks that run: those named, or for `auto` those that fit the data (builtin or the user's own)."""
@@ -109,9 +109,10 @@ class BenchmarkConfig:
         """Why these tasks run, in words (the report's)."""
         if self.tasks != "auto":
             return "named in benchmark.tasks"
-        return f"benchmark.tasks auto, for {'the builtin' if builtin_data else 'your own'} data: " + AUTO_TASKS[
-            "builtin" if builtin_data else "own"
-        ][1]
+        return (
+            f"benchmark.tasks auto, for {'the builtin' if builtin_data else 'your own'} data: "
+            + AUTO_TASKS["builtin" if builtin_data else "own"][1]
+        )
 
     @staticmethod
     def _check_settings(where: str, settings: dict) -> None:
