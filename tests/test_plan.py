@@ -378,6 +378,28 @@ def test_counted_lora_memory_matches_every_run(what, overrides, rows, measured, 
     assert est.peak_allocated_gib == pytest.approx(measured, rel=COUNTED), (what, which, est)
 
 
+# Device memory (NVML) of LoRA runs under gpu_memory_gib 24, the Triton loss at 8 x 512, PyTorch's fixed segments
+# (before capped ranks turned on expandable segments): (what, checkpointed layers, measured GiB, where). Nothing in
+# the plan is fitted to NVML figures.
+CAPPED_DEVICE_RUNS = [
+    ("every layer, H200", True, 17.645, "bench/log/2026-12-02_h200_trust/call1_capped (lora30_cap24_auto)"),
+    ("24 of 30 layers, H100", 24, 20.96, "issue #50's text: one H100, 2026-12-06, 12,207 tokens/s"),
+]
+
+
+@pytest.mark.parametrize(("what", "layers", "measured", "where"), CAPPED_DEVICE_RUNS)
+def test_device_peaks_of_capped_lora_runs(what, layers, measured, where):
+    """What the plan says a GPU must hold (allocator peak, FRAGMENTATION, CUDA_OVERHEAD_GIB) against NVML's peak:
+    never under it, and at most 0.5 GiB over (the plan's pick then leaves at most about 1 GiB of a card unused)."""
+    train = {"micro_batch_size": 8, "global_batch_size": 8, "kernels": "liger", "loss_kernel": "triton",
+             "lora": {"enabled": True}, "gradient_checkpointing": layers}  # fmt: skip
+    setup = setups.setup_for(train, json.loads(Path(DEEPSPEED["zero0.json"]).read_text()), world=1, seq_len=512,
+                             precision="bf16")  # fmt: skip
+    assert not setup.expandable_segments  # as they ran
+    predicted = memory.estimate(deepseek(30), setup).gpu_gib
+    assert measured <= predicted <= measured + 0.5, (what, predicted, where)
+
+
 TRITON_LOSS_RUNS = REPO / "bench/log/2026-12-02_h200_triton_loss"
 TRITON_LOSS_CASES = [
     # (case, layers, train overrides), as bench/throughput_cases.py defines them; 8 x 512, Liger kernels

@@ -403,3 +403,96 @@ def test_qlora_example_plans_training_and_evaluation_in_16_gib():
         budget=budget,
     )
     assert bf16_eval["fits"] is False
+
+
+# ---- the plan's own pick under a memory cap, and the longest row (issue #50) -------------------------------------
+
+CAPPED_LORA = dict(
+    gpus=1, global_batch_size=8, micro_batch_size=8, lora={"enabled": True}, kernels="liger", loss_kernel="triton",
+    deepspeed=DEEPSPEED["zero0.json"], strategy="auto",
+)  # fmt: skip
+"""LoRA r16 of the 7B at 8 x 512 with Liger's kernels and the Triton loss: what a 24 GB card trains (its memory is
+counted tensor by tensor, tests/test_plan.py)."""
+USABLE_24 = 23.5
+"""gpu_memory_gib: 24 less the driver's 0.5 GiB (snaketune.device_memory)."""
+
+
+def pick(gib: float, **changes) -> dict:
+    return make(SEVEN_B, train_dict(**{**CAPPED_LORA, **changes}), gib=gib, host=125)
+
+
+def test_auto_checkpoints_the_fewest_layers_that_fit():
+    """Under gpu_memory_gib 24 the plan checkpoints the fewest of the 30 layers that leave PICK_MARGIN_GIB of the
+    budget (it used to checkpoint all 30 and leave 6 GiB of the card unused), writes what it chose and the device
+    peak it predicts, and the run takes it. One layer fewer would not leave the margin; what it predicts leaves at
+    most 1 GiB of the budget unused."""
+    result = pick(USABLE_24)
+    chosen = result["chosen"]
+    n = chosen["gradient_checkpointing"]
+    assert isinstance(n, int) and not isinstance(n, bool) and 0 < n < 30, chosen
+    assert chosen["name"] == f"zero0+ckpt{n}" and chosen["micro_batch_size"] == 8
+    predicted = chosen["estimate"]["gpu_gib"]
+    assert USABLE_24 - 1.0 <= predicted <= USABLE_24 - strategies.PICK_MARGIN_GIB
+    assert f"{predicted:.2f} GiB per GPU predicted" in chosen["why"]
+    one_fewer = pick(USABLE_24, strategy="as_configured", gradient_checkpointing=n - 1)["configured"]
+    assert one_fewer["estimate"]["gpu_gib"] > USABLE_24 - strategies.PICK_MARGIN_GIB
+    # Every layer checkpointed (what the plan picked before) is among the slower candidates, and fits.
+    every = pick(USABLE_24, strategy="as_configured", gradient_checkpointing=True)["configured"]
+    assert every["fits"] and every["estimate"]["gpu_gib"] < predicted - 3
+    spec = {"train": train_dict(**CAPPED_LORA), "deepspeed_config": DEEPSPEED["zero0.json"], "run_key": "abc"}
+    applied = apply.apply_plan(spec, result)
+    assert applied["train"]["gradient_checkpointing"] == n and applied["run_key"] != "abc"
+    # The same training uncapped (the budget of a detected card, whose ranks keep fixed segments): every layer.
+    uncapped = search.make_plan(
+        experiment="x", model=SEVEN_B, train=train_dict(**CAPPED_LORA), max_length=512,
+        deepspeed_config=DEEPSPEED["zero0.json"], gpu_memory_gib=None, budget=Budget(USABLE_24, "a 24 GB card", 125),
+        candidate_files=DEEPSPEED,
+    )  # fmt: skip
+    assert uncapped["chosen"]["gradient_checkpointing"] is True
+
+
+def test_the_pick_follows_the_budget():
+    """More memory, fewer checkpointed layers, down to none; each pick within its budget less the margin."""
+    layers = []
+    for gib in (20.0, 22.0, USABLE_24, 26.0, 30.0, 40.0):
+        chosen = pick(gib)["chosen"]
+        setting = chosen["gradient_checkpointing"]
+        layers.append(30 if setting is True else int(setting))
+        assert chosen["estimate"]["gpu_gib"] <= gib - (
+            strategies.PICK_MARGIN_GIB if 0 < layers[-1] < 30 else 0
+        )
+    assert layers == sorted(layers, reverse=True) and len(set(layers)) == len(layers), layers
+    assert layers[-1] == 0  # 40 GiB: no checkpointing at all
+
+
+def test_a_row_longer_than_fits_is_refused_naming_the_longest():
+    """One row per step of LoRA under gpu_memory_gib 24, every layer checkpointed, the chunked loss: the plan records
+    the longest tokenize.max_length that fits; that length fits, one step more is refused with a message naming it,
+    and what train.strategy auto (the checkpointed inputs in host memory) would reach."""
+    train = train_dict(**{**CAPPED_LORA, "strategy": "as_configured", "global_batch_size": 1, "micro_batch_size": 1,
+                          "gradient_checkpointing": True, "fused_cross_entropy": True})  # fmt: skip
+    longest = make(SEVEN_B, train, gib=USABLE_24, max_length=1024)["longest_row"]
+    rows = longest["max_length"]
+    assert rows >= 16384 and rows % search.ROW_STEP == 0, longest
+    assert make(SEVEN_B, train, gib=USABLE_24, max_length=rows)["fits"] is True
+    too_long = make(SEVEN_B, train, gib=USABLE_24, max_length=rows + search.ROW_STEP)
+    assert too_long["fits"] is False
+    message = too_long["message"]
+    assert (
+        f"tokenize.max_length {rows + search.ROW_STEP:,} is longer than the longest row that fits: {rows:,}"
+        in message
+    )
+    auto = make(SEVEN_B, {**train, "strategy": "auto"}, gib=USABLE_24, max_length=1024)["longest_row"]
+    assert auto["max_length"] > rows and auto["offload_activations"], auto
+    assert f"{auto['max_length']:,} with train.strategy: auto" in message
+    with pytest.raises(search.PlanError, match=f"longest row that fits: {rows:,}"):
+        search.write_plan(
+            out=Path("/nonexistent/never-written.json"), experiment="x", model=SEVEN_B, train=train,
+            max_length=rows + search.ROW_STEP, deepspeed_config=train["deepspeed"], gpu_memory_gib=24,
+            budget=Budget(USABLE_24, "test budget", 125), candidate_files=DEEPSPEED,
+        )  # fmt: skip
+    # strategy auto at a row only activation offload fits: the plan turns it on, and the run takes it.
+    offloaded = make(SEVEN_B, {**train, "strategy": "auto"}, gib=USABLE_24, max_length=auto["max_length"])
+    assert offloaded["fits"] and offloaded["chosen"]["offload_activations"] is True
+    spec = {"train": train, "deepspeed_config": DEEPSPEED["zero0.json"], "run_key": "abc"}
+    assert apply.apply_plan(spec, offloaded)["train"]["offload_activations"] is True
