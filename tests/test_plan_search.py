@@ -496,3 +496,35 @@ def test_a_row_longer_than_fits_is_refused_naming_the_longest():
     assert offloaded["fits"] and offloaded["chosen"]["offload_activations"] is True
     spec = {"train": train, "deepspeed_config": DEEPSPEED["zero0.json"], "run_key": "abc"}
     assert apply.apply_plan(spec, offloaded)["train"]["offload_activations"] is True
+
+
+# The README's recipe table: the longest row each 7B recipe fits as written (Liger's kernels and the Triton loss,
+# what its GPU ranks run; the QLoRA recipe's strategy auto may offload activations), planned on its own budget.
+RECIPE_ROWS = {
+    "deepseek-7b-lora-3x24gb": 4352,
+    "deepseek-7b-qlora-16gb": 37120,
+    "deepseek-7b-full-h200": 10240,
+}
+
+
+@pytest.mark.parametrize(("example", "longest"), RECIPE_ROWS.items(), ids=list(RECIPE_ROWS))
+def test_each_7b_recipe_records_the_longest_row_it_fits(example, longest):
+    from snaketune.config.load import merge_config_files
+    from snaketune.device_memory import card_gib, usable_gib
+
+    cfg = load_config(
+        merge_config_files([REPO / "config/config.yaml", REPO / "config/examples" / f"{example}.yaml"])
+    )
+    exp = cfg.experiments["default"]
+    train = {**to_dict(exp.train), "kernels": "liger", "loss_kernel": "triton"}
+    train["deepspeed"] = str(REPO / train["deepspeed"])
+    card = cfg.gpu_memory_gib or card_gib(
+        "h200"
+    )  # the full fine-tune's example plans for the card it runs on
+    result = search.make_plan(
+        experiment=example, model=SEVEN_B, train=train, max_length=exp.tokenize.max_length,
+        deepspeed_config=train["deepspeed"], gpu_memory_gib=cfg.gpu_memory_gib,
+        budget=Budget(usable_gib(card), example, 125), candidate_files=DEEPSPEED,
+    )  # fmt: skip
+    assert result["fits"] and result["longest_row"]["max_length"] == longest >= exp.tokenize.max_length
+    assert f"| {longest:,} tokens" in (REPO / "README.md").read_text()

@@ -318,7 +318,7 @@ def trl_long(out: Path, work: Path, rows: int, deadline: float, tiny: bool) -> l
         cmd = [sys.executable, str(REPO / "bench/throughput/trl_peer.py"), "--data", str(data / "train"),
                "--tokenizer", str(work / "results/tokenizer/builtin"), "--layers", "30", "--steps", str(LONG_STEPS),
                "--lora", "--checkpointing", "--max-length", str(rows), "--micro", "1", "--accumulation", "1",
-               "--offload-activations", "--out", str(report)]  # fmt: skip
+               "--out", str(report)]  # fmt: skip
         # TRL's activation offloading needs a CUDA device (its CPU path fails on torch.accelerator).
         cmd += ["--tiny"] if tiny else ["--cap", str(GPU_MEMORY_GIB), "--offload-activations"]
         log(f"trl_long: {rows:,} tokens per row")

@@ -65,9 +65,8 @@ def _candidates(
         ds = json.loads(Path(path).read_text())
         s = setup_for(train, ds, gradient_checkpointing=strat.gradient_checkpointing, **common)
         speed = strat.relative_speed
-        base = (
-            speed / CHECKPOINTED if strat.gradient_checkpointing else speed
-        )  # the stage without checkpointing
+        # The same stage without checkpointing (what the number of checkpointed layers is weighed against).
+        base = speed / CHECKPOINTED if strat.gradient_checkpointing else speed
         if strategy == "auto" and strat.gradient_checkpointing and counted(s) and s.expandable_segments:
             s, speed = _fastest_checkpointing(arch, s, budget, base)
         elif strategy == "auto":
@@ -98,8 +97,7 @@ def _fastest_checkpointing(arch: Arch, s: Setup, budget: Budget, speed: float) -
         return best
     found = None
     for micro, halvings in _micro_sizes(s):
-        per_step = micro * s.world
-        at = s.replace(micro_batch=micro, accumulation=s.micro_batch * s.accumulation * s.world // per_step)
+        at = s.replace(micro_batch=micro, accumulation=s.micro_batch * s.accumulation // micro)
         for n in range(1, arch.layers + 1):  # fewer layers checkpointed: faster, more memory
             candidate = at.replace(checkpoint_layers=None if n == arch.layers else n)
             est = estimate(arch, candidate)

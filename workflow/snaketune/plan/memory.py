@@ -18,7 +18,8 @@ matter (LoRA 30 layers 8 x 512: 45.4 GiB; torch AdamW 24 and 30 layers 4 x 512: 
 model then gives 116.8 GiB for ZeRO-2 24 layers (measured 116.8, docs/facts.md and bench/RESULTS.md) and 11.1 GiB
 GPU / 66.6 GiB host for ZeRO-3 offload 14 layers (measured 10.6 / 69). With snaketune's masters, varlen
 attention and the plain loss it gives 101.2 / 119.5 / 36.9 GiB for 24 layers, 30 layers and 30-layer LoRA
-(measured 96.2 / 116.2 / 37.6, bench/RESULTS.md issue #7).
+(measured 96.2 / 116.2 / 37.6, bench/RESULTS.md issue #7). LoRA in bf16 with Liger's kernels and varlen attention
+is counted tensor by tensor instead (`counted`): within 0.5% of ten measured peaks (tests/test_plan.py).
 """
 
 from __future__ import annotations
@@ -142,8 +143,7 @@ class Setup:
     step in backward, and every training under gpu_memory_gib): no FRAGMENTATION where the model counts every
     tensor (`_fragmentation`)."""
     offload_activations: bool = False
-    """train.offload_activations: the checkpointed layers' inputs wait in pinned host memory until backward
-    (snaketune.model.offload): on the GPU one layer's input at a time, on the host all of them."""
+    """train.offload_activations: checkpointed layers' inputs in host memory (snaketune.model.offload)."""
     compiled: bool = False
     """train.compile: each decoder layer compiled (COMPILED_SAVED_BYTES more saved per token and layer kept)."""
     reduce_bucket: float = 5e8
