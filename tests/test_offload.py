@@ -82,3 +82,30 @@ def test_offload_without_checkpointing_is_refused():
     assert TrainConfig(offload_activations=True, gradient_checkpointing=3).offload_activations
     # train.strategy auto decides checkpointing itself, and turns offload on only with it (snaketune.plan.search).
     assert TrainConfig(offload_activations=True, strategy="auto").offload_activations
+
+
+def test_compiled_layers_offload_and_compute_the_same():
+    """train.compile with train.offload_activations and partial checkpointing: torch.compile traces each layer
+    (aot_eager here: the graph capture without code generation) and the offloaded inputs still go through the hook
+    (dynamo leaves the hook's context to eager code and compiles the layer inside it); loss and gradients as eager."""
+    from snaketune.model.build import compile_layers
+
+    def run(compiled: bool) -> tuple[float, dict[str, torch.Tensor], int]:
+        net = tiny_llama()
+        checkpoint_layers(net, 2, offload=True)
+        hooks = net.model.layers[0]._gradient_checkpointing_func.keywords["hooks"]
+        if compiled:
+            compile_layers(net, backend="aot_eager")
+        x = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+        for _ in range(2):  # the second step runs the compiled graphs without compiling
+            net.zero_grad()
+            loss = net(input_ids=x, labels=x).loss
+            loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in net.named_parameters()}, hooks.packed
+
+    loss, grads, packed = run(compiled=False)
+    loss_c, grads_c, packed_c = run(compiled=True)
+    assert packed == packed_c == 2 * 2  # two checkpointed layers, two steps
+    assert loss_c == loss
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_c[name], grad, rtol=0, atol=0, msg=name)
