@@ -19,7 +19,9 @@
    conversations under the same cap at the LoRA row's length, then at halvings until one runs: its longest row.
 
 OUT/cards24.json and OUT/cards24.md hold every figure (and the plan's), printed at the end. Parts run in the order
-given until --budget-s runs out (each has an estimate; one that fails never stops the others). --tiny runs the
+given until --budget-s runs out (each has an estimate, ESTIMATE_S; one that fails never stops the others): all five
+take about 13 minutes on an H100, so on machines that allow 10 minutes a call, run `--only capped,fp8` (about 6) and
+`--only long_lora,trl_long,long_qlora` (about 7) as two calls. --tiny runs the
 builtin tiny model on CPU ranks (no QLoRA, no FP8) to check the script anywhere. On a GPU machine without network:
 `bash bench/transport/run.sh cards24` with .carry/wheels built without LEAN (bitsandbytes for QLoRA).
 """
@@ -239,8 +241,10 @@ def long_rows(
             results.append({"case": name, "status": "skipped (budget)"})
             continue
         if name == "long_qlora" and not (work / "hub-7b/config.json").exists():
-            log("long_qlora: writing a hub-format 7B")
-            write_hub_model(work / "hub-7b", work / "results/tokenizer/builtin")
+            log("long_qlora: writing a hub-format 7B")  # in a process of its own: its GPU memory goes with it
+            cmd = [sys.executable, __file__, "--write-hub-model", str(work / "hub-7b"),
+                   str(work / "results/tokenizer/builtin")]  # fmt: skip
+            run_logged(cmd, cwd=REPO, log_path=logs / "hub_model.log", timeout=deadline - time.monotonic())
         rows = experiment["tokenize"]["max_length"]
         log(f"{name}: one row of {rows:,} tokens per step")
         rc = snakemake({name: experiment}, [f"results/train/{name}/summary.json"], name)
@@ -390,6 +394,9 @@ def summary(planned: dict, capped_rows: list[dict], long: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--write-hub-model"]:
+        write_hub_model(Path(argv[1]), Path(argv[2]))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/cards24-out")))
     parser.add_argument("--work", type=Path, default=Path("/tmp/snaketune-cards24"))

@@ -346,6 +346,13 @@ def format_table(plan: dict) -> str:
             f"batch {ev['batch_size']} (eval.batch_size {ev['requested_batch_size']}) / {ev['fits']}"
         )
     lines.append(f"chosen: {plan['chosen']['name']} ({plan['chosen']['deepspeed_config']}); {plan['status']}")
+    if plan["chosen"].get("why"):
+        lines.append(f"why: {plan['chosen']['why']}")
+    if plan.get("longest_row", {}).get("max_length"):
+        longest = plan["longest_row"]
+        lines.append(
+            f"longest row that fits: tokenize.max_length {longest['max_length']:,} ({longest['strategy']})"
+        )
     return "\n".join(lines)
 
 
