@@ -100,6 +100,11 @@ CASES = [
     Case("host_profile", "throughput", "where a training rank's host time goes (py-spy over a throughput case)",
          H200 + "; py-spy installed", _script("throughput/host_profile.sh"),
          sub_cases="throughput/throughput_cases.py"),
+    Case("cards24", "throughput", "issue #50 in one call: LoRA of the 7B under gpu_memory_gib 24 at the plan's pick "
+         "(bf16, FP8 compiled) beside TRL + Liger capped; one row of the plan's longest length for LoRA and QLoRA, "
+         "TRL's longest beside them", GPU + " (24 GB of it used); every part takes ~13 min: two calls, --only capped,fp8 and --only "
+         "long_lora,trl_long,long_qlora; --tiny: CPU",
+         _script("throughput/cards24.py")),
     Case("workflow_7b", "throughput", "the 7B architecture through the whole workflow, ZeRO-2 (24 layers) and LoRA "
          "(30): stage times, tokens/s, memory", "1 CUDA GPU of 141 GB (H200)", _script("throughput/workflow_7b.sh")),
     Case("plan_vs_measured", "memory", "the memory plan's peak against the measured one (allocator, nvidia-smi, "

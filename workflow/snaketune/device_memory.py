@@ -185,16 +185,21 @@ ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 EXPANDABLE = "expandable_segments:True"
 
 
-def allocator_settings(in_backward: bool, environ: Mapping[str, str] | None = None) -> str | None:
+def allocator_settings(expandable: bool, environ: Mapping[str, str] | None = None) -> str | None:
     """The caching allocator's settings a rank sets for itself, None for PyTorch's defaults.
 
-    With the optimizer step in the backward (`train.optimizer_step: in_backward`), expandable segments: the step
-    frees each gradient as it is applied, so blocks of many sizes come and go and fixed segments keep holes. On one
-    H200, the 7B's full fine-tune at 1 x 2,048 tokens: device peak 23.18 GiB with them against 23.46-23.59 GiB
-    without (allocator peak 21.46-21.51 GiB in all four runs; bench/RESULTS.md, issue #26). Other setups keep the
-    defaults their figures were measured with. A user's PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) wins."""
+    `expandable`: the optimizer step in the backward (`train.optimizer_step: in_backward`), or any training under
+    `gpu_memory_gib`: expandable segments. The step in backward frees each gradient as it is applied, so blocks of
+    many sizes come and go and fixed segments keep holes; on one H200, the 7B's full fine-tune at 1 x 2,048 tokens:
+    device peak 23.18 GiB with them against 23.46-23.59 GiB without (allocator peak 21.46-21.51 GiB in all four
+    runs; bench/RESULTS.md, issue #26). Under a memory cap the plan sizes the training to the budget (train.strategy
+    auto picks the fewest checkpointed layers that fit), so what fixed segments reserve beyond the allocated peak
+    (0.65 GiB for LoRA of the 7B under 24 GiB, 1.4 GiB where the QLoRA example ran out of memory: bench/RESULTS.md,
+    issue #16) is what it cannot plan; with expandable segments free pages go back before an allocation over the cap
+    fails. Uncapped setups keep the defaults their figures were measured with. A user's PYTORCH_CUDA_ALLOC_CONF (or
+    PYTORCH_ALLOC_CONF) wins."""
     env = os.environ if environ is None else environ
-    if not in_backward or any(env.get(name) for name in ALLOC_CONF_ENVS):
+    if not expandable or any(env.get(name) for name in ALLOC_CONF_ENVS):
         return None
     return EXPANDABLE
 

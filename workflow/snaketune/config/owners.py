@@ -76,6 +76,7 @@ TRAIN_FIELDS: dict[str, tuple[str, ...]] = {
     "attention": _MODEL,
     "kernels": _MODEL,
     "compile": _MODEL,
+    "offload_activations": (MEMORY, WEIGHTS),
     "strategy": _MODEL,
     # The data order and dropout; the weights of a builtin model (the base the evaluate stage rebuilds) and of
     # LoRA's adapters at step 0.

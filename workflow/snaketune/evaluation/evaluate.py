@@ -60,7 +60,7 @@ from snaketune.model.inference import (  # noqa: F401 - the stage's public names
     render_prompt,
     validation_loss,
 )
-from snaketune.plan import memory
+from snaketune.plan import evaluation as eval_memory
 from snaketune.plan.arch import arch_from_hf_config
 from snaketune.preference.logprobs import split_logprobs
 from snaketune.provenance import package_versions
@@ -391,7 +391,7 @@ def _memory_record(
     """Measured peak per phase (CUDA) beside the memory model's estimate for these lengths."""
     if arch is None:
         return {}
-    setup = memory.EvalSetup(
+    setup = eval_memory.EvalSetup(
         batch=min(job.batch_size, len(data.split)),
         seq_len=int(data.split.lengths.max(initial=0)),
         prompt_len=longest_prompt(data.tokenizer, data.texts),
@@ -400,7 +400,7 @@ def _memory_record(
         varlen=dev.type == "cuda",
         quantized=job.quantize != "none",
     )
-    est = memory.estimate_eval(arch, setup)
+    est = eval_memory.estimate_eval(arch, setup)
     return {
         "batch_size": job.batch_size,
         "validation_row_tokens": setup.seq_len,

@@ -221,7 +221,7 @@ def _adapt(
     """Liger's kernels, gradient checkpointing and LoRA's adapters on `net`; returns it and the kernels used."""
     fused = kernels.resolve(cfg.kernels, device, getattr(net.config, "model_type", ""))
     kernels.apply(net, fused)
-    checkpointed = checkpoint_layers(net, cfg.gradient_checkpointing)
+    checkpointed = checkpoint_layers(net, cfg.gradient_checkpointing, offload=cfg.offload_activations)
     if not cfg.lora.enabled:
         return net, fused
     if checkpointed:

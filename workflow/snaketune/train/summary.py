@@ -123,6 +123,8 @@ def run_summary(trainer, last: dict, wall: float) -> dict:
         "attention": trainer.attention_summary,
         "kernels": b.kernels,
         "compile": trainer.cfg.compile,
+        "gradient_checkpointing": trainer.cfg.gradient_checkpointing,
+        "offload_activations": trainer.cfg.offload_activations and bool(trainer.cfg.gradient_checkpointing),
         "final_train_loss": last.get("train/loss"),
         "final_val_loss": last.get("val/loss"),
         # Over every step after the first two of this process (warm-up), not just the last window.
