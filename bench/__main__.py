@@ -146,6 +146,9 @@ CASES = [
          "`real_model` run's files", "CPU", _script("real_model/real_model_table.py")),
     Case("smollm2_mfu", "real_model", "the 135M train step at micro-batches 8 / 32 / 64 and compiled: tokens/s, "
          "MFU, memory", GPU + " (49 GB of it used)", _script("real_model/mfu.sh"), ("ROWS", "SMOL|GGUF")),
+    Case("smollm2_example", "real_model", "config/examples/smollm2-135m-real.yaml as written through every stage "
+         "(export and benchmark included), real oasst rows for the hub's: each stage's wall time, every benchmark "
+         "job finished", GPU, _script("real_model/example.sh"), ("ROWS", "GGUF")),
     Case("stage_times", "real_model", "wall time of the SFT and DPO stages of the SmolLM2 example beside TRL's "
          "(same invocation)", GPU, _script("real_model/stage_times.sh"), ("ROWS", "SMOL|GGUF")),
     Case("benchmark_stage", "benchmark_stage", "the benchmark stage on the real SmolLM2-135M: wall time per model and "
