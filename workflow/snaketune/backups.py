@@ -6,6 +6,11 @@ exception: Snakemake leaves them in place while the job runs, backs them up firs
 backup when the job fails (`Job.postprocess`, `FileBackupMixin.restore_output`). The rules whose data the docs promise
 to keep flag their outputs so (data.smk, preference.smk, export.smk).
 
+Snakemake records a job's params and inputs as the metadata of its outputs even when the job failed
+(`Job.postprocess` calls `persistence.finished` for failed jobs too): restored outputs would then pass for the failed
+job's, so that the next run with the same settings would not run it again and the stages after it would read the
+old data as new. The restore therefore also puts back the outputs' metadata as it was before the job (`finished`).
+
 Snakemake's own backup is a full copy (`shutil.copytree`: the GGUF files of a 7B are 25 GB) and its restore a
 second copy, which gives a restored file a new mtime and so reruns every stage after it; its backup of a directory
 also fails when a killed run left one behind (`copytree` onto an existing directory). Every stage here replaces its
@@ -21,7 +26,9 @@ import os
 import shutil
 from pathlib import Path
 
-from snakemake.persistence import FileBackupMixin
+from snakemake.persistence import FileBackupMixin, PersistenceBase
+
+_FINISHED = PersistenceBase.finished
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -52,6 +59,11 @@ def _same(path: Path, backup: Path) -> bool:
     return now.keys() == kept.keys() and all(os.path.samefile(now[k], kept[k]) for k in now)
 
 
+def _state(persistence) -> tuple[dict, set]:
+    """(output -> its metadata record before the job, outputs restored) of a persistence object."""
+    return persistence.__dict__.setdefault("_snaketune_kept", ({}, set()))
+
+
 def backup_output(self, path: Path) -> None:
     backup = self._get_backup_path(path)
     backup.parent.mkdir(parents=True, exist_ok=True)
@@ -60,6 +72,7 @@ def backup_output(self, path: Path) -> None:
         shutil.copytree(path, backup, copy_function=_link_or_copy, symlinks=True)
     else:
         _link_or_copy(str(path), str(backup))
+    _state(self)[0][str(path)] = self._read_record(str(path))  # a local output's key is its path
 
 
 def restore_output(self, path: Path) -> bool:
@@ -68,13 +81,33 @@ def restore_output(self, path: Path) -> bool:
         return False
     if _same(path, backup):
         _remove(backup)
-        return True
-    _remove(path)
-    shutil.move(backup, path)  # a rename; a copy that keeps mtimes where results/ is another file system
+    else:
+        _remove(path)
+        shutil.move(backup, path)  # a rename; a copy that keeps mtimes where results/ is another file system
+    _state(self)[1].add(str(path))
     return True
 
 
+async def finished(self, job) -> None:
+    """Snakemake's `finished`, then the metadata of each restored output put back as it was before the job."""
+    await _FINISHED(self, job)
+    kept, restored = _state(self)
+    for f in job.output:
+        key = str(f)
+        record = kept.pop(key, None)
+        if key in restored:
+            restored.discard(key)
+            self._clear_cache()
+            if record is None:
+                self._delete_record(key)
+            else:
+                self._write_record(key, record)
+    self._clear_cache()
+
+
 def install() -> None:
-    """Make Snakemake's update() backups hard links and its restores renames (idempotent)."""
+    """Make Snakemake's update() backups hard links, its restores renames that also restore the outputs' metadata
+    (idempotent)."""
     FileBackupMixin.backup_output = backup_output
     FileBackupMixin.restore_output = restore_output
+    PersistenceBase.finished = finished
