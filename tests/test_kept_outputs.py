@@ -192,7 +192,9 @@ def test_a_failed_stage_keeps_the_last_good_outputs(tiny_run, tmp_path):
         assert "Restored previous version" in run.stderr, (rule, run.stderr[-4000:])
         after = tree(w)
         assert {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)} == set(), rule
-        if overlay:  # the kept outputs are the old settings', not the failed job's: the same settings run it again
+        if (
+            overlay
+        ):  # the kept outputs are the old settings', not the failed job's: the same settings run it again
             code, out = dry_run(w, (*ARGS, overlay))
             assert code == 0 and rule in job_stats(out), (rule, out[-3000:])
     code, out = dry_run(w, ARGS)
