@@ -22,6 +22,7 @@ keep their mtimes. The Snakefile installs it before any job runs (common.smk).
 
 from __future__ import annotations
 
+import filecmp
 import os
 import shutil
 from pathlib import Path
@@ -52,11 +53,15 @@ def _files(path: Path) -> dict[str, Path]:
 
 
 def _same(path: Path, backup: Path) -> bool:
-    """Whether `path` still is the backed-up output itself: the same files, each the same inode."""
+    """Whether `path` still is the backed-up output: the same files, each the same inode or (a copy, where results/
+    and .snakemake/ lie on two file systems) the same bytes. Then nothing is moved: no space is needed on a full disk
+    and the files keep their mtimes."""
     if not path.exists() or path.is_dir() != backup.is_dir():
         return False
     now, kept = _files(path), _files(backup)
-    return now.keys() == kept.keys() and all(os.path.samefile(now[k], kept[k]) for k in now)
+    return now.keys() == kept.keys() and all(
+        os.path.samefile(now[k], kept[k]) or filecmp.cmp(now[k], kept[k], shallow=False) for k in now
+    )
 
 
 def _state(persistence) -> tuple[dict, set]:
