@@ -2,17 +2,19 @@
 
 `record()` runs in every Snakemake script (workflow/scripts/_stage.py) after the stage's function succeeds and
 writes `results/provenance/<rule>.json`, or `results/provenance/<rule>/<wildcard values>.json` for a rule with
-wildcards: the sha256 of every input and output file, the params (the stage's code hash and seeds among
-them), package versions, host, GPU models, start and end time, and the git commit of the workflow's
-checkout. The previous record of the job is deleted before the stage starts (`forget()`), so a record
-always describes the last successful run.
+wildcards: the sha256, size and mtime of every input and output file (snaketune.verify.describe), the params (the
+stage's code hash and seeds among them), package versions, host, GPU models, start and end time, and the git commit
+of the workflow's checkout. The previous record of the job is deleted before the stage starts (`forget()`) unless
+the job's outputs are still there (a rule whose outputs Snakemake keeps while the job runs, snaketune.backups: a
+failed job leaves them, and the record that describes them), so a record always describes the outputs in place.
 
 Records are deliberately not declared outputs: a missing or rewritten record must never make Snakemake
 rerun a job (deleting results/provenance/ must not retrain a 7B model), and a job whose record cannot be
 written keeps its outputs (the failure is logged). The manifest rule collects them instead:
 `build_manifest()` starts from the files the report is made from and follows each record's inputs back to
 the record of the job that wrote them, so it lists exactly the jobs behind the current results, in
-pipeline order, whatever rules the workflow has.
+pipeline order, whatever rules the workflow has. snaketune.verify checks outputs against their records: before any
+job, in each stage for its inputs, and in full (`snakemake verify`).
 
 No environment variable reaches a record except the few in ENV_RECORDED, and any string that contains the
 value of a secret-looking variable (HF_TOKEN, ...) is redacted, as a second line of defence.

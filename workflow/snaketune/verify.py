@@ -159,12 +159,12 @@ class Finding:
 
     def line(self) -> str:
         if self.differences is None:
-            return f"{self.output} (written by rule {self.rule}, {self.record}): missing"
+            return f"{self.output} (written by {self.rule}, {self.record}): missing"
         shown = "; ".join(self.differences[:3]) + (
             f"; and {len(self.differences) - 3} more" if len(self.differences) > 3 else ""
         )
         return (
-            f"{self.output} (written by rule {self.rule}, {self.record}) no longer holds what its record describes "
+            f"{self.output} (written by {self.rule}, {self.record}) no longer holds what its record describes "
             f"({shown}); remove it (rm -r {self.output}) and the next run rebuilds it and what follows"
         )
 
