@@ -396,9 +396,7 @@ def snakemake_on_a_full_disk(workdir: str) -> dict:
         "failed": failed,
         "failed_log": failed_log,
         "changed_by_failure": sorted(
-            k
-            for k in before.keys() | during.keys()
-            if before.get(k, b"") != during.get(k, b"")
+            k for k in before.keys() | during.keys() if before.get(k, b"") != during.get(k, b"")
         ),
         "temporaries_during": [k for k in during if TEMPORARY.match(Path(k).name)],
         "again": again,
