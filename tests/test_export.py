@@ -80,7 +80,6 @@ def test_export_settings_are_checked():
         "kl key": ({"max_kl": {"q2": 1}}, "export.max_kl.q2': unknown type"),
         "kl value": ({"max_kl": {"q8_0": -1}}, "export.max_kl.q8_0': -1 must be a number >= 0"),
         "typo": ({"quant": ["q8_0"]}, "did you mean 'quants'?"),
-        "threads": ({"threads": 0}, "export.threads': 0 must be between 1 and 256"),
         "not a mapping": ([1], "export': must be a mapping"),
     }
     for case, (section, message) in bad.items():

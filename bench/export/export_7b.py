@@ -195,8 +195,13 @@ def export_phase(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     calls: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for name in ("convert", "quantize", "gguf_metadata"):
         timed(calls, llama_cpp, name)
-    for name in ("validation_segments", "reference_logprobs", "reference_replies", "open_gguf", "score_gguf",
-                 "greedy_gguf"):  # fmt: skip
+    for name in (
+        "validation_segments",
+        "reference_logprobs",
+        "reference_replies",
+        "score_gguf",
+        "greedy_gguf",
+    ):
         timed(calls, measure, name)
     # workflow/scripts/export.py with rule export's params (workflow/rules/common_report.smk: export_params).
     torch.set_num_threads(args.threads)

@@ -67,6 +67,17 @@ def preflight():
         raise WorkflowError(str(e)) from None
 
 
+def all_cores(wildcards=None):
+    """Every core Snakemake may use (--cores): the CPU stages that run alone on their machine's CPU (export,
+    the GGUF files' benchmark jobs: llama.cpp and transformers on the CPU). A runtime setting, not a config key:
+    `--set-threads export=4` lowers it. One when there is no --cores (--report evaluates threads).
+    """
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
+
+
 def experiment(wildcards):
     return EXPERIMENTS[wildcards.experiment]
 

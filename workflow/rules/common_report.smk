@@ -18,7 +18,11 @@ def resolved_config():
         },
         "eval": to_dict(CFG.eval),
         "export": to_dict(CFG.export),
-        "benchmark": to_dict(CFG.benchmark),
+        "benchmark": {
+            **to_dict(CFG.benchmark),
+            "tasks": list(BENCHMARK_TASKS),
+            "tasks_reason": BENCHMARK.tasks_reason(BUILTIN_DATA),
+        },
     }
 
 

@@ -14,7 +14,7 @@ rule export:
         "benchmarks/export/{experiment}/{model}.tsv"
     conda:
         "../../envs/export.yaml"
-    threads: CFG.export.threads
+    threads: all_cores
     params:
         spec=export_params,
     script:

@@ -150,7 +150,6 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "export.eval_tokens": ("export",),
     "gpu_memory_gib": _PLANS,
     "benchmark.limit": _BENCHMARKS,
-    "benchmark.gguf_limit": ("benchmark_gguf",),
     "benchmark.num_fewshot": _BENCHMARKS,
     "benchmark.task_settings": _BENCHMARKS,
     "benchmark.chat_template": _BENCHMARKS,
@@ -164,13 +163,11 @@ UNOWNED: dict[str, str] = {
     "reference, plan_dpo, dpo) and the DPO model's evaluation and export",
     "export.enabled": "structure: adds or removes the export stage",
     "export.models": "structure: which models the export stage exports (a job each)",
-    "export.threads": "runtime: llama.cpp's and transformers' CPU threads in the export stage",
     "gpu_ids": "runtime: which GPUs the jobs may use (the environment, not a param)",
     "benchmark.enabled": "structure: adds or removes the benchmark stage",
     "benchmark.tasks": "structure: adds or removes a task's jobs (one per model); the others are kept",
     "benchmark.models": "structure: which models the benchmark stage scores (a job each)",
     "benchmark.quants": "structure: which GGUF files the benchmark stage scores (a job each)",
-    "benchmark.threads": "runtime: llama.cpp's server threads in the GGUF files' jobs",
     "experiments": "structure: adds or removes experiments (each its own jobs)",
 }
 """Keys that own no stage, and why."""

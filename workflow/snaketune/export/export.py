@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from snaketune.export import llama_cpp, measure, modelfile
+from snaketune.export.runtime import GGUFRuntime
 from snaketune.io import atomic_dir, write_json
 from snaketune.model import batching
 from snaketune.model.inference import render_prompt
@@ -183,25 +184,26 @@ def _measure(
     """metrics.json's row of each file (its size, quality and speed) and replies.jsonl's rows (its replies)."""
     files, replies = [], []
     for kind, (path, made_s) in made.items():
-        llm = measure.open_gguf(path, n_ctx, threads)
         row = {"type": kind, "file": path.name, "bytes": path.stat().st_size, "make_time_s": made_s}
-        row |= measure.score_gguf(llm, ref.segments, ref.logprobs)
-        row |= _replies(llm, kind, prompts, ref, tokenizer, max_new, replies)
-        del llm  # llama.cpp's context and weights, before the next file's
+        with GGUFRuntime(path, n_ctx=n_ctx, threads=threads) as runtime:
+            row |= measure.score_gguf(runtime, ref.segments, ref.logprobs)
+            row |= _replies(runtime, kind, prompts, ref, tokenizer, max_new, replies)
         files.append(row)
     return files, replies
 
 
-def _replies(llm, kind: str, prompts: list[str], ref: _Reference, tokenizer, max_new: int, out: list) -> dict:
+def _replies(
+    runtime: GGUFRuntime, kind: str, prompts: list[str], ref: _Reference, tokenizer, max_new: int, out: list
+) -> dict:
     """llama.cpp's greedy replies to the prompts beside transformers' (one row each appended to `out`), and what
     the file's metrics.json row says of them."""
     gen_tokens, gen_s, agree, ended, ended_hf = 0, 0.0, 0, 0, 0
     for prompt, ids, (want, gaps) in zip(prompts, ref.prompt_ids, ref.replies, strict=True):
-        got, ended_here, secs = measure.greedy_gguf(llm, ids, max_new)
+        got, ended_here, secs = measure.greedy_gguf(runtime, ids, max_new)
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-        own = llm.tokenize(text.encode(), add_bos=False, special=True)
+        own = runtime.tokenize(text, add_bos=False)
         theirs = tokenizer(text, add_special_tokens=False)["input_ids"]  # before any prompt truncation
         part = measure.parted_at(got[: measure.AGREE_TOKENS], want[: measure.AGREE_TOKENS])
         gen_tokens += len(got)
@@ -229,7 +231,7 @@ def _replies(llm, kind: str, prompts: list[str], ref: _Reference, tokenizer, max
         "replies_agreeing": agree,
         "replies_ended": ended,
         "replies_ended_transformers": ended_hf,
-        "eos_is_end_of_generation": measure.is_eog(llm, tokenizer.eos_token_id),
+        "eos_is_end_of_generation": runtime.is_eog(tokenizer.eos_token_id),
     }
 
 

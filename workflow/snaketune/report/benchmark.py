@@ -177,6 +177,8 @@ def benchmark_section(summary: dict | None) -> list[Block]:
             muted=True,
         ),
     ]
+    if summary.get("tasks_reason"):
+        blocks.append(Para(f"Why these tasks: {summary['tasks_reason']}."))
     for exp, per_task in summary["experiments"].items():
         if not per_task:
             continue
@@ -230,8 +232,8 @@ def benchmark_section(summary: dict | None) -> list[Block]:
         blocks += [
             Heading(3, "The deployed files"),
             Para(
-                "Each exported GGUF file served by llama.cpp's OpenAI-compatible server (llama-cpp-python) and scored "
-                "by the harness over HTTP, beside the transformers model it was exported from, on the same examples.",
+                "Each exported GGUF file run by llama.cpp (llama-cpp-python, in the job's process) and scored by the "
+                "harness, beside the transformers model it was exported from, on the same examples.",
                 muted=True,
             ),
             Table(

@@ -47,6 +47,7 @@ from snaketune.report.reproducibility import (
     reproduce_command,
     run_inputs,
     short_commit,
+    stage_wall_times,
 )
 from snaketune.report.sections import comparison_section, data_section, evaluation_section, training_section
 
@@ -299,6 +300,7 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
         },
         "seeds": seeds,
         "wall_time_s": {b["job"]: b["wall_s"] for b in benchmarks},
+        "stage_wall_time_s": {k: v["wall_s"] for k, v in stage_wall_times(benchmarks).items()},
         "manifest": str(inputs.manifest) if inputs.manifest else None,
         "jobs": jobs,
         "jobs_without_record": manifest.get("missing", []),
@@ -309,6 +311,7 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
     }
     summary = make_summary(data, experiments, provenance, run)
     summary["benchmark"] = benchmark_summary(inputs.benchmark_results, inputs.benchmark_bases)
+    summary["benchmark"]["tasks_reason"] = inputs.config.get("benchmark", {}).get("tasks_reason")
     # Every file of the report, or none: all are written into a staging directory (the plots under their own
     # names, which report.md links to) and renamed into place together.
     with atomic_files(*(out_dir / name for name in OUTPUTS.values())) as staged:

@@ -166,6 +166,20 @@ def provenance_section(
         )
     )
     blocks += jobs_blocks(prov)
+    if benchmarks:
+        blocks.append(Heading(3, "Wall time per stage"))
+        stages = stage_wall_times(benchmarks)
+        total = sum(s["wall_s"] for s in stages.values())
+        rows = [
+            [
+                f"`{name}`",
+                str(s["jobs"]),
+                fmt_duration(s["wall_s"]),
+                f"{s['wall_s'] / total:.0%}" if total else "–",
+            ]
+            for name, s in stages.items()
+        ]
+        blocks.append(Table(["stage", "jobs", "wall time (jobs summed)", "share"], rows))
     blocks.append(Heading(3, "Wall time per job"))
     if benchmarks:
         total = sum(b["wall_s"] or 0 for b in benchmarks)
@@ -187,6 +201,18 @@ def provenance_section(
         )
     )
     return blocks
+
+
+def stage_wall_times(benchmarks: list[dict]) -> dict[str, dict]:
+    """Per stage, in the order the jobs ran: its jobs and their wall times summed (Snakemake's benchmark files,
+    benchmarks/<stage>/...; jobs that ran side by side count each)."""
+    out: dict[str, dict] = {}
+    for b in benchmarks:
+        stage = b["job"].split("/", 1)[0]
+        row = out.setdefault(stage, {"jobs": 0, "wall_s": 0.0})
+        row["jobs"] += 1
+        row["wall_s"] += b["wall_s"] or 0.0
+    return out
 
 
 def remote_code_allowed(exp: Experiment) -> bool:
