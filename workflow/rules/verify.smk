@@ -6,6 +6,8 @@ rule verify:
     log:
         "logs/verify.log",
     localrule: True
+    conda:
+        "../../envs/report.yaml"
     threads: max(os.cpu_count() or 1, 1)
     params:
         outputs=workflow_outputs(),
