@@ -243,7 +243,11 @@ def make_results(root: Path) -> ReportInputs:
         config=config,
         benchmarks=bench,
         manifest=write_manifest(r / "provenance/manifest.json"),
-        invocation={"configfiles": ["config/mine.yaml"], "config_args": []},
+        invocation={
+            "configfiles": ["config/mine.yaml"],
+            "configfile_sha256": {"config/mine.yaml": "5e1f" * 16},
+            "config_args": [],
+        },
     )
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -28,6 +31,10 @@ pytestmark = pytest.mark.slow  # reads the shared tiny workflow run
 
 EXPORTED = "results/export/default/dpo"
 PROMPTS = ["What is the capital of Zorvia?", "Say tree twice.", "What is 3 + 4?", "Hello"]
+
+
+PLAIN_SHELL = {"PATH": "/usr/bin:/bin"}
+"""A plain shell's environment (`env -i PATH=/usr/bin:/bin`): no virtual environment active, no PYTHON."""
 
 
 def free_port() -> int:
@@ -107,13 +114,14 @@ class ServerLM:
 
 @pytest.fixture(scope="module")
 def server(tiny_run, tmp_path_factory):
-    """serve.sh of the DPO model's export directory, serving its f32 file on a free port; yields the base URL."""
+    """serve.sh of the DPO model's export directory as the README runs it, from a plain shell (PLAIN_SHELL), serving
+    its f32 file on a free port; yields the base URL."""
     port = free_port()
     log = tmp_path_factory.mktemp("served") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [str(tiny_run / EXPORTED / "serve.sh"), "f32", str(port)],
-            env={**os.environ, "PYTHON": sys.executable},
+            env=PLAIN_SHELL,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -169,6 +177,32 @@ def test_a_chat_through_the_openai_client_ends_at_the_end_of_turn(server, dpo_mo
         assert tokenizer.eos_token not in choice.message.content, reply
         assert choice.message.content.strip() == expected, prompt
         assert reply.usage.prompt_tokens == len(render_prompt(tokenizer, prompt)), reply.usage
+
+
+def test_serve_sh_names_what_it_needs_when_the_exports_python_is_gone(tiny_run, tmp_path):
+    """The export directory moved to a machine without the Python the export ran: serve.sh says which Python it
+    tried, that it lacks llama-cpp-python, and the command that installs it; a type the directory lacks is named
+    with the ones it has."""
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_run / EXPORTED, moved)
+    text = (moved / "serve.sh").read_text()
+    recorded = re.search(r"^recorded=(.*)$", text, re.M).group(1)
+    (python,) = shlex.split(recorded)  # the export's interpreter, by its absolute path, with llama-cpp-python
+    assert Path(python).is_absolute() and subprocess.run([python, "-c", "import llama_cpp"]).returncode == 0
+    (moved / "serve.sh").write_text(text.replace(f"recorded={recorded}", "recorded=/nonexistent/bin/python"))
+    plain = subprocess.run(
+        ["sh", str(moved / "serve.sh"), "f32", "1"], env=PLAIN_SHELL, capture_output=True, text=True
+    )
+    assert plain.returncode == 2
+    assert "(the export stage ran /nonexistent/bin/python)" in plain.stderr or "is gone" in plain.stderr, (
+        plain.stderr
+    )
+    assert "pip install 'llama-cpp-python[server]==" in plain.stderr, plain.stderr
+    wrong = subprocess.run(
+        ["sh", str(moved / "serve.sh"), "q2_k"], env=PLAIN_SHELL, capture_output=True, text=True
+    )
+    assert wrong.returncode == 2 and "no file default-dpo-q2_k.gguf" in wrong.stderr, wrong.stderr
+    assert "types here: f32 q8_0 q4_k_m" in wrong.stderr, wrong.stderr
 
 
 def test_the_file_in_process_scores_what_transformers_scores(tiny_run, dpo_model):

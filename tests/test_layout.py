@@ -17,6 +17,8 @@ from snaketune import keys
 LAYERS = (
     (
         "snaketune.io",
+        "snaketune.backups",
+        "snaketune.verify",
         "snaketune.cuda_driver",
         "snaketune.gpus",
         "snaketune.device_memory",
@@ -36,6 +38,8 @@ LAYERS = (
 """Each layer may import itself and the layers above it in this list, never one below."""
 NO_TORCH = (
     "snaketune.io",
+    "snaketune.backups",
+    "snaketune.verify",
     "snaketune.cuda_driver",
     "snaketune.gpus",
     "snaketune.device_memory",

@@ -5,8 +5,9 @@
 rule export:
     input:
         unpack(export_input),
+    # update(): a failing job keeps the last good outputs (snaketune.backups).
     output:
-        directory("results/export/{experiment}/{model}"),
+        update(directory("results/export/{experiment}/{model}")),
     log:
         "logs/export/{experiment}/{model}.log",
     benchmark:

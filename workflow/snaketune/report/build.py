@@ -45,6 +45,7 @@ from snaketune.report.reproducibility import (
     remote_code_allowed,
     reproduce_blocks,
     reproduce_command,
+    run_inputs,
     short_commit,
     stage_wall_times,
 )
@@ -286,6 +287,7 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
         "git_dirty": git["dirty"],
         "git_commits": git["commits"],
         "config_sha256": config_sha256(inputs.config),
+        "inputs": run_inputs(manifest, inputs.invocation, Path(workdir)),
     }
     provenance = {
         "git_commit": git_commit(report_git),

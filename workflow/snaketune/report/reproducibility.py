@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 from typing import Any
 
+from snaketune import provenance
 from snaketune.io import sha256_text, stable_json
 from snaketune.report.inputs import Experiment
 from snaketune.report.render import Block, Box, Code, Heading, Para, Table, fmt, fmt_duration
@@ -43,6 +45,20 @@ def reproduce_command(experiments: list[Experiment], invocation: dict | None) ->
     return shlex.join(args)
 
 
+def run_inputs(manifest: dict, invocation: dict | None, workdir: Path) -> list[dict[str, Any]]:
+    """The config files the run was given and the files its jobs read from outside results/ (the data, a local
+    model, the DeepSpeed files: the manifest's sources), each with its sha256 and, under `outside`, why a checkout
+    of the commit would not bring it back (provenance.outside_commit; None where it would)."""
+    files = {f: ("config file", h) for f, h in ((invocation or {}).get("configfile_sha256") or {}).items()}
+    for path, source in manifest.get("sources", {}).items():
+        files.setdefault(path, ("input", source.get("sha256")))
+    outside = provenance.outside_commit(files, workdir)
+    return [
+        {"path": path, "kind": kind, "sha256": digest, "outside": outside.get(path)}
+        for path, (kind, digest) in sorted(files.items())
+    ]
+
+
 def code_state(manifest: dict, report_time: dict | None) -> dict[str, Any]:
     """The commit the jobs behind the results ran at (the newest job's when they differ), and whether tracked
     files had uncommitted changes; the report's own checkout when no job recorded one."""
@@ -61,29 +77,43 @@ def reproduce_blocks(run: dict) -> list[Block]:
     lines = [run["command"]]
     if run["git_commit"]:
         lines.insert(0, f"git checkout {run['git_commit']}")
+    inputs = run.get("inputs") or []
+    outside = [i for i in inputs if i["outside"]]
     if run["git_commit"] is None:
         state = "not a git checkout: no commit to return to"
     elif run["git_dirty"]:
         state = "**dirty**: tracked files had uncommitted changes, which the commit alone does not bring back"
+    elif outside:
+        state = (
+            f"tracked files unchanged, but **{len(outside)} of the inputs below are not in the commit**: keep them "
+            "(the sha256 says whether a file is the same)"
+        )
     else:
-        state = "clean (no uncommitted changes)"
+        state = "clean (no uncommitted changes; every input below is in the commit)"
     if run["git_commits"] > 1:
         state += (
             f"; the jobs ran at {run['git_commits']} commits (see Provenance, Jobs), this is the newest job's"
         )
-    return [
-        Box(
-            "Reproduce",
-            [
-                Code("\n".join(lines), "sh"),
-                Para(
-                    f"Commit `{run['git_commit'] or '–'}`, {state}. Config sha256 `{run['config_sha256'][:16]}` "
-                    "(stable JSON of the resolved config under Provenance).",
-                    muted=True,
-                ),
-            ],
-        )
+    blocks: list[Block] = [
+        Code("\n".join(lines), "sh"),
+        Para(
+            f"Commit `{run['git_commit'] or '–'}`, {state}. Config sha256 `{run['config_sha256'][:16]}` "
+            "(stable JSON of the resolved config under Provenance).",
+            muted=True,
+        ),
     ]
+    if inputs:
+        blocks.append(
+            Table(
+                ["input", "sha256", "in the commit"],
+                [
+                    [f"`{i['path']}` ({i['kind']})", f"`{(i['sha256'] or '–')[:16]}`", i["outside"] or "yes"]
+                    for i in inputs
+                ],
+                numeric=[False, False, False],
+            )
+        )
+    return [Box("Reproduce", blocks)]
 
 
 def provenance_section(
@@ -244,7 +274,8 @@ def jobs_blocks(prov: dict) -> list[Block]:
         )
     if any(j["status"] != "ok" for j in prov["jobs"]):
         notes.append(
-            "**changed**: the job's outputs no longer have the files and sizes its record describes."
+            "**changed**: the job's outputs no longer hold what its record describes (content checked where a file "
+            "was written since; `snakemake --cores all verify` hashes every file); **missing**: an output is gone."
         )
     if prov.get("jobs_without_record"):
         notes.append(
