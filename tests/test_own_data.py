@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from chat_data import sentence
-from conftest import REPO, TINY_CONFIG, copy_workflow, run_snakemake
+from conftest import CHATML, REPO, TINY_CONFIG, chatml_tokenizer, copy_workflow, run_snakemake
 from dryrun import dry_run, job_stats
 from snaketune.config.choices import ConfigError
 from snaketune.config.load import load_config
@@ -249,21 +249,6 @@ def test_naming_the_format_auto_found_reruns_no_data_stage(own_run):
 # ---- system turns through both chat templates -----------------------------------------------------------------
 
 CONVERSATION = [turn("system", "Answer briefly."), turn("user", "Hi there"), turn("assistant", "Hello.")]
-CHATML = (
-    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-"""A ChatML template with a default system turn where the conversation has none (as SmolLM2's and Qwen's)."""
-
-
-def with_template(tmp_path: Path, tok_dir: Path, template: str) -> Path:
-    out = tmp_path / "tok"
-    shutil.copytree(tok_dir, out)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
-    (out / "chat_template.jinja").unlink(missing_ok=True)
-    return out
 
 
 def trained_text(tok, ids: list[int], labels: list[int]) -> str:
@@ -280,7 +265,7 @@ def test_the_deepseek_template_renders_a_system_turn_without_loss(tok_dir):
 
 
 def test_the_models_own_template_renders_a_system_turn_without_loss(tmp_path, tok_dir):
-    tok = load_tokenizer(with_template(tmp_path, tok_dir, CHATML), "model")
+    tok = load_tokenizer(chatml_tokenizer(tok_dir, tmp_path / "tok"), "model")
     ids, labels = encode_conversation(tok, CONVERSATION, assistant_only_loss=True)
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nHi there")
@@ -290,7 +275,7 @@ def test_the_models_own_template_renders_a_system_turn_without_loss(tmp_path, to
 
 def test_a_template_that_refuses_system_turns_names_the_conversation(tmp_path, tok_dir):
     refusing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
-    tok = load_tokenizer(with_template(tmp_path, tok_dir, refusing + CHATML), "model")
+    tok = load_tokenizer(chatml_tokenizer(tok_dir, tmp_path / "tok", refusing + CHATML), "model")
     with pytest.raises(
         TemplateError, match=r"conversation index 1: .*roles system, user, assistant.*System role not"
     ):

@@ -24,9 +24,13 @@ from snaketune.data.chat import (
     check_chat_template,
     encode_conversations,
     load_tokenizer,
+    turn_check,
 )
 from snaketune.data.tokenization import SPLITS, save_rows, tokenizer_hashes
 from snaketune.io import atomic_dir, sha256_file, sha256_text
+
+PAIR_COLUMNS = ("tools", "prompt", "chosen", "chosen_tool_calls", "rejected", "rejected_tool_calls")
+"""What a side is made of (the tool columns are a pairs file's: snaketune.data.preferences.OUTPUT_SCHEMA)."""
 
 
 def fit(ids: np.ndarray, labels: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray, str | None]:
@@ -62,6 +66,7 @@ def tokenize_pairs(
     tokenizer = load_tokenizer(tokenizer_dir, chat_template)
     check_chat_template(tokenizer)
     settings = {"max_length": max_length, "chat_template": chat_template}
+    check = turn_check(tokenizer)
     stats: dict[str, Any] = {
         "settings": settings,
         "pair_files_sha256": {s: sha256_file(pairs_dir / f"{s}.parquet") for s in SPLITS},
@@ -71,16 +76,28 @@ def tokenize_pairs(
     }
     with atomic_dir(out_dir) as tmp:
         for split in SPLITS:
-            table = pq.read_table(pairs_dir / f"{split}.parquet", columns=["prompt", "chosen", "rejected"])
-            prompts, chosen, rejected = (
-                table.column(c).to_pylist() for c in ("prompt", "chosen", "rejected")
-            )
-            sides = [[*p, {"role": "assistant", "content": r}] for p, r in zip(prompts, chosen, strict=True)]
-            sides += [
-                [*p, {"role": "assistant", "content": r}] for p, r in zip(prompts, rejected, strict=True)
+            table = pq.read_table(pairs_dir / f"{split}.parquet")
+            column = {c: table.column(c).to_pylist() for c in PAIR_COLUMNS if c in table.column_names}
+            prompts, tools = column["prompt"], column.get("tools", [None] * table.num_rows)
+            sides = [
+                [*p, {"role": "assistant", "content": r, "tool_calls": c}]
+                for side in ("chosen", "rejected")
+                for p, r, c in zip(
+                    prompts,
+                    column[side],
+                    column.get(f"{side}_tool_calls", [None] * table.num_rows),
+                    strict=True,
+                )
             ]
             encoded = list(
-                encode_conversations(tokenizer, sides, assistant_only_loss=True, last_turn_only=True)
+                encode_conversations(
+                    tokenizer,
+                    sides,
+                    assistant_only_loss=True,
+                    last_turn_only=True,
+                    tools=tools + tools,
+                    check=check,
+                )
             )
             n = len(prompts)
             rows, cuts = [], {"prompt": 0, "reply": 0}
@@ -114,5 +131,6 @@ def tokenize_pairs(
                 "mean_side_tokens": round(float(np.mean(lengths)) if lengths else 0.0, 3),
                 "max_side_tokens": int(max(lengths, default=0)),
             }
+        stats["template_check"] = check.as_json()
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return stats
