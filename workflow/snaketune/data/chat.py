@@ -253,9 +253,18 @@ def check_chat_template(tokenizer) -> None:
                 "assistant messages, e.g. tokenize.chat_template: deepseek"
             )
     end_of_turn(tokenizer)
-    # Every row's checks, on the probes (with the template's own tool syntax, or the project's).
-    [(ids, _)] = encode_conversations(tokenizer, [_PROBE], assistant_only_loss=True)
-    list(encode_conversations(tokenizer, [_TOOL_PROBE], tools=[_TOOLS_PROBE], assistant_only_loss=True))
+    # Every row's checks, on the probe, and on a tool call where the template renders tools itself (else the project's
+    # plain turns render them, which the probe's turns show already).
+    probes = [(_PROBE, None)] + ([(_TOOL_PROBE, _TOOLS_PROBE)] if handles_tools(tokenizer) else [])
+    try:
+        [(ids, _), *_] = encode_conversations(
+            tokenizer, [p for p, _ in probes], tools=[t for _, t in probes], assistant_only_loss=True
+        )
+    except TemplateError as e:
+        which = str(e).split(":", 1)
+        raise TemplateError(
+            f"the check's probe conversation {which[0].removeprefix('conversation index ')}:{which[1]}"
+        ) from e
     prompt = _backend(tokenizer).encode(_render(tokenizer, _PROBE[:1], True), add_special_tokens=False).ids
     if ids[: len(prompt)].tolist() != prompt:
         at = next(

@@ -49,6 +49,23 @@ def fit(ids: np.ndarray, labels: np.ndarray, max_length: int) -> tuple[np.ndarra
     return ids[idx], labels[idx], cut
 
 
+def _sides(path: Path) -> tuple[list[list[dict]], list]:
+    """Each pair's conversation with its chosen reply, then each with its rejected one, and their tools."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    column = {c: table.column(c).to_pylist() for c in PAIR_COLUMNS if c in table.column_names}
+    nothing = [None] * table.num_rows
+    sides = [
+        [*prompt, {"role": "assistant", "content": reply, "tool_calls": calls}]
+        for side in ("chosen", "rejected")
+        for prompt, reply, calls in zip(
+            column["prompt"], column[side], column.get(f"{side}_tool_calls", nothing), strict=True
+        )
+    ]
+    return sides, 2 * column.get("tools", nothing)
+
+
 def tokenize_pairs(
     pairs_dir: str | Path,
     tokenizer_dir: str | Path,
@@ -59,7 +76,6 @@ def tokenize_pairs(
     threads: int = 1,
 ) -> dict[str, Any]:
     """preferences/{train,validation}.parquet -> out_dir/{train,validation} (Arrow) + stats.json."""
-    import pyarrow.parquet as pq
 
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, threads)))
     pairs_dir, out_dir = Path(pairs_dir), Path(out_dir)
@@ -76,30 +92,18 @@ def tokenize_pairs(
     }
     with atomic_dir(out_dir) as tmp:
         for split in SPLITS:
-            table = pq.read_table(pairs_dir / f"{split}.parquet")
-            column = {c: table.column(c).to_pylist() for c in PAIR_COLUMNS if c in table.column_names}
-            prompts, tools = column["prompt"], column.get("tools", [None] * table.num_rows)
-            sides = [
-                [*p, {"role": "assistant", "content": r, "tool_calls": c}]
-                for side in ("chosen", "rejected")
-                for p, r, c in zip(
-                    prompts,
-                    column[side],
-                    column.get(f"{side}_tool_calls", [None] * table.num_rows),
-                    strict=True,
-                )
-            ]
+            sides, tools = _sides(pairs_dir / f"{split}.parquet")
             encoded = list(
                 encode_conversations(
                     tokenizer,
                     sides,
                     assistant_only_loss=True,
                     last_turn_only=True,
-                    tools=tools + tools,
+                    tools=tools,
                     check=check,
                 )
             )
-            n = len(prompts)
+            n = len(sides) // 2
             rows, cuts = [], {"prompt": 0, "reply": 0}
             lengths = []
             for i in range(n):
