@@ -99,8 +99,7 @@ def export(
     log_file: str | Path,
 ) -> dict:
     """Write `<name>-<type>.gguf` for the unquantized type and each quant, metrics.json and replies.jsonl into
-    `out_dir` (atomically); returns metrics.json's content. `conversations`: the held-out conversations file the
-    files' parity with training is checked on (ParityError: nothing is written)."""
+    `out_dir` (atomically); returns metrics.json's content. ParityError (snaketune.export.parity): nothing written."""
     tools = llama_cpp.check_toolchain()
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
@@ -153,10 +152,7 @@ def export(
             tmp, name, list(made), tokenizer, model_dir=model_dir, version=tools["llama_cpp_python"]
         )
         metrics["parity"] = parity.check_export(
-            [path for path, _ in made.values()],
-            model_dir,
-            conversations,
-            [p for p in served if p.suffix == ".Modelfile"],
+            [p for p, _ in made.values()], model_dir, conversations, served
         )
         write_json(tmp / "metrics.json", metrics)
         (tmp / "replies.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in replies))
