@@ -201,9 +201,8 @@ def end_of_turn(tokenizer) -> int:
     """The token the template writes after an assistant reply (snaketune.data.template_check); TemplateError when
     it writes none."""
     reply = _PROBE[1]["content"]
-    text = _render(
-        tokenizer, _PROBE
-    )  # whole: a template that writes the token only when a turn follows shows it
+    # Rendered whole: a template that writes the token only when another turn follows shows it there.
+    text = _render(tokenizer, _PROBE)
     if reply not in text:  # it drops earlier replies (spans refuse it where it matters)
         text = _render(tokenizer, _PROBE[:2])
     if reply not in text:
@@ -261,9 +260,9 @@ def check_chat_template(tokenizer) -> None:
             tokenizer, [p for p, _ in probes], tools=[t for _, t in probes], assistant_only_loss=True
         )
     except TemplateError as e:
-        which = str(e).split(":", 1)
+        named = str(e).replace("conversation index 0:", "the probe conversation (two exchanges):", 1)
         raise TemplateError(
-            f"the check's probe conversation {which[0].removeprefix('conversation index ')}:{which[1]}"
+            named.replace("conversation index 1:", "the tool-calling probe conversation:", 1)
         ) from e
     prompt = _backend(tokenizer).encode(_render(tokenizer, _PROBE[:1], True), add_special_tokens=False).ids
     if ids[: len(prompt)].tolist() != prompt:

@@ -13,7 +13,8 @@ each assistant span (snaketune.data.chat marks the spans), and a token must star
 end of the generation prompt): then the tokens inference feeds, the prompt rendered with the generation prompt and
 encoded alone, are the row's tokens up to the reply (check_chat_template encodes the probe's prompt alone to show it
 once; per row the boundary is read from the offsets, which costs nothing where encoding every prefix would double the
-stage's time).
+stage's time). Rows are checked before truncation: a turn that max_length cuts loses its end there, not in the
+template.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from snaketune.data.chat import (
     chat_template_text,
     encode_conversations,
     end_of_turn,
+    load_tokenizer,
     template_inputs,
 )
 from snaketune.data.tools import has_tool_parts
@@ -154,9 +155,8 @@ class _Check:
                 f"{name}, assistant turn {k} with the generation prompt", prompt, ids[:start].tolist()
             )
             eog = [p for p in range(start, end) if self.file.is_eog(int(ids[p]))]
-            end_at = next(
-                p for p in range(start, end) if ids[p] == self.end_id
-            )  # the tokenize stage checked it
+            # The turn holds its end-of-turn token: the tokenize stage's check (snaketune.data.template_check).
+            end_at = next(p for p in range(start, end) if ids[p] == self.end_id)
             if not eog or eog[0] != end_at:
                 stops = (
                     f"stops at {self.shown(int(ids[eog[0]]), True)}, token {eog[0] - start} of the reply"
@@ -187,15 +187,14 @@ def check_modelfiles(modelfiles: list[Path], stops: list[str]) -> None:
 
 
 def check_export(
-    files: list[Path], model_dir: str | Path, conversations: str | Path, modelfiles: list[Path]
+    files: list[Path], model_dir: str | Path, conversations: str | Path, served: list[Path]
 ) -> dict:
-    """ParityError unless every file renders and stops as training on the sampled held-out conversations and every
-    Modelfile stops at each stop token; what was checked (metrics.json's `parity`)."""
-    from snaketune.data.chat import load_tokenizer
-
-    tokenizer = load_tokenizer(
-        model_dir, "model"
-    )  # the tokenize stage's loader; the template training rendered with
+    """ParityError unless every file renders and stops as training on the sampled held-out conversations (of the
+    `conversations` file) and every Modelfile among the `served` files stops at each stop token; what was checked
+    (metrics.json's `parity`)."""
+    modelfiles = [Path(p) for p in served if Path(p).suffix == ".Modelfile"]
+    # The tokenize stage's loader, on the directory's tokenizer: it carries the template training rendered with.
+    tokenizer = load_tokenizer(model_dir, "model")
     rows = sample(conversations)
     end_id = end_of_turn(tokenizer)
     encoded = list(
