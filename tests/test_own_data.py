@@ -178,7 +178,11 @@ def pairs(n: int = 40) -> list[dict]:
     out += [
         {"prompt": "same?", "chosen": "yes", "rejected": "yes"},  # identical
         {"prompt": "empty?", "chosen": "no", "rejected": ""},  # empty_content
-        {"prompt": [turn("user", "a"), turn("function", "b"), turn("user", "c")], "chosen": "d", "rejected": "e"},
+        {
+            "prompt": [turn("user", "a"), turn("function", "b"), turn("user", "c")],
+            "chosen": "d",
+            "rejected": "e",
+        },
         {
             "prompt": [turn("user", "a"), turn("user", "b")],
             "chosen": "c",
