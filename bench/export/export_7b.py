@@ -223,6 +223,7 @@ def export_phase(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         name=f"{EXPERIMENT}-{MODEL}",
         out_dir=export_dir,
         data_dir=data / "tokenized",
+        conversations=data / "conversations" / "validation.parquet",
         threads=args.threads,
         log_file=log_file,
     )

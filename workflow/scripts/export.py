@@ -24,6 +24,7 @@ def main(smk):
         name=f"{smk.wildcards.experiment}-{smk.wildcards.model}",
         out_dir=smk.output[0],
         data_dir=smk.input.data,
+        conversations=smk.input.conversations,
         threads=smk.threads,
         log_file=smk.log[0],
     )

@@ -6,7 +6,9 @@ agreement against transformers, greedy replies beside transformers', prompt and 
 
 A file is marked failing (in metrics.json and the report; the stage itself succeeds) when its mean KL per token
 exceeds export.max_kl for its type, when a reply runs past eval.max_new_tokens where transformers' ended, or when
-the file lost what a runtime needs to chat: the chat template, bos, eos, or eos as an end-of-generation token.
+the file lost what a runtime needs to chat: the chat template, bos, eos, or eos as an end-of-generation token. A
+file that renders held-out conversations to other tokens than training, or stops elsewhere, or a Modelfile without a
+stop token, fails the stage (snaketune.export.parity).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from snaketune.export import llama_cpp, measure, modelfile
+from snaketune.export import llama_cpp, measure, modelfile, parity
 from snaketune.export.runtime import GGUFRuntime
 from snaketune.io import atomic_dir, write_json
 from snaketune.model import batching
@@ -85,6 +87,7 @@ def export(
     name: str,
     out_dir: str | Path,
     data_dir: str | Path,
+    conversations: str | Path,
     prompts: list[str],
     outtype: str,
     quants: list[str],
@@ -97,7 +100,7 @@ def export(
     log_file: str | Path,
 ) -> dict:
     """Write `<name>-<type>.gguf` for the unquantized type and each quant, metrics.json and replies.jsonl into
-    `out_dir` (atomically); returns metrics.json's content."""
+    `out_dir` (atomically); returns metrics.json's content. ParityError (snaketune.export.parity): nothing written."""
     tools = llama_cpp.check_toolchain()
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
@@ -145,12 +148,15 @@ def export(
             "files": files,
             "time_s": time.perf_counter() - t0,
         }
-        write_json(tmp / "metrics.json", metrics)
-        (tmp / "replies.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in replies))
         # Ollama Modelfiles, serve.sh and README.md: how to serve each file and talk to it (snaketune.export.modelfile).
-        modelfile.write_serving_files(
+        served = modelfile.write_serving_files(
             tmp, name, list(made), tokenizer, model_dir=model_dir, version=tools["llama_cpp_python"]
         )
+        metrics["parity"] = parity.check_export(
+            [p for p, _ in made.values()], model_dir, conversations, served
+        )
+        write_json(tmp / "metrics.json", metrics)
+        (tmp / "replies.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in replies))
     for row in files:
         _log_file(row)
     return metrics

@@ -14,6 +14,7 @@ the chat template stored in the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -21,6 +22,8 @@ import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from snaketune.data.chat import TemplateError, end_of_turn
 
 MARK = "\u241e{}\u241e"  # ␞ (symbol for record separator): no template writes it
 ROLES = ("system", "user", "assistant")
@@ -159,11 +162,15 @@ def go_template(fmt: TurnFormat) -> str:
 
 
 def stop_strings(tokenizer, fmt: TurnFormat | None) -> list[str]:
-    """Where a reply ends: the end-of-turn token's text, and the opening of the next user turn (in case the model
-    writes it instead)."""
+    """Where a reply ends: the end-of-turn token the template writes (Gemma's `<end_of_turn>` is not its eos) and
+    eos, and the opening of the next user turn (in case the model writes it instead). snaketune.export.parity
+    checks that every Modelfile has the first two."""
     stops = [tokenizer.eos_token] if tokenizer.eos_token else []
+    # Without an end-of-turn token the tokenize stage refused the template (parity does too).
+    with contextlib.suppress(TemplateError):
+        stops.insert(0, tokenizer.convert_ids_to_tokens(end_of_turn(tokenizer)))
     opening = fmt.around["user"][0].strip() if fmt else ""
-    return stops + ([opening] if opening and opening not in stops else [])
+    return list(dict.fromkeys(stops + ([opening] if opening else [])))
 
 
 def modelfile(gguf_name: str, tokenizer, num_ctx: int) -> str:
