@@ -166,20 +166,7 @@ def provenance_section(
         )
     )
     blocks += jobs_blocks(prov)
-    if benchmarks:
-        blocks.append(Heading(3, "Wall time per stage"))
-        stages = stage_wall_times(benchmarks)
-        total = sum(s["wall_s"] for s in stages.values())
-        rows = [
-            [
-                f"`{name}`",
-                str(s["jobs"]),
-                fmt_duration(s["wall_s"]),
-                f"{s['wall_s'] / total:.0%}" if total else "–",
-            ]
-            for name, s in stages.items()
-        ]
-        blocks.append(Table(["stage", "jobs", "wall time (jobs summed)", "share"], rows))
+    blocks += stage_time_blocks(benchmarks)
     blocks.append(Heading(3, "Wall time per job"))
     if benchmarks:
         total = sum(b["wall_s"] or 0 for b in benchmarks)
@@ -201,6 +188,27 @@ def provenance_section(
         )
     )
     return blocks
+
+
+def stage_time_blocks(benchmarks: list[dict]) -> list[Block]:
+    """The wall time per stage, each stage's share of the jobs' summed time."""
+    if not benchmarks:
+        return []
+    stages = stage_wall_times(benchmarks)
+    total = sum(s["wall_s"] for s in stages.values())
+    rows = [
+        [
+            f"`{name}`",
+            str(s["jobs"]),
+            fmt_duration(s["wall_s"]),
+            f"{s['wall_s'] / total:.0%}" if total else "–",
+        ]
+        for name, s in stages.items()
+    ]
+    return [
+        Heading(3, "Wall time per stage"),
+        Table(["stage", "jobs", "wall time (jobs summed)", "share"], rows),
+    ]
 
 
 def stage_wall_times(benchmarks: list[dict]) -> dict[str, dict]:
