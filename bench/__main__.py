@@ -146,6 +146,10 @@ CASES = [
          "`real_model` run's files", "CPU", _script("real_model/real_model_table.py")),
     Case("smollm2_mfu", "real_model", "the 135M train step at micro-batches 8 / 32 / 64 and compiled: tokens/s, "
          "MFU, memory", GPU + " (49 GB of it used)", _script("real_model/mfu.sh"), ("ROWS", "SMOL|GGUF")),
+    Case("user_scale", "overhead", "the user's scale on a CPU (issue #49): a hub-format DeepSeek-architecture model "
+         "with the real tokenizer (102,400 rows) on real rows through every stage the default config runs: the "
+         "run's wall time, each job, each GGUF job against its model's", "CPU (2 cores)",
+         _script("overhead/user_scale.sh"), ("ROWS", "TOKENIZER")),
     Case("smollm2_example", "real_model", "config/examples/smollm2-135m-real.yaml as written through every stage "
          "(export and benchmark included), real oasst rows for the hub's: each stage's wall time, every benchmark "
          "job finished", GPU, _script("real_model/example.sh"), ("ROWS", "GGUF")),
