@@ -2,8 +2,8 @@
 # Issue #49, on this machine's CPU: the user's scale through every stage the default config runs. A hub-format
 # DeepSeek-architecture directory (2 layers, hidden 64, DeepSeek's 102,400-row embedding, the real tokenizer:
 # SNAKETUNE_BENCH_TOKENIZER) on real oasst rows (SNAKETUNE_BENCH_ROWS), config/config.yaml's defaults otherwise
-# (export, and the benchmark's tasks auto: mmlu_dev, all 215 questions, on base, SFT, DPO and the q4_k_m files), in
-# a copy of the workflow in $WORK. Prints the whole run's wall time, each job's (Snakemake's benchmark files) and
+# for export and benchmark (tasks auto: mmlu_dev, all 215 questions, on base, SFT, DPO and the q4_k_m files; training
+# as short as the tests' hub run), in a copy of the workflow in $WORK. Prints the whole run's wall time, each job's (Snakemake's benchmark files) and
 # each benchmark_gguf job against its model's benchmark job on the same task and questions.
 #   python -m bench user_scale          CORES (default 2), GPUs hidden: CPU ranks, as a CPU-only user runs it
 set -uo pipefail
@@ -24,9 +24,16 @@ LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, max_shard_size="5M
 for name in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(f"{tok}/{name}", f"{out}/{name}")
 PY
+# Training as short as the tests' hub run (tests/test_hub_workflow.py): the stages, not the default's step counts (60
+# SFT and 200 DPO steps at 102,400 rows take most of an hour on 2 cores); the benchmark and export as the defaults.
 cat >"$W/user.yaml" <<YAML
-dataset: {source: ${SNAKETUNE_BENCH_ROWS:?real oasst rows}, paths: all}
+dataset: {source: ${SNAKETUNE_BENCH_ROWS:?real oasst rows}, paths: all, validation_fraction: 0.08}
 model: {base: deepseek-tiny-hub}
+train: {gpus: 2, max_steps: 4, global_batch_size: 4, micro_batch_size: 2, warmup_steps: 1, eval_every: 0,
+        checkpoint_every: 0}
+preference: {max_length: 64, train: {max_steps: 3, global_batch_size: 4, micro_batch_size: 2, eval_every: 0,
+             checkpoint_every: 0}}
+eval: {max_new_tokens: 6}
 YAML
 echo "=== $(date -u +%T) the default config on the user's model and data"
 start=$(date +%s)
@@ -45,8 +52,8 @@ def wall(p):
 print("=== each GGUF job against its model's job (same task, same questions)")
 for gguf in sorted(pathlib.Path("benchmarks/benchmark").glob("*/*-*/*.tsv")):
     model = gguf.parent.parent / gguf.parent.name.split("-")[0] / gguf.name
-    res = json.loads(pathlib.Path("results", *gguf.with_suffix(".json").parts).read_text())
-    mres = json.loads(pathlib.Path("results", *model.with_suffix(".json").parts).read_text())
+    res = json.loads(pathlib.Path("results", *gguf.with_suffix(".json").parts[1:]).read_text())
+    mres = json.loads(pathlib.Path("results", *model.with_suffix(".json").parts[1:]).read_text())
     print(f"  {gguf.parent.name}/{gguf.stem}: {wall(gguf):.1f} s (n={res['n']}) against {wall(model):.1f} s "
           f"(n={mres['n']}): {wall(gguf) / wall(model):.2f}x")
 PY
