@@ -134,7 +134,9 @@ def test_the_first_screen_says_a_drop_before_anything_else(tmp_path):
     assert first.startswith("**Forgetting beyond `benchmark.max_drop` (2 points)**"), top
     assert "**The run fails on it** (`benchmark.fail_on_drop`)." in first
     bullets = top.split("\n\n")[2]
-    assert bullets.startswith("- default DPO: builtin_choice acc −50.0 points [−") and "(40 examples)" in bullets
+    assert (
+        bullets.startswith("- default DPO: builtin_choice acc −50.0 points [−") and "(40 examples)" in bullets
+    )
     assert "lora" not in bullets
     assert top.index("Forgetting beyond") < top.index("**default**")
     html = (tmp_path / "fails/out/index.html").read_text()

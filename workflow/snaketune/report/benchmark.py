@@ -230,6 +230,41 @@ def _delta(c: dict | None) -> str:
     return text.replace("-", MINUS) + (" worse" if c["worse"] else "")
 
 
+def _forgetting_table(per_task: dict) -> Table:
+    """One experiment's tasks and metrics: each model's score, each change against the base, which are worse."""
+    labels = list(
+        dict.fromkeys(lab for t in per_task.values() for m in t["metrics"].values() for lab in m["scores"])
+    )
+    changed = [lab for lab in labels if lab != "base"]
+    rows = []
+    for task, t in per_task.items():
+        for key, m in t["metrics"].items():
+            worse = [
+                _name(lab) + (" (beyond max_drop)" if c.get("beyond_max_drop") else "")
+                for lab, c in m["change_vs_base"].items()
+                if c and c["worse"]
+            ]
+            rows.append(
+                [
+                    task,
+                    _metric_name(key),
+                    fmt(t["n"]),
+                    *(_cell(m["scores"].get(lab)) for lab in labels),
+                    *(_delta(m["change_vs_base"].get(lab)) for lab in changed),
+                    ", ".join(worse) or "—",
+                ]
+            )
+    header = [
+        "task",
+        "metric",
+        "n",
+        *(_name(lab) for lab in labels),
+        *(f"{_name(lab)} − base" for lab in changed),
+        "worse than base",
+    ]
+    return Table(header, rows, numeric=[False, False, *[True] * (len(header) - 3), False])
+
+
 def benchmark_section(summary: dict | None) -> list[Block]:
     if not summary or not any(summary["experiments"].values()):
         return []
@@ -248,44 +283,8 @@ def benchmark_section(summary: dict | None) -> list[Block]:
     if summary.get("tasks_reason"):
         blocks.append(Para(f"Why these tasks: {summary['tasks_reason']}."))
     for exp, per_task in summary["experiments"].items():
-        if not per_task:
-            continue
-        labels = list(
-            dict.fromkeys(
-                lab for t in per_task.values() for m in t["metrics"].values() for lab in m["scores"]
-            )
-        )
-        changed = [lab for lab in labels if lab != "base"]
-        rows = []
-        for task, t in per_task.items():
-            for key, m in t["metrics"].items():
-                worse = [
-                    _name(lab) + (" (beyond max_drop)" if c.get("beyond_max_drop") else "")
-                    for lab, c in m["change_vs_base"].items()
-                    if c and c["worse"]
-                ]
-                rows.append(
-                    [
-                        task,
-                        _metric_name(key),
-                        fmt(t["n"]),
-                        *(_cell(m["scores"].get(lab)) for lab in labels),
-                        *(_delta(m["change_vs_base"].get(lab)) for lab in changed),
-                        ", ".join(worse) or "—",
-                    ]
-                )
-        header = [
-            "task",
-            "metric",
-            "n",
-            *(_name(lab) for lab in labels),
-            *(f"{_name(lab)} − base" for lab in changed),
-            "worse than base",
-        ]
-        blocks += [
-            Heading(3, f"{exp}: forgetting"),
-            Table(header, rows, numeric=[False, False, *[True] * (len(header) - 3), False]),
-        ]
+        if per_task:
+            blocks += [Heading(3, f"{exp}: forgetting"), _forgetting_table(per_task)]
     if summary["deployed"]:
         rows = []
         for d in summary["deployed"]:

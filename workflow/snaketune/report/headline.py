@@ -326,9 +326,9 @@ def drop_blocks(bench: dict | None) -> list[Block]:
     )
     return [
         Para(
-            f"**Forgetting beyond `benchmark.max_drop` ({limit} points)**: the final model lost more than {limit} "
-            f"points against the base model on the same examples, beyond the noise (the whole 95% interval below "
-            f"{MINUS}{limit}). {outcome}"
+            f"**Forgetting beyond `benchmark.max_drop` ({limit} points)**: a final model (or a GGUF file of it) lost "
+            f"more than {limit} points of a benchmark score against the base model on the same examples, beyond the "
+            f"noise (the whole 95% interval below {MINUS}{limit}). {outcome}"
         ),
         Bullets([drop_text(d) for d in bench["drops"]]),
     ]
