@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 from lm_eval.api.model import LM
 
+from report_tree import benchmark_result
 from snaketune.benchmark import local_tasks
 from snaketune.benchmark.run import evaluate_task
 from snaketune.config.benchmark import BenchmarkConfig
@@ -190,31 +191,17 @@ def test_a_task_spec_takes_its_own_settings():
 # ---- the report's intervals -----------------------------------------------------------------------------
 
 
-def _result(tmp_path, owner: str, label: str, kind: str, values: list[float]) -> str:
-    """A result file where the workflow writes it: results/benchmark/base/<key>/ or <experiment>/<label>/."""
-    path = tmp_path / (f"base/{owner}" if kind == "base" else f"{owner}/{label}") / "builtin_choice.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mean = sum(values) / len(values)
-    path.write_text(json.dumps({
-        "task": "builtin_choice", "n": len(values), "spec": {"num_fewshot": 0},
-        "model": {"label": label, "experiment": None if kind == "base" else owner, "kind": kind},
-        "metrics": {"acc,none": {"metric": "acc", "filter": "none", "value": mean, "stderr": 0.05, "higher_is_better": True}},
-        "samples": [{"doc_id": i, "filter": "none", "acc": v} for i, v in enumerate(values)],
-    }))  # fmt: skip
-    return str(path)
-
-
 def test_forgetting_is_marked_only_beyond_the_noise(tmp_path):
     """Base right on 40 of 40; SFT loses 10 (worse beyond the noise); DPO loses 1 (within it); the DPO model's
     q4_k_m file answers as the DPO model on every example (difference 0, interval [0, 0])."""
     dpo = [1.0] * 39 + [0.0]
     paths = [
-        _result(tmp_path, "k", "base", "base", [1.0] * 40),
-        _result(tmp_path, "exp", "sft", "tuned", [1.0] * 30 + [0.0] * 10),
-        _result(tmp_path, "exp", "dpo", "tuned", dpo),
-        _result(tmp_path, "exp", "dpo-q4_k_m", "gguf", dpo),
+        benchmark_result(tmp_path, "k", "base", "base", [1.0] * 40),
+        benchmark_result(tmp_path, "exp", "sft", "tuned", [1.0] * 30 + [0.0] * 10),
+        benchmark_result(tmp_path, "exp", "dpo", "tuned", dpo),
+        benchmark_result(tmp_path, "exp", "dpo-q4_k_m", "gguf", dpo),
     ]
-    summary = benchmark_summary(paths, {"exp": "k"})
+    summary = benchmark_summary(paths, {"exp": "k"}, max_drop=2.0)
     changes = summary["experiments"]["exp"]["builtin_choice"]["metrics"]["acc,none"]["change_vs_base"]
     assert (
         changes["sft"]["worse"]

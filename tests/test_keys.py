@@ -34,6 +34,7 @@ SCRIPT_STAGES = {
     "export.py": "export",
     "benchmark.py": "benchmark",
     "report.py": "report",
+    "benchmark_gate.py": "benchmark_gate",
     "manifest.py": "manifest",
 }
 """The stage (keys.STAGE_MODULES) whose code hash each script's rule carries in its params."""

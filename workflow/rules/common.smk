@@ -39,13 +39,15 @@ TOKENIZERS = {keys.tokenizer_id(exp.model): exp.model for exp in EXPERIMENTS.val
 
 
 def all_targets():
-    """The report (it depends on every experiment's training and evaluation, and on the data stages) and the memory
-    plans (the preflight checks, which no stage reads)."""
+    """The report (it depends on every experiment's training and evaluation, and on the data stages), the memory
+    plans (the preflight checks, which no stage reads) and, under benchmark.fail_on_drop, the check that fails the
+    run on a drop the report flags (rule benchmark_gate)."""
     return [
         "results/report/index.html",
         "results/report/report.md",
         "results/report/summary.json",
         *plan_targets(),
+        *(["results/report/gate.json"] if CFG.benchmark.fail_on_drop else []),
     ]
 
 

@@ -46,6 +46,7 @@ STAGE_MODULES = {
     "export": ("snaketune.export.export", "snaketune.data.prompts"),
     "benchmark": ("snaketune.benchmark.run", "snaketune.gpus"),
     "report": ("snaketune.report.build",),
+    "benchmark_gate": ("snaketune.report.gate",),
     "manifest": ("snaketune.provenance",),
 }
 

@@ -1,5 +1,6 @@
 """The benchmark stage's settings (config key `benchmark`, shared by every experiment; snaketune.benchmark.run):
-which lm-evaluation-harness tasks, on how many examples and shots, on which models and GGUF files."""
+which lm-evaluation-harness tasks, on how many examples and shots, on which models and GGUF files; how much loss
+against the base the report flags, and whether that fails the run."""
 
 from __future__ import annotations
 
@@ -57,6 +58,14 @@ class BenchmarkConfig:
     """Sequences per forward pass of a transformers model."""
     max_length: int = 2048
     """Most tokens of a request (context + continuation; longer contexts lose their start); the server's context."""
+    max_drop: float = 2.0
+    """Percentage points of a task's score (a share: acc, exact_match, ...) the final model or one of its scored GGUF
+    files may lose against the base model before the report flags the run: flagged where the change's whole 95%
+    interval lies below -max_drop (beyond it and beyond the noise; snaketune.report.benchmark). 0: any loss
+    beyond the noise."""
+    fail_on_drop: bool = False
+    """Fail the run when the report flags a drop beyond max_drop: rule benchmark_gate, after the report is
+    written, exits 1 naming each drop."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tasks, str) and self.tasks != "auto":
@@ -100,6 +109,17 @@ class BenchmarkConfig:
             fail("benchmark.batch_size", f"{self.batch_size} must be >= 1")
         if self.max_length < 16:
             fail("benchmark.max_length", f"{self.max_length} must be >= 16")
+        if isinstance(self.max_drop, bool) or not 0 <= self.max_drop <= 100:
+            fail(
+                "benchmark.max_drop", f"{self.max_drop!r} must be a number of percentage points from 0 to 100"
+            )
+        if self.fail_on_drop and not (self.enabled and "base" in self.models):
+            # Drops are changes against the base model: without its scores there is nothing to fail on.
+            fail(
+                "benchmark.fail_on_drop",
+                "true needs the benchmark stage with the base model (benchmark.enabled: true, base in "
+                f"benchmark.models; got enabled: {str(self.enabled).lower()}, models: {list(self.models)})",
+            )
 
     def task_names(self, builtin_data: bool) -> tuple[str, ...]:
         """The tasks that run: those named, or for `auto` those that fit the data (builtin or the user's own)."""

@@ -156,6 +156,8 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "benchmark.chat_template": _BENCHMARKS,
     "benchmark.batch_size": _BENCHMARKS,
     "benchmark.max_length": _BENCHMARKS,
+    # What the report flags among the scores, never the scores: the benchmark jobs keep theirs.
+    "benchmark.max_drop": ("report",),
 }
 """Every key outside train (and preference.train) that changes an output, and the stages whose outputs it changes."""
 
@@ -169,6 +171,8 @@ UNOWNED: dict[str, str] = {
     "benchmark.tasks": "structure: adds or removes a task's jobs (one per model); the others are kept",
     "benchmark.models": "structure: which models the benchmark stage scores (a job each)",
     "benchmark.quants": "structure: which GGUF files the benchmark stage scores (a job each)",
+    "benchmark.fail_on_drop": "structure: adds or removes the check after the report that fails the run on a drop "
+    "beyond max_drop (rule benchmark_gate)",
     "experiments": "structure: adds or removes experiments (each its own jobs)",
 }
 """Keys that own no stage, and why."""

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune import provenance as provenance_module
+from snaketune.config.benchmark import BenchmarkConfig
 from snaketune.io import atomic_files, write_json
 from snaketune.report import plots
 from snaketune.report.benchmark import benchmark_section, benchmark_summary
@@ -310,8 +311,14 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
         "job_software": {k: v for k, v in summary_of_jobs.get("software", {}).items() if len(v) > 1},
     }
     summary = make_summary(data, experiments, provenance, run)
-    summary["benchmark"] = benchmark_summary(inputs.benchmark_results, inputs.benchmark_bases)
-    summary["benchmark"]["tasks_reason"] = inputs.config.get("benchmark", {}).get("tasks_reason")
+    bench = inputs.config.get("benchmark", {})
+    summary["benchmark"] = benchmark_summary(
+        inputs.benchmark_results,
+        inputs.benchmark_bases,
+        bench.get("max_drop", BenchmarkConfig.max_drop),
+    )
+    summary["benchmark"]["fail_on_drop"] = bench.get("fail_on_drop", False)
+    summary["benchmark"]["tasks_reason"] = bench.get("tasks_reason")
     # Every file of the report, or none: all are written into a staging directory (the plots under their own
     # names, which report.md links to) and renamed into place together.
     with atomic_files(*(out_dir / name for name in OUTPUTS.values())) as staged:
