@@ -36,6 +36,7 @@ SCRIPT_STAGES = {
     "report.py": "report",
     "benchmark_gate.py": "benchmark_gate",
     "manifest.py": "manifest",
+    "verify.py": "verify",
 }
 """The stage (keys.STAGE_MODULES) whose code hash each script's rule carries in its params."""
 HEAVY = (

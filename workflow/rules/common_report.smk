@@ -184,7 +184,8 @@ def report_input(wildcards):
 def invocation():
     """--configfile (relative to the working directory when inside it), each with its sha256, and --config as given
     to Snakemake: the report's reproduce box. Only what changes the results: --cores and --resources are not here,
-    so a run with other ones reruns nothing (an edit of a config file reruns the report, which names it by hash)."""
+    so a run with other ones reruns nothing (an edit of a config file reruns the report, which names it by hash).
+    """
     files = []
     for f in workflow.config_settings.configfiles:
         try:

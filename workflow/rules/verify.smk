@@ -11,5 +11,6 @@ rule verify:
     threads: max(os.cpu_count() or 1, 1)
     params:
         outputs=workflow_outputs(),
+        code=keys.code_hash("verify"),
     script:
         "../scripts/verify.py"

@@ -48,6 +48,7 @@ STAGE_MODULES = {
     "report": ("snaketune.report.build",),
     "benchmark_gate": ("snaketune.report.gate",),
     "manifest": ("snaketune.provenance",),
+    "verify": ("snaketune.verify", "snaketune.provenance"),
 }
 
 PACKAGE_DIR = Path(__file__).resolve().parent
