@@ -30,9 +30,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from snaketune.data import tools as tool_calling
+from snaketune.data.cells import Cell, Source, bad_value, missing_key
 from snaketune.data.forest import both_splits, split_by_hash
 from snaketune.data.jsonl import json_lines
-from snaketune.data.messages import SPLITS, UNKNOWN_LANG, DataError, _bad_value, _Source, _where
+from snaketune.data.messages import SPLITS, UNKNOWN_LANG, DataError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 LEGACY_TOOL_ROLES = ("function", "ipython")
@@ -74,49 +75,45 @@ def is_chat_table(path: str | Path) -> bool:
 # ---- reading and checking (download) --------------------------------------------------------------------------
 
 
-def _missing(src: _Source, row: int, key: str, name: str, allowed: str) -> DataError:
-    return DataError(f"{_where(src, key, row)}: missing key {name!r}; allowed: {allowed}")
-
-
 def parse_messages(
-    value: Any, src: _Source, row: int, key: str, tools: list[dict] | None = None
+    value: Any, src: Source, row: int, key: str, tools: list[dict] | None = None
 ) -> list[dict[str, Any]]:
     """A record's messages list as [{role, content, tool_calls, tool_call_id}], every message checked, calls against
     the record's `tools` (content null stays null: the cleaning counts it as empty)."""
-    at = (src, row, None)
+    at = Cell(src, row)
     if isinstance(value, np.ndarray):  # a list column that pandas holds
         value = value.tolist()
     if not isinstance(value, list):
-        raise _bad_value(at, key, value, "a list of {role, content} objects")
+        raise bad_value(at, key, value, "a list of {role, content} objects")
     out = []
     for i, message in enumerate(value):
         k = f"{key}[{i}]"
         if not isinstance(message, dict):
-            raise _bad_value(at, k, message, "an object with role and content")
+            raise bad_value(at, k, message, "an object with role and content")
         if "role" not in message:
-            raise _missing(src, row, k, "role", f"an object with role ({ROLES_ALLOWED}) and content")
+            raise missing_key(at, k, "role", f"an object with role ({ROLES_ALLOWED}) and content")
         role = message["role"]
         if not isinstance(role, str) or role not in CHAT_ROLES + LEGACY_TOOL_ROLES:
-            raise _bad_value(at, f"{k}.role", role, ROLES_ALLOWED)
+            raise bad_value(at, f"{k}.role", role, ROLES_ALLOWED)
         # A tool result, or an assistant turn that only calls tools, may come without content.
         calls = message.get("tool_calls")
         if isinstance(calls, np.ndarray):
             calls = calls.tolist()
         tool_roles = ("tool", *LEGACY_TOOL_ROLES)
         if "content" not in message and role not in tool_roles and not calls:
-            raise _missing(src, row, k, "content", "an object with role and content (a string)")
+            raise missing_key(at, k, "content", "an object with role and content (a string)")
         content = message.get("content")
         if content is not None and not isinstance(content, str):
-            raise _bad_value(
+            raise bad_value(
                 at, f"{k}.content", content, "a string or null (a list of content parts is not read)"
             )
         if (
             calls and role != "assistant"
         ):  # a Parquet struct column gives every message the key, null or empty
-            raise _bad_value(at, f"{k}.tool_calls", calls, "null on a turn that is not the assistant's")
+            raise bad_value(at, f"{k}.tool_calls", calls, "null on a turn that is not the assistant's")
         call_id = message.get("tool_call_id") if role == "tool" else None
         if call_id is not None and not isinstance(call_id, str):
-            raise _bad_value(
+            raise bad_value(
                 at, f"{k}.tool_call_id", call_id, "a string, the id of the call it answers, or null"
             )
         out.append(
@@ -147,24 +144,24 @@ def conversation_key(messages: Sequence[dict], tools: str | None = None) -> str:
     return json.dumps([turns, tools], ensure_ascii=False)
 
 
-def parse_split(value: Any, src: _Source, row: int) -> str | None:
+def parse_split(value: Any, src: Source, row: int) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or value not in SPLITS:
-        raise _bad_value((src, row, None), "split", value, ", ".join(SPLITS) + " or null")
+        raise bad_value(Cell(src, row), "split", value, ", ".join(SPLITS) + " or null")
     return value
 
 
-def _parse_record(record: dict, src: _Source, row: int) -> dict[str, Any]:
-    at = (src, row, None)
+def _parse_record(record: dict, src: Source, row: int) -> dict[str, Any]:
+    at = Cell(src, row)
     tools = tool_calling.parse_tools(record.get("tools"), at)
     messages = parse_messages(record["messages"], src, row, "messages", tools)
     raw_id = record.get("id")
     if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, str | int) or raw_id == ""):
-        raise _bad_value(at, "id", raw_id, "a non-empty string or an integer, unique in the file (or null)")
+        raise bad_value(at, "id", raw_id, "a non-empty string or an integer, unique in the file (or null)")
     lang = record.get("lang")
     if lang is not None and not isinstance(lang, str):
-        raise _bad_value(at, "lang", lang, "a language code string (e.g. en, pt-BR) or null")
+        raise bad_value(at, "lang", lang, "a language code string (e.g. en, pt-BR) or null")
     return {
         "id": None if raw_id is None else str(raw_id),
         "split": parse_split(record.get("split"), src, row),
@@ -174,7 +171,7 @@ def _parse_record(record: dict, src: _Source, row: int) -> dict[str, Any]:
     }
 
 
-def _records(path: Path) -> tuple[list[dict], _Source, list[str]]:
+def _records(path: Path) -> tuple[list[dict], Source, list[str]]:
     """The file's records (JSONL lines or Parquet rows), where they came from, and the fields the file has."""
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         records, lines, fields = [], [], set()
@@ -190,7 +187,7 @@ def _records(path: Path) -> tuple[list[dict], _Source, list[str]]:
             fields.update(map(str, record))
         if not records:
             raise DataError(f"{path}: no conversations (the file is empty or has only blank lines)")
-        return records, _Source(str(path), np.asarray(lines, dtype=np.int64)), sorted(fields)
+        return records, Source(str(path), np.asarray(lines, dtype=np.int64)), sorted(fields)
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
@@ -203,10 +200,10 @@ def _records(path: Path) -> tuple[list[dict], _Source, list[str]]:
     if table.num_rows == 0:
         raise DataError(f"{path}: no conversations (the table is empty)")
     read = table.select([c for c in FIELDS if c in table.column_names])
-    return read.to_pylist(), _Source(str(path)), sorted(table.column_names)
+    return read.to_pylist(), Source(str(path)), sorted(table.column_names)
 
 
-def check_chats(records: list[dict], src: _Source) -> list[dict[str, Any]]:
+def check_chats(records: list[dict], src: Source) -> list[dict[str, Any]]:
     """Every record checked and normalized ({id, split, lang, messages}); ids unique, splits on all or none."""
     rows = [_parse_record(record, src, i) for i, record in enumerate(records)]
     first: dict[str, int] = {}
@@ -215,7 +212,7 @@ def check_chats(records: list[dict], src: _Source) -> list[dict[str, Any]]:
             continue
         if row["id"] in first:
             raise DataError(
-                f"{_where(src, 'id', i)}: duplicate id {row['id']!r} (first in {src.at(first[row['id']])}); "
+                f"{src.where('id', i)}: duplicate id {row['id']!r} (first in {src.at(first[row['id']])}); "
                 "allowed: ids unique in the file (or no id: the messages' hash names the conversation)"
             )
         first[row["id"]] = i
@@ -223,7 +220,7 @@ def check_chats(records: list[dict], src: _Source) -> list[dict[str, Any]]:
     if with_split and len(with_split) < len(rows):
         i = next(i for i, row in enumerate(rows) if row["split"] is None)
         raise DataError(
-            f"{_where(src, 'split', i)}: no split while {src.at(with_split[0])} has one; allowed: "
+            f"{src.where('split', i)}: no split while {src.at(with_split[0])} has one; allowed: "
             f"{', '.join(SPLITS)} on every record, or on none (then a hash of the id splits them)"
         )
     for row in rows:

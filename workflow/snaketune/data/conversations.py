@@ -25,6 +25,7 @@ import pandas as pd
 import pyarrow as pa
 
 from snaketune.data import chat_format, forest, tools
+from snaketune.data.cells import Source
 from snaketune.data.forest import DEFAULT_TREE_STATES, MESSAGE_DROP_REASONS, split_hash
 from snaketune.data.messages import (
     REQUIRED_COLUMNS,
@@ -32,7 +33,6 @@ from snaketune.data.messages import (
     SPLITS,
     DataError,
     Message,
-    _Source,
     check_messages,
     tree_id,
     where,
@@ -183,7 +183,7 @@ def _counted(counts: dict[str, int]) -> str:
 
 
 def _nothing_left(
-    src: _Source, wanted: set[str], paths: str, cleaned: forest.Forest, counts: _Counts
+    src: Source, wanted: set[str], paths: str, cleaned: forest.Forest, counts: _Counts
 ) -> DataError:
     dropped = dict(cleaned.dropped)
     unreachable = {k: dropped.pop(k) for k in ("orphan", "loop")}

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from snaketune.data import tools as tool_calling
+from snaketune.data.cells import Cell, Source, bad_value
 from snaketune.data.chat_format import (
     LEGACY_TOOL_ROLES,
     clean_conversation,
@@ -38,7 +39,7 @@ from snaketune.data.chat_format import (
 )
 from snaketune.data.forest import both_splits, split_by_hash
 from snaketune.data.jsonl import json_lines
-from snaketune.data.messages import SPLITS, UNKNOWN_LANG, DataError, _bad_value, _Source, _where
+from snaketune.data.messages import SPLITS, UNKNOWN_LANG, DataError
 from snaketune.data.preferences import Preferences, frame_pairs
 
 DROP_REASONS = ("tool_use", "empty_content", "roles_out_of_order", "identical", "duplicate")
@@ -56,18 +57,18 @@ def _user(content: str) -> dict[str, Any]:
     return {"role": "user", "content": content, "tool_calls": None, "tool_call_id": None}
 
 
-def _reply(value: Any, src: _Source, row: int, key: str, tools) -> tuple[Turns | None, dict]:
+def _reply(value: Any, src: Source, row: int, key: str, tools) -> tuple[Turns | None, dict]:
     """(the turns before the reply, or None for a string; the reply: {content, tool_calls}) of chosen or rejected."""
     if isinstance(value, str):
         return None, {"content": value, "tool_calls": None}
     if not isinstance(value, list | np.ndarray) or len(value) == 0:
-        raise _bad_value(
-            (src, row, None), key, value, "a string, or a messages list ending in the assistant's reply"
+        raise bad_value(
+            Cell(src, row), key, value, "a string, or a messages list ending in the assistant's reply"
         )
     turns = parse_messages(value, src, row, key, tools)
     if turns[-1]["role"] != "assistant":
-        raise _bad_value(
-            (src, row, None),
+        raise bad_value(
+            Cell(src, row),
             f"{key}[{len(turns) - 1}].role",
             turns[-1]["role"],
             "assistant (the reply is the last turn)",
@@ -75,17 +76,15 @@ def _reply(value: Any, src: _Source, row: int, key: str, tools) -> tuple[Turns |
     return turns[:-1], {"content": turns[-1]["content"], "tool_calls": turns[-1]["tool_calls"]}
 
 
-def _prompt(value: Any, src: _Source, row: int, tools) -> Turns:
+def _prompt(value: Any, src: Source, row: int, tools) -> Turns:
     if isinstance(value, str):
         return [_user(value)]
     if not isinstance(value, list | np.ndarray) or len(value) == 0:
-        raise _bad_value(
-            (src, row, None), "prompt", value, "a string, or a messages list ending in a user turn"
-        )
+        raise bad_value(Cell(src, row), "prompt", value, "a string, or a messages list ending in a user turn")
     turns = parse_messages(value, src, row, "prompt", tools)
     if turns[-1]["role"] not in ("user", "tool"):
-        raise _bad_value(
-            (src, row, None),
+        raise bad_value(
+            Cell(src, row),
             f"prompt[{len(turns) - 1}].role",
             turns[-1]["role"],
             "user or tool (the prompt ends with the turn the replies answer)",
@@ -93,12 +92,12 @@ def _prompt(value: Any, src: _Source, row: int, tools) -> Turns:
     return turns
 
 
-def _parse_pair(record: dict, src: _Source, row: int) -> dict[str, Any]:
+def _parse_pair(record: dict, src: Source, row: int) -> dict[str, Any]:
     for key in ("chosen", "rejected"):
         if record.get(key) is None:
             what = "missing required key" if key not in record else "null in required key"
             raise DataError(f"{src.name}: {src.at(row)}: {what} {key!r}; {_REQUIRED}")
-    tools = tool_calling.parse_tools(record.get("tools"), (src, row, None))
+    tools = tool_calling.parse_tools(record.get("tools"), Cell(src, row))
     chosen_before, chosen = _reply(record["chosen"], src, row, "chosen", tools)
     rejected_before, rejected = _reply(record["rejected"], src, row, "rejected", tools)
     if record.get("prompt") is not None:
@@ -106,7 +105,7 @@ def _parse_pair(record: dict, src: _Source, row: int) -> dict[str, Any]:
         for before, key in ((chosen_before, "chosen"), (rejected_before, "rejected")):
             if before and before != prompt:
                 raise DataError(
-                    f"{_where(src, key, row)}: its turns before the reply differ from the prompt's; allowed: the reply "
+                    f"{src.where(key, row)}: its turns before the reply differ from the prompt's; allowed: the reply "
                     "alone, or the prompt's turns followed by the reply"
                 )
     elif chosen_before and chosen_before == rejected_before:
@@ -123,12 +122,12 @@ def _parse_pair(record: dict, src: _Source, row: int) -> dict[str, Any]:
         )
     raw_id = record.get("id")
     if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, str | int) or raw_id == ""):
-        raise _bad_value(
-            (src, row, None), "id", raw_id, "a non-empty string or an integer, unique in the file (or null)"
+        raise bad_value(
+            Cell(src, row), "id", raw_id, "a non-empty string or an integer, unique in the file (or null)"
         )
     lang = record.get("lang")
     if lang is not None and not isinstance(lang, str):
-        raise _bad_value((src, row, None), "lang", lang, "a language code string (e.g. en, pt-BR) or null")
+        raise bad_value(Cell(src, row), "lang", lang, "a language code string (e.g. en, pt-BR) or null")
     return {
         "id": None if raw_id is None else str(raw_id),
         "split": parse_split(record.get("split"), src, row),
@@ -142,13 +141,13 @@ def _parse_pair(record: dict, src: _Source, row: int) -> dict[str, Any]:
     }
 
 
-def _records(path: Path) -> tuple[list[dict], _Source]:
+def _records(path: Path) -> tuple[list[dict], Source]:
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         lines, records = [], []
         for line_no, record in json_lines(path, "one pair"):
             lines.append(line_no)
             records.append(record)
-        src = _Source(str(path), np.asarray(lines, dtype=np.int64))
+        src = Source(str(path), np.asarray(lines, dtype=np.int64))
     elif path.suffix == ".parquet":
         try:
             table = pq.read_table(path)
@@ -156,7 +155,7 @@ def _records(path: Path) -> tuple[list[dict], _Source]:
             raise DataError(f"{path}: not a readable Parquet file ({e}); allowed: a Parquet file") from e
         records, src = (
             table.select([c for c in FIELDS if c in table.column_names]).to_pylist(),
-            _Source(str(path)),
+            Source(str(path)),
         )
     else:
         raise DataError(f"{path}: unsupported file type; allowed: .jsonl, .jsonl.gz, .parquet")
@@ -174,14 +173,14 @@ def read_pairs(path: str | Path) -> list[dict[str, Any]]:
     for i, row in enumerate(rows):
         if row["id"] is not None and first.setdefault(row["id"], i) != i:
             raise DataError(
-                f"{_where(src, 'id', i)}: duplicate id {row['id']!r} (first in {src.at(first[row['id']])}); allowed: "
+                f"{src.where('id', i)}: duplicate id {row['id']!r} (first in {src.at(first[row['id']])}); allowed: "
                 "ids unique in the file (or none)"
             )
     with_split = [i for i, row in enumerate(rows) if row["split"] is not None]
     if with_split and len(with_split) < len(rows):
         i = next(i for i, row in enumerate(rows) if row["split"] is None)
         raise DataError(
-            f"{_where(src, 'split', i)}: no split while {src.at(with_split[0])} has one; allowed: "
+            f"{src.where('split', i)}: no split while {src.at(with_split[0])} has one; allowed: "
             f"{', '.join(SPLITS)} on every record, or on none (then a hash of the prompt splits them)"
         )
     return rows

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from snaketune.data.messages import DataError, _bad_value, _Source, _where
+from snaketune.data.cells import Cell, bad_value, missing_key
 
 CALL = pa.struct(
     [
@@ -66,8 +66,6 @@ TOOLS_FOOTER = (
     "</tool_call>"
 )
 
-At = tuple[_Source, int, Any]
-
 
 def _json(value: Any) -> str:
     # transformers' `tojson` filter (and llama-cpp-python's) is json.dumps with ensure_ascii=False: the same text.
@@ -81,7 +79,7 @@ def _as_list(value: Any) -> Any:
 # ---- reading (download, preferences) ----------------------------------------------------------------------------
 
 
-def parse_tools(value: Any, at: At, key: str = "tools") -> list[dict] | None:
+def parse_tools(value: Any, at: Cell, key: str = "tools") -> list[dict] | None:
     """A record's tools, checked, as [{"type": "function", "function": {...}}] (None without tools)."""
     if value is None:
         return None
@@ -89,20 +87,20 @@ def parse_tools(value: Any, at: At, key: str = "tools") -> list[dict] | None:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise _bad_value(at, key, value, f"{TOOLS_ALLOWED}; the string is not JSON: {e}") from None
+            raise bad_value(at, key, value, f"{TOOLS_ALLOWED}; the string is not JSON: {e}") from None
     value = _as_list(value)
     if not isinstance(value, list) or not value:
-        raise _bad_value(at, key, value, TOOLS_ALLOWED)
+        raise bad_value(at, key, value, TOOLS_ALLOWED)
     out, names = [], set()
     for i, tool in enumerate(value):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or tool.get("type", "function") != "function":
-            raise _bad_value(at, f"{key}[{i}]", tool, TOOLS_ALLOWED)
+            raise bad_value(at, f"{key}[{i}]", tool, TOOLS_ALLOWED)
         name = function.get("name")
         if not isinstance(name, str) or not name:
-            raise _bad_value(at, f"{key}[{i}].function.name", name, "a non-empty string, the function's name")
+            raise bad_value(at, f"{key}[{i}].function.name", name, "a non-empty string, the function's name")
         if name in names:
-            raise _bad_value(at, f"{key}[{i}].function.name", name, "a name no other tool of the record has")
+            raise bad_value(at, f"{key}[{i}].function.name", name, "a name no other tool of the record has")
         names.add(name)
         out.append({"type": "function", "function": function})
     return out
@@ -112,24 +110,24 @@ def tool_names(tools: list[dict] | None) -> list[str]:
     return [t["function"]["name"] for t in tools or ()]
 
 
-def _arguments(value: Any, at: At, key: str) -> str:
+def _arguments(value: Any, at: Cell, key: str) -> str:
     """The arguments as their object's JSON (the stored form)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise _bad_value(at, key, value, f"{ARGUMENTS_ALLOWED}; the string is not JSON: {e}") from None
+            raise bad_value(at, key, value, f"{ARGUMENTS_ALLOWED}; the string is not JSON: {e}") from None
     if not isinstance(value, dict):
-        raise _bad_value(at, key, value, ARGUMENTS_ALLOWED)
+        raise bad_value(at, key, value, ARGUMENTS_ALLOWED)
     return _json(value)
 
 
-def parse_tool_calls(value: Any, at: At, key: str, tools: list[dict] | None) -> list[dict]:
+def parse_tool_calls(value: Any, at: Cell, key: str, tools: list[dict] | None) -> list[dict]:
     """An assistant turn's tool_calls, checked against the record's tools: [{id, type, function: {name,
     arguments (JSON text)}}]."""
     value = _as_list(value)
     if not isinstance(value, list) or not value:
-        raise _bad_value(
+        raise bad_value(
             at, key, value, 'a list of {"id", "type": "function", "function": {"name", "arguments"}}'
         )
     names = tool_names(tools)
@@ -138,7 +136,7 @@ def parse_tool_calls(value: Any, at: At, key: str, tools: list[dict] | None) -> 
         k = f"{key}[{j}]"
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or call.get("type") not in (None, "function"):
-            raise _bad_value(at, k, call, '{"id", "type": "function", "function": {"name", "arguments"}}')
+            raise bad_value(at, k, call, '{"id", "type": "function", "function": {"name", "arguments"}}')
         name = function.get("name")
         if name not in names:
             declared = (
@@ -146,22 +144,20 @@ def parse_tool_calls(value: Any, at: At, key: str, tools: list[dict] | None) -> 
                 if names
                 else "none: the record has no tools"
             )
-            raise _bad_value(
+            raise bad_value(
                 at, f"{k}.function.name", name, f"a function the conversation's tools declare ({declared})"
             )
         if "arguments" not in function:
-            raise DataError(
-                f"{_where(at[0], f'{k}.function', at[1])}: missing key 'arguments'; allowed: {ARGUMENTS_ALLOWED}"
-            )
+            raise missing_key(at, f"{k}.function", "arguments", ARGUMENTS_ALLOWED)
         call_id = call.get("id")
         if call_id is not None and (not isinstance(call_id, str) or not call_id):
-            raise _bad_value(at, f"{k}.id", call_id, "a non-empty string or null")
+            raise bad_value(at, f"{k}.id", call_id, "a non-empty string or null")
         arguments = _arguments(function["arguments"], at, f"{k}.function.arguments")
         out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     return out
 
 
-def check_call_ids(messages: Sequence[dict], at: At, key: str) -> None:
+def check_call_ids(messages: Sequence[dict], at: Cell, key: str) -> None:
     """A tool turn's tool_call_id names a call of the assistant turn before it that called tools."""
     calls: list[dict] = []
     for i, m in enumerate(messages):
@@ -170,7 +166,7 @@ def check_call_ids(messages: Sequence[dict], at: At, key: str) -> None:
         elif m["role"] == "tool" and m["tool_call_id"] is not None and calls:
             ids = [c["id"] for c in calls if c["id"] is not None]
             if m["tool_call_id"] not in ids:
-                raise _bad_value(
+                raise bad_value(
                     at,
                     f"{key}[{i}].tool_call_id",
                     m["tool_call_id"],

@@ -97,7 +97,7 @@ class _Inputs:
 
 @dataclass(frozen=True)
 class EvalJob:
-    """What the evaluate stage is asked to do: the eval rule's params and inputs (`evaluate` takes them as keywords)."""
+    """What the evaluate stage is asked to do: the eval rule's params and inputs."""
 
     model: dict
     """The experiment's `model` settings (snaketune.config.schema.ModelConfig as a dict)."""
@@ -150,13 +150,12 @@ class EvalJob:
         return ["base", "tuned"] + (["dpo"] if self.dpo_dir is not None else [])
 
 
-def evaluate(**fields) -> dict[str, Any]:
+def evaluate(job: EvalJob) -> dict[str, Any]:
     """Evaluate base, fine-tuned and (with `dpo_dir`) DPO model; write metrics.json and generations.jsonl; return
-    metrics.json's content. The keywords are EvalJob's fields.
+    metrics.json's content.
 
     generations.jsonl has one row per prompt: {"prompt", "base", "tuned", ["dpo",] "expected"}; expected is the
     builtin dataset's exact answer, or the data's own reply for auto prompts (None otherwise)."""
-    job = EvalJob(**fields)
     t0 = time.perf_counter()
     model_cfg: ModelConfig = from_dict(ModelConfig, job.model, "model.")
     summary = json.loads(Path(job.train_summary).read_text())
