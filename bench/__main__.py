@@ -150,6 +150,9 @@ CASES = [
          "with the real tokenizer (102,400 rows) on real rows through every stage the default config runs: the "
          "run's wall time, each job, each GGUF job against its model's", "CPU (2 cores)",
          _script("overhead/user_scale.sh"), ("ROWS", "TOKENIZER")),
+    Case("smollm2_tools", "real_model", "tool-calling chats through the workflow on the real SmolLM2's template "
+         "(issue #53): the template check, SFT, export parity, on the CPU", "CPU (2 cores)",
+         _script("real_model/tools.sh"), ("GGUF",)),
     Case("smollm2_example", "real_model", "config/examples/smollm2-135m-real.yaml as written through every stage "
          "(export and benchmark included), real oasst rows for the hub's: each stage's wall time, every benchmark "
          "job finished", GPU, _script("real_model/example.sh"), ("ROWS", "GGUF")),
