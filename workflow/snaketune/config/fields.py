@@ -4,7 +4,8 @@ what it does (the docstring under the field).
 Every section's dataclass declares its fields with `setting(...)`. From that one declaration come
 - the check each section makes when it is built (`check`, the first thing its __post_init__ does): the type, then
   the allowed values, each error naming the key and what is allowed;
-- the JSON schema of the config (`schema`; snaketune.config.generate writes workflow/schemas/config.schema.yaml);
+- the JSON schema of each key and section (`field_schema`, `section_schema`; snaketune.config.generate writes
+  workflow/schemas/config.schema.yaml);
 - the descriptions (`docstrings`: the string under each field, as the schema's descriptions).
 What one key cannot say alone (one key against another, a file that must exist, a hub id's shape) stays in the
 section's __post_init__, after `check`. tests/test_config_sources.py proves that what the schema refuses, loading
@@ -61,13 +62,15 @@ def setting(default: Any = MISSING, *, default_factory: Any = MISSING, **allowed
     return dataclasses.field(default=default, metadata=meta)
 
 
-def allowed_of(f: dataclasses.Field) -> Allowed:
-    return f.metadata.get(_META) or Allowed()
-
-
 @functools.cache
 def hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+@functools.cache
+def declared(cls: type) -> dict[str, tuple[Any, Allowed]]:
+    """Each field of a dataclass: its annotation and what it allows."""
+    return {f.name: (hints(cls)[f.name], f.metadata.get(_META) or Allowed()) for f in dataclasses.fields(cls)}
 
 
 def options(tp: Any) -> tuple[Any, ...]:
@@ -222,15 +225,15 @@ def check(obj: Any) -> None:
     """Every field of a section (a dataclass with SECTION, its name in the config) against its annotation and its
     setting: its type, then the values it allows. The first thing each section's __post_init__ does."""
     cls = type(obj)
-    for f in dataclasses.fields(cls):
-        check_field(cls, f.name, getattr(obj, f.name), f"{cls.SECTION}.{f.name}")
+    for name in declared(cls):
+        check_field(cls, name, getattr(obj, name), f"{cls.SECTION}.{name}")
 
 
 def check_field(cls: type, name: str, value: Any, key: str) -> None:
     """One value as field `name` of `cls` takes it (also for a value given elsewhere under `key`: a benchmark
     task's own limit)."""
-    rule = allowed_of(next(f for f in dataclasses.fields(cls) if f.name == name))
-    match = _check_type(key, value, hints(cls)[name], rule)
+    tp, rule = declared(cls)[name]
+    match = _check_type(key, value, tp, rule)
     if isinstance(value, str) and rule.keywords:
         if value not in rule.keywords:
             _not_allowed(key, value, rule, " or ".join((*rule.keywords, "a list")))
@@ -269,12 +272,12 @@ def _item_schema(tp: Any, rule: Allowed) -> dict:
 def field_schema(cls: type, name: str) -> dict:
     """One field's JSON schema: from its annotation and setting, or the setting's own `schema`; its docstring as
     the description."""
-    rule = allowed_of(next(f for f in dataclasses.fields(cls) if f.name == name))
+    tp, rule = declared(cls)[name]
     description = docstrings(cls).get(name)
     if rule.schema is not None:
         out = dict(rule.schema() if callable(rule.schema) else rule.schema)
     else:
-        out = _type_schema(hints(cls)[name], rule)
+        out = _type_schema(tp, rule)
     return {**out, "description": description} if description else out
 
 
@@ -318,10 +321,10 @@ def _type_schema(tp: Any, rule: Allowed) -> dict:
 def section_schema(cls: type, nullable: bool = False) -> dict:
     """A section's JSON schema: its fields, nothing else; `nullable` where the YAML may leave it empty (null)."""
     out: dict = {"type": ["object", "null"] if nullable else "object", "additionalProperties": False}
-    doc = cls.__dict__.get("__doc__")
+    doc = cls.__dict__.get("__doc__") or ""
     if doc and not doc.startswith(
         f"{cls.__name__}("
-    ):  # not the signature dataclasses write where none is given
+    ):  # dataclasses write the signature where there is no docstring
         out["description"] = " ".join(doc.split())
-    out["properties"] = {f.name: field_schema(cls, f.name) for f in dataclasses.fields(cls)}
+    out["properties"] = {name: field_schema(cls, name) for name in declared(cls)}
     return out

@@ -46,8 +46,10 @@ SECTIONS = {
 """The config's sections, in config.yaml's order, and the dataclass each one is."""
 EXPERIMENT_SECTIONS = ("model", "tokenize", "train", "preference")
 """The sections an experiment may override (the others are shared by all experiments)."""
-TOP_LEVEL = (*SECTIONS, "gpu_memory_gib", "gpu_ids", "experiments")
-"""Every top-level key: the sections, then Config's fields that are keys of their own."""
+TOP_LEVEL_VALUES = ("gpu_memory_gib", "gpu_ids")
+"""Top-level keys that are values, not sections (Config's fields of those names, their docstrings)."""
+TOP_LEVEL = (*SECTIONS, *TOP_LEVEL_VALUES, "experiments")
+"""Every top-level key, in config.yaml's order."""
 DEFAULT_EXPERIMENTS = {"default": {}}
 """`experiments` where the config names none: one experiment, the top-level sections as they are."""
 
@@ -84,7 +86,7 @@ def defaults() -> dict[str, Any]:
     """Every key's default as the YAML spells it (config/config.yaml's values)."""
     return {
         **{name: to_dict(cls()) for name, cls in SECTIONS.items()},
-        **{f.name: f.default for f in dataclasses.fields(Config) if f.name in ("gpu_memory_gib", "gpu_ids")},
+        **{f.name: f.default for f in dataclasses.fields(Config) if f.name in TOP_LEVEL_VALUES},
         "experiments": copy.deepcopy(DEFAULT_EXPERIMENTS),
     }
 
