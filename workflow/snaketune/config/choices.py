@@ -143,11 +143,12 @@ REFERENCES = ("sft", "base")
 BF16_OPTIMIZERS = ("auto", "snaketune", "deepspeed")
 
 
+REVISION_ALLOWED = (
+    "a branch, tag or commit (letters, digits, '_', '-', '.', '/'; no '..', not starting with '/' or '.')"
+)
+
+
 def check_revision(key: str, revision: str) -> None:
     """A hub revision names a branch, tag or commit; huggingface_hub uses it as a path in its cache."""
     if not re.match(r"^[\w][\w.\-/]*$", revision) or ".." in revision:
-        fail(
-            key,
-            f"{revision!r} is not a git revision; allowed: a branch, tag or commit "
-            "(letters, digits, '_', '-', '.', '/'; no '..', not starting with '/' or '.')",
-        )
+        fail(key, f"{revision!r} is not a git revision; allowed: {REVISION_ALLOWED}")

@@ -45,8 +45,11 @@ class Allowed:
     exclusive_maximum: float | None = None
     pattern: str | None = None
     """A regular expression (searched, as JSON schema does) a string (or each item) matches."""
+    min_items: int | None = None
+    """Fewest items of a list."""
     allowed: str | None = None
-    """What is allowed, in words, for the message where a value breaks the pattern, the keywords or the bounds."""
+    """What is allowed, in words, for the message where a value breaks the pattern, the keywords, the bounds or
+    min_items."""
     hint: str | None = None
     """Said after a bound's message, in parentheses."""
     schema: dict | Callable[[], dict] | None = None
@@ -238,6 +241,8 @@ def check_field(cls: type, name: str, value: Any, key: str) -> None:
         if value not in rule.keywords:
             _not_allowed(key, value, rule, " or ".join((*rule.keywords, "a list")))
     elif _base(match) is tuple:
+        if rule.min_items is not None and len(value) < rule.min_items:
+            _not_allowed(key, list(value), rule, f"a list of at least {rule.min_items}")
         for item in value:
             _check_value(key, item, rule)
     else:
@@ -294,6 +299,8 @@ def _type_schema(tp: Any, rule: Allowed) -> dict:
             node = {"type": "array", "items": _item_schema(items[0], rule)}
             if items[-1] is not Ellipsis:
                 node.update(minItems=len(items), maxItems=len(items))
+            elif rule.min_items is not None:
+                node["minItems"] = rule.min_items
             branches.append(node)
         elif base is dict and typing.get_args(t):
             branches.append(

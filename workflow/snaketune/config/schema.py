@@ -32,6 +32,7 @@ from snaketune.config.choices import (
     PATHS_MODES,
     PRECISIONS,
     QUANTIZE,
+    REVISION_ALLOWED,
     SOURCE_SUFFIXES,
     STRATEGIES,
     TREE_STATES,
@@ -67,7 +68,7 @@ class DatasetConfig:
     """What a local file holds: `oasst` (message trees: flat rows or LAION's nested trees), `chat` (one conversation
     per line or row: `messages`, a list of {role, content} with roles system, user, assistant), `auto` (told from the
     file's fields when the config loads; builtin and hub sources are oasst)."""
-    revision: str = "main"
+    revision: str = setting("main", pattern=".", allowed=REVISION_ALLOWED)
     """Hub revision (branch, tag or commit) of a `hub:` dataset, pinned to a commit once (snaketune.hub)."""
     builtin_trees: int = setting(1000, minimum=10)
     """Number of message trees the builtin generator makes (only for source `builtin`)."""
@@ -113,9 +114,9 @@ class ModelConfig:
     (llama.cpp's format: imported once into a hub-format directory, `pretrained`)."""
     tokenizer: str = setting("auto", pattern=r".", allowed="auto | a hub id | a local directory")
     """`auto` (the model's own; the builtin BPE for builtin-tiny and arch:*) | a hub id | a local directory."""
-    revision: str = "main"
+    revision: str = setting("main", pattern=".", allowed=REVISION_ALLOWED)
     """Hub revision (branch, tag or commit) of hub models and tokenizers, pinned to a commit once (snaketune.hub)."""
-    tokenizer_revision: str | None = None
+    tokenizer_revision: str | None = setting(None, pattern=".", allowed=REVISION_ALLOWED)
     """Hub revision of `tokenizer` where it names another hub repository than `base`; None: `revision`."""
     trust_remote_code: bool = False
     """Allow code shipped with a hub model to run. Off unless you trust the model's authors."""
@@ -198,7 +199,11 @@ class LoraConfig:
     """LoRA alpha (scale = alpha / rank)."""
     dropout: float = setting(0.0, minimum=0, exclusive_maximum=1)
     """Dropout on the LoRA branch."""
-    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    targets: tuple[str, ...] = setting(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        min_items=1,
+        allowed="a list of at least one module name",
+    )
     """Module names that get adapters."""
     quantize: str = setting("none", choices=QUANTIZE)
     """`nf4`: QLoRA, the frozen base weights in 4-bit NormalFloat (bitsandbytes, double quantization, bf16 compute
@@ -211,8 +216,6 @@ class LoraConfig:
                 "train.lora.quantize",
                 f"{self.quantize!r} needs train.lora.enabled: true (QLoRA trains adapters)",
             )
-        if not self.targets:
-            fail("train.lora.targets", "must name at least one module")
 
 
 @dataclass(frozen=True)
