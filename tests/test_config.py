@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from pathlib import Path
 
 import jsonschema
@@ -56,13 +55,6 @@ def test_example_configs_load_over_the_defaults(path, tmp_path, monkeypatch):
     assert load_config(raw).experiments["default"].train.gpus >= 1
 
 
-def test_defaults_match_config_yaml():
-    """config.yaml spells out the dataclass defaults, so reading it or omitting it gives the same run."""
-    from_file = load_config(default_config()).experiments["default"]
-    from_defaults = load_config({}).experiments["default"]
-    assert from_file == from_defaults
-
-
 @pytest.mark.parametrize(
     ("path", "value", "expected"),
     [
@@ -77,7 +69,7 @@ def test_defaults_match_config_yaml():
             1.5,
             "config key 'dataset.validation_fraction': 1.5 must be > 0 and < 1",
         ),
-        (("dataset", "languages"), ["English"], "'English' is not a language code"),
+        (("dataset", "languages"), ["English"], "'English' is not allowed; allowed: a language code"),
         (("tokenize", "chat_template"), "chatml", "allowed: deepseek, model"),
         (("tokenize", "max_length"), 4, "config key 'tokenize.max_length': 4 must be between 16 and 131072"),
         (("train", "precision"), "fp16", "allowed: auto, bf16, fp32"),
@@ -101,7 +93,11 @@ def test_defaults_match_config_yaml():
             "1500",
             "config key 'dataset.builtin_trees': '1500' (str) is not allowed; allowed: an integer",
         ),
-        (("train", "gradient_checkpointing"), "yes", "'yes' (str) is not allowed; allowed: true or false"),
+        (
+            ("train", "gradient_checkpointing"),
+            "yes",
+            "'yes' (str) is not allowed; allowed: true, false or a number of layers >= 0",
+        ),
         (
             ("train", "adam_betas"),
             [0.9, "x"],
@@ -223,33 +219,3 @@ def test_auto_values_are_accepted():
         source="x.json",
     )
     assert ds["train_batch_size"] == 24 and ds["bf16"] == {"enabled": True}
-
-
-def test_config_readme_explains_every_key_of_config_yaml():
-    """Every setting config.yaml spells out is in config/README.md's section for its top-level key, as `name` or
-    `parent.name` (a top-level one such as gpu_ids: in the GPUs section; preference.train's, which are train
-    keys for the DPO stage: in the train section)."""
-    readme = (ROOT / "config/README.md").read_text()
-    sections = {
-        heading.split()[0].lower(): body
-        for heading, body in (s.split("\n", 1) for s in readme.split("\n## ")[1:])
-    }
-
-    def settings(d: dict, path: tuple[str, ...]):
-        for key, value in d.items():
-            if isinstance(value, dict) and value:
-                yield from settings(value, (*path, key))
-            else:
-                yield (*path, key)
-
-    missing = []
-    for path in settings({k: v for k, v in default_config().items() if k != "experiments"}, ()):
-        if len(path) == 1:
-            section = sections["gpus"]
-        elif path[:2] == ("preference", "train"):
-            section = sections["train"]
-        else:
-            section = sections[path[0]]
-        if not re.search(rf"`(?:[\w.]+\.)?{re.escape(path[-1])}`", section):
-            missing.append(".".join(path))
-    assert len(missing) == 0, f"config/README.md does not explain {missing}"

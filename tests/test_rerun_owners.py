@@ -204,7 +204,7 @@ def owner_rules(key: str, change: dict, workdir: Path) -> list[str]:
     """The rules of a key's owners for the tiny config before and after the change (a source may stop or start
     reading a key), and the report where the key is in a section it shows."""
     rules = {"report"}
-    overridden = TINY["preference"]["train"]
+    overridden = merge(DEFAULTS, TINY)["preference"]["train"]  # the tiny config's merged over config.yaml's
     before, after = (
         load_config(merge(DEFAULTS, raw)).experiments["default"] for raw in (TINY, merge(TINY, change))
     )

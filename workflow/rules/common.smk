@@ -1,18 +1,18 @@
 # Config validation and the helpers that the rule files use. Validation runs first, so a bad config stops
-# the workflow before any job starts, with the key and the allowed values in the message.
+# the workflow before any job starts, with the key, the file that sets it and the allowed values in the message.
 
+import os
 import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
 from snaketune import backups, hub, keys, provenance, verify  # noqa: E402
 from snaketune.config import owners  # noqa: E402
 from snaketune.config.choices import ConfigError  # noqa: E402
-from snaketune.config.load import load_config, to_dict
+from snaketune.config.load import load_config, set_in, to_dict
 from snaketune.config.paths import check_input_paths
 from snaketune.data.format_config import resolve_format
 from snaketune.io import sha256_file  # noqa: E402
@@ -20,6 +20,27 @@ from snaketune.io import sha256_file  # noqa: E402
 # A failing job of a rule with update() outputs keeps them as they were, without copying them (snaketune.backups).
 backups.install()
 
+
+def config_layers():
+    """What the config is made of, the later winning: the Snakefile's configfile, each --configfile, --config."""
+    import yaml
+
+    given = list(workflow.config_settings.configfiles)
+    files = [
+        Path(f) for f in workflow.configfiles if Path(f).absolute() not in given
+    ] + given
+    shown = [os.path.relpath(f) if Path(f).is_absolute() else str(f) for f in files]
+    layers = [
+        (name, yaml.safe_load(Path(f).read_text()) or {})
+        for name, f in zip(shown, files)
+    ]
+    return [*layers, ("--config", dict(workflow.config_settings.config))]
+
+
+# No Snakemake validate(config, schema): load_config checks every key as the dataclasses declare it, which is what
+# workflow/schemas/config.schema.yaml is generated from (snaketune.config.generate), and the rules across keys that
+# a schema cannot state, with one line naming the key; validate would refuse nothing more, and where the two ever
+# differed it would print the whole schema.
 try:
     CFG = load_config(config)
     # Local inputs that do not exist stop the workflow here, before any job (snaketune.config.paths says why).
@@ -29,9 +50,10 @@ try:
     # Hub revisions pinned to commits once (snaketune.hub): what every stage loads and every key names.
     CFG = hub.pin_config(CFG, hub.Pins())
 except ConfigError as e:
-    raise WorkflowError(f"Invalid configuration: {e}") from None
-# Defaults live in the typed config (snaketune.config.schema), not in the schema.
-validate(config, schema="../schemas/config.schema.yaml", set_default=False)
+    source = set_in(e.key, config_layers())
+    raise WorkflowError(
+        f"Invalid configuration: {e}" + (f" (set in {source})" if source else "")
+    ) from None
 EXPERIMENTS = CFG.experiments
 # Several experiments may share one tokenized cache (same data, tokenizer and settings).
 DATA_KEYS = {keys.data_key(exp): exp for exp in EXPERIMENTS.values()}

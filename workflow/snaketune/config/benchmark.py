@@ -5,9 +5,11 @@ against the base the report flags, and whether that fails the run."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 from snaketune.config.choices import EXPORT_QUANTS, fail
+from snaketune.config.fields import check, check_field, field_schema, setting
 
 BENCHMARK_MODELS = ("base", "sft", "dpo")
 """benchmark.models: the base model (scored once for the experiments that share it), the SFT and the DPO model."""
@@ -32,33 +34,52 @@ AUTO_TASKS = {
 
 @dataclass(frozen=True)
 class BenchmarkConfig:
+    """lm-evaluation-harness tasks on every experiment's base, SFT and DPO model and exported GGUF files."""
+
+    SECTION: ClassVar[str] = "benchmark"
+
     enabled: bool = True
     """Score the models on `tasks` with lm-evaluation-harness (rules benchmark_base, benchmark, benchmark_gguf)."""
-    tasks: tuple[str, ...] | str = "auto"
+    tasks: tuple[str, ...] | str = setting(
+        "auto",
+        keywords=("auto",),
+        pattern=TASK_NAME.pattern,
+        allowed="auto or a list of task names (letters, digits, '_', '.', '-')",
+    )
     """Harness task names: this repository's local tasks (offline: builtin_choice, builtin_answer on the builtin
     dataset's questions; mmlu_dev, general knowledge) or the harness's own (arc_easy, hellaswag, ifeval, ...: their
     data comes from the hub); auto: the tasks that fit the data (AUTO_TASKS), resolved when the config loads."""
 
-    limit: int | None = None
+    limit: int | None = setting(None, minimum=1)
     """Examples per task (the first ones); null: all (the local tasks have 200)."""
-    num_fewshot: int = 0
+    num_fewshot: int = setting(0, minimum=0)
     """Examples shown before each question; with chat_template as earlier user/assistant turns."""
-    task_settings: dict = field(default_factory=dict)
+    task_settings: dict = setting(
+        default_factory=dict,
+        schema=lambda: {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {name: field_schema(BenchmarkConfig, name) for name in TASK_SETTINGS},
+            },
+        },
+    )
     """Per task, `limit` and `num_fewshot` over the values above, e.g. {arc_easy: {num_fewshot: 5}}."""
-    models: tuple[str, ...] = BENCHMARK_MODELS
+    models: tuple[str, ...] = setting(BENCHMARK_MODELS, choices=BENCHMARK_MODELS)
     """Which models: base, sft, dpo (dpo where the experiment's preference stage runs)."""
-    quants: tuple[str, ...] = ("q4_k_m",)
+    quants: tuple[str, ...] = setting(("q4_k_m",), choices=EXPORT_QUANTS)
     """GGUF types of the exported SFT and DPO models scored through llama.cpp's server: those of them that
     export.quants makes (none with export off). q4_k_m is what people deploy; add q8_0 to see where the loss
     starts."""
     chat_template: bool = True
     """Render every prompt with the model's chat template, as the harness does for chat models
     (--apply_chat_template; few-shot examples as earlier turns, --fewshot_as_multiturn)."""
-    batch_size: int = 8
+    batch_size: int = setting(8, minimum=1)
     """Sequences per forward pass of a transformers model."""
-    max_length: int = 2048
+    max_length: int = setting(2048, minimum=16)
     """Most tokens of a request (context + continuation; longer contexts lose their start); the server's context."""
-    max_drop: float = 2.0
+    max_drop: float = setting(2.0, minimum=0, maximum=100, hint="percentage points")
     """Percentage points of a task's score (a share: acc, exact_match, ...) the final model or one of its scored GGUF
     files may lose against the base model before the report flags the run: flagged where the change's whole 95%
     interval lies below -max_drop (beyond it and beyond the noise; snaketune.report.benchmark). 0: any loss
@@ -68,8 +89,7 @@ class BenchmarkConfig:
     written, exits 1 naming each drop."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.tasks, str) and self.tasks != "auto":
-            fail("benchmark.tasks", f"{self.tasks!r} must be a list of task names or auto")
+        check(self)
         # With auto, the tasks any data could pick: a setting for one the data does not pick is kept for another.
         named = (
             sorted({t for tasks, _ in AUTO_TASKS.values() for t in tasks})
@@ -78,12 +98,8 @@ class BenchmarkConfig:
         )
         if self.enabled and not named:
             fail("benchmark.tasks", "is empty; name at least one task or set benchmark.enabled: false")
-        for t in named:
-            if not TASK_NAME.match(t):
-                fail("benchmark.tasks", f"{t!r} is not a task name (letters, digits, '_', '.', '-')")
         if len(set(named)) != len(named):
             fail("benchmark.tasks", f"{list(named)} names a task twice")
-        self._check_settings("benchmark.", {"limit": self.limit, "num_fewshot": self.num_fewshot})
         for task, settings in self.task_settings.items():
             if task not in named:
                 fail(f"benchmark.task_settings.{task}", f"not in benchmark.tasks ({', '.join(named)})")
@@ -92,27 +108,14 @@ class BenchmarkConfig:
                     f"benchmark.task_settings.{task}",
                     f"{settings!r} must be a mapping of {', '.join(TASK_SETTINGS)}",
                 )
-            for key in settings:
+            for key, value in settings.items():
                 if key not in TASK_SETTINGS:
                     fail(
                         f"benchmark.task_settings.{task}.{key}",
                         f"unknown key; allowed: {', '.join(TASK_SETTINGS)}",
                     )
-            self._check_settings(f"benchmark.task_settings.{task}.", settings)
-        for m in self.models:
-            if m not in BENCHMARK_MODELS:
-                fail("benchmark.models", f"{m!r} is not allowed; allowed: {', '.join(BENCHMARK_MODELS)}")
-        for q in self.quants:
-            if q not in EXPORT_QUANTS:
-                fail("benchmark.quants", f"{q!r} is not allowed; allowed: {', '.join(EXPORT_QUANTS)}")
-        if self.batch_size < 1:
-            fail("benchmark.batch_size", f"{self.batch_size} must be >= 1")
-        if self.max_length < 16:
-            fail("benchmark.max_length", f"{self.max_length} must be >= 16")
-        if isinstance(self.max_drop, bool) or not 0 <= self.max_drop <= 100:
-            fail(
-                "benchmark.max_drop", f"{self.max_drop!r} must be a number of percentage points from 0 to 100"
-            )
+                # As the section's own key of that name takes it.
+                check_field(BenchmarkConfig, key, value, f"benchmark.task_settings.{task}.{key}")
         if self.fail_on_drop and not (self.enabled and "base" in self.models):
             # Drops are changes against the base model: without its scores there is nothing to fail on.
             fail(
@@ -133,15 +136,6 @@ class BenchmarkConfig:
             f"benchmark.tasks auto, for {'the builtin' if builtin_data else 'your own'} data: "
             + AUTO_TASKS["builtin" if builtin_data else "own"][1]
         )
-
-    @staticmethod
-    def _check_settings(where: str, settings: dict) -> None:
-        limit = settings.get("limit")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            fail(f"{where}limit", f"{limit!r} must be an integer >= 1 or null (all examples)")
-        shots = settings.get("num_fewshot", 0)
-        if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
-            fail(f"{where}num_fewshot", f"{shots!r} must be an integer >= 0")
 
     def task_spec(self, task: str) -> dict:
         """What one task's scores depend on in this section (the rules add the task file's hash and the code): the

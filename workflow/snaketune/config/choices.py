@@ -97,9 +97,22 @@ LANG_CODE = re.compile(r"^[a-z]{2,3}(-[A-Za-z]{2,4})?$")
 class ConfigError(ValueError):
     """A config value is wrong; the message names the key and what is allowed."""
 
+    def __init__(self, message: str, key: str | None = None, detail: str | None = None):
+        super().__init__(message)
+        # The dotted key the error is about and what is wrong with it (fail's arguments), where there is one.
+        self.key, self.detail = key, detail
+
+    def under(self, section: str, where: str) -> ConfigError:
+        """The error with its key under `where` (`experiments.x.train.`, `preference.train.`) instead of the
+        `section` the dataclass names itself by (`train`): the key as the config spells it."""
+        if self.key is None or not (self.key == section or self.key.startswith(f"{section}.")):
+            return self
+        key = where.rstrip(".") + self.key[len(section) :]
+        return ConfigError(f"config key '{key}': {self.detail}", key, self.detail)
+
 
 def fail(key: str, message: str) -> None:
-    raise ConfigError(f"config key '{key}': {message}")
+    raise ConfigError(f"config key '{key}': {message}", key, message)
 
 
 DEFAULT_EVAL_PROMPTS = (
@@ -130,11 +143,12 @@ REFERENCES = ("sft", "base")
 BF16_OPTIMIZERS = ("auto", "snaketune", "deepspeed")
 
 
+REVISION_ALLOWED = (
+    "a branch, tag or commit (letters, digits, '_', '-', '.', '/'; no '..', not starting with '/' or '.')"
+)
+
+
 def check_revision(key: str, revision: str) -> None:
     """A hub revision names a branch, tag or commit; huggingface_hub uses it as a path in its cache."""
     if not re.match(r"^[\w][\w.\-/]*$", revision) or ".." in revision:
-        fail(
-            key,
-            f"{revision!r} is not a git revision; allowed: a branch, tag or commit "
-            "(letters, digits, '_', '-', '.', '/'; no '..', not starting with '/' or '.')",
-        )
+        fail(key, f"{revision!r} is not a git revision; allowed: {REVISION_ALLOWED}")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 from snaketune.config.choices import EXPORT_MODELS, EXPORT_QUANTS, EXPORT_TYPES, fail
+from snaketune.config.fields import check, setting
 
 DEFAULT_MAX_KL = {
     "f32": 0.0001,
@@ -25,31 +27,33 @@ quantized from a bf16 file and scored on raw text, q8_0 0.0065 and q4_k_m 0.10 (
 
 @dataclass(frozen=True)
 class ExportConfig:
+    """GGUF files of every experiment's SFT and DPO model (rule export), measured against the model."""
+
+    SECTION: ClassVar[str] = "export"
+
     enabled: bool = True
     """Export each experiment's fine-tuned models as GGUF files (rule export), measured in the report."""
-    models: tuple[str, ...] = ("sft", "dpo")
+    models: tuple[str, ...] = setting(("sft", "dpo"), choices=EXPORT_MODELS)
     """Which models: `sft` (rule train's) and `dpo` (rule dpo's, where the experiment's preference stage runs)."""
-    outtype: str = "auto"
+    outtype: str = setting("auto", choices=("auto", *EXPORT_TYPES))
     """The unquantized file: `auto` (the type the model was saved in: bf16 from GPU training, f32 from CPU
     training, whose small updates bf16 would round away), f32, bf16, or f16 (older runtimes; fp16's range)."""
-    quants: tuple[str, ...] = ("q8_0", "q4_k_m")
+    quants: tuple[str, ...] = setting(("q8_0", "q4_k_m"), choices=EXPORT_QUANTS)
     """llama.cpp quant types made from it: q8_0, q6_k, q5_k_m, q4_k_m, q4_0 (none: an empty list)."""
-    max_kl: dict[str, float] = field(default_factory=dict)
+    max_kl: dict[str, float] = setting(
+        default_factory=dict,
+        schema={
+            "type": "object",
+            "propertyNames": {"enum": [*EXPORT_TYPES, *EXPORT_QUANTS]},
+            "additionalProperties": {"type": "number", "minimum": 0},
+        },
+    )
     """Mean KL per token above which a file is marked failing, by type; unset types: DEFAULT_MAX_KL."""
-    eval_tokens: int = 2048
+    eval_tokens: int = setting(2048, minimum=1)
     """Held-out assistant tokens scored per file (whole validation conversations, in order, up to this many)."""
 
     def __post_init__(self) -> None:
-        for m in self.models:
-            if m not in EXPORT_MODELS:
-                fail("export.models", f"{m!r} is not allowed; allowed: {', '.join(EXPORT_MODELS)}")
-        if self.outtype not in ("auto", *EXPORT_TYPES):
-            fail(
-                "export.outtype", f"{self.outtype!r} is not allowed; allowed: auto, {', '.join(EXPORT_TYPES)}"
-            )
-        for q in self.quants:
-            if q not in EXPORT_QUANTS:
-                fail("export.quants", f"{q!r} is not allowed; allowed: {', '.join(EXPORT_QUANTS)}")
+        check(self)
         if len(set(self.quants)) != len(self.quants):
             fail("export.quants", f"{list(self.quants)} names a type twice")
         for k, v in self.max_kl.items():
@@ -57,10 +61,8 @@ class ExportConfig:
                 fail(
                     f"export.max_kl.{k}", f"unknown type; allowed: {', '.join(EXPORT_TYPES + EXPORT_QUANTS)}"
                 )
-            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+            if v < 0:
                 fail(f"export.max_kl.{k}", f"{v!r} must be a number >= 0")
-        if self.eval_tokens < 1:
-            fail("export.eval_tokens", f"{self.eval_tokens} must be >= 1")
 
     def thresholds(self) -> dict[str, float]:
         """max_kl of every type this config may make (the defaults where unset; `auto` may be any unquantized

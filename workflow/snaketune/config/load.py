@@ -1,9 +1,11 @@
 """Loading the configuration: the YAML mapping (Snakemake's ``config``) into the typed dataclasses.
 
-The workflow validates the YAML against workflow/schemas/config.schema.yaml and then calls ``load_config``,
-which adds what a JSON schema cannot say well: "did you mean" for typos, the type each key takes, experiments
-merged over the top-level sections, cross-section checks. ``from_dict`` builds one section (the ranks rebuild
-theirs from the run spec) and ``to_dict`` turns any of them back into plain data.
+The workflow calls ``load_config`` before anything else. Each section's dataclass checks its keys as they are
+declared (snaketune.config.fields: the type, the allowed values) and then what one key cannot say alone; here
+come an unknown key's short message with the nearest allowed key, experiments merged over the top-level sections,
+and the checks across sections. ``from_dict`` builds one section (the ranks rebuild theirs from the run spec),
+``to_dict`` turns any of them back into plain data, and ``defaults`` is the YAML of every default (config.yaml
+spells it out; tests/test_config_sources.py holds the two equal).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,109 +21,97 @@ from snaketune.config.benchmark import BenchmarkConfig
 from snaketune.config.choices import EXPERIMENT_NAME, ConfigError, fail
 from snaketune.config.evaluation import EvalConfig
 from snaketune.config.export import ExportConfig
+from snaketune.config.fields import hints
 from snaketune.config.preference import PreferenceConfig
 from snaketune.config.schema import (
     Config,
     DatasetConfig,
     ExperimentConfig,
-    LoraConfig,
     ModelConfig,
     TokenizeConfig,
     TrainConfig,
 )
 from snaketune.device_memory import card_gib
 
-_SECTIONS = {
+SECTIONS = {
     "dataset": DatasetConfig,
     "model": ModelConfig,
     "tokenize": TokenizeConfig,
     "train": TrainConfig,
     "preference": PreferenceConfig,
+    "eval": EvalConfig,
+    "export": ExportConfig,
+    "benchmark": BenchmarkConfig,
 }
+"""The config's sections, in config.yaml's order, and the dataclass each one is."""
+EXPERIMENT_SECTIONS = ("model", "tokenize", "train", "preference")
+"""The sections an experiment may override (the others are shared by all experiments)."""
+TOP_LEVEL_VALUES = ("gpu_memory_gib", "gpu_ids")
+"""Top-level keys that are values, not sections (Config's fields of those names, their docstrings)."""
+TOP_LEVEL = (*SECTIONS, *TOP_LEVEL_VALUES, "experiments")
+"""Every top-level key, in config.yaml's order."""
+DEFAULT_EXPERIMENTS = {"default": {}}
+"""`experiments` where the config names none: one experiment, the top-level sections as they are."""
 
 
-_EXPERIMENT_SECTIONS = ("model", "tokenize", "train", "preference")
-
-
-# Top-level keys that are not dataclass sections; other issues' stages add theirs here.
-_OTHER_TOP_LEVEL = ("experiments", "eval", "export", "report", "gpu_memory_gib", "gpu_ids", "benchmark")
-
-
-def _check_keys(mapping: dict, allowed: list[str], where: str) -> None:
+def _check_keys(mapping: dict, allowed: Iterable[str], where: str) -> None:
+    """An unknown key: its full name and the nearest allowed one (else every allowed one), in one line."""
+    allowed = list(allowed)
     for key in mapping:
         if key not in allowed:
             guess = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f"; did you mean '{guess[0]}'?" if guess else ""
-            fail(f"{where}{key}", f"unknown key{hint} allowed: {', '.join(allowed)}")
-
-
-_TYPE_NAMES = {
-    "int": "an integer",
-    "float": "a number",
-    "bool": "true or false",
-    "str": "a string",
-    "tuple": "a list",
-    "LoraConfig": "a mapping of LoRA settings",
-    "dict": "a mapping",
-}
-
-
-def _type_ok(value: Any, name: str) -> bool:
-    if name == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if name == "float":
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if name == "bool":
-        return isinstance(value, bool)
-    if name == "str":
-        return isinstance(value, str)
-    if name == "tuple":
-        return isinstance(value, list | tuple)
-    return isinstance(value, dict)  # a nested section (LoraConfig)
-
-
-def _check_type(key: str, value: Any, annotation: str, choices: tuple[str, ...] | None = None) -> None:
-    """The value has the field's type (`int | None`, `tuple[str, ...]`, ...): a YAML or --config value of the
-    wrong type gets the key and the expected type (a field's `choices` where it has some), not a TypeError from a
-    comparison in __post_init__."""
-    options = [part.strip().split("[")[0] for part in annotation.split("|")]
-    if value is None and "None" in options:
-        return
-    if any(_type_ok(value, name) for name in options if name != "None"):
-        return
-    allowed = (
-        ", ".join(choices)
-        if choices
-        else " or ".join(_TYPE_NAMES.get(name, name) for name in options if name != "None")
-    )
-    if "None" in options:
-        allowed += " or null"
-    fail(key, f"{value!r} ({type(value).__name__}) is not allowed; allowed: {allowed}")
+            near = f"did you mean '{guess[0]}'?" if guess else f"allowed: {', '.join(allowed)}"
+            fail(f"{where}{key}", f"unknown key; {near}")
 
 
 def from_dict(cls: type, values: dict | None, where: str) -> Any:
-    values = dict(values or {})
-    names = [f.name for f in dataclasses.fields(cls)]
-    _check_keys(values, names, where)
+    """One section from its mapping, `where` its place in the config (`train.`, `experiments.x.train.`,
+    `preference.train.`): an error names the key there."""
+    values = {} if values is None else dict(values)
+    _check_keys(values, [f.name for f in dataclasses.fields(cls)], where)
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in values:
-            continue
-        v = values[f.name]
-        _check_type(f"{where}{f.name}", v, str(f.type), getattr(cls, "CHOICES", {}).get(f.name))
-        item = re.match(r"tuple\[(\w+)", str(f.type))  # tuple[str, ...], tuple[float, float]
-        if item and isinstance(v, list | tuple):
-            for x in v:
-                _check_type(f"{where}{f.name}", x, item.group(1))
-        if f.name == "lora":
-            v = from_dict(LoraConfig, v, f"{where}lora.")
-        elif isinstance(v, list):
-            v = tuple(v)
-        kwargs[f.name] = v
+    for name, value in values.items():
+        if dataclasses.is_dataclass(hints(cls)[name]) and isinstance(value, dict):
+            value = from_dict(hints(cls)[name], value, f"{where}{name}.")  # train.lora
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
     try:
         return cls(**kwargs)
-    except TypeError as e:  # pragma: no cover - guarded by _check_keys
-        raise ConfigError(f"config section '{where.rstrip('.')}': {e}") from e
+    except ConfigError as e:
+        raise e.under(cls.SECTION, where) from None
+
+
+def defaults() -> dict[str, Any]:
+    """Every key's default as the YAML spells it (config/config.yaml's values)."""
+    return {
+        **{name: to_dict(cls()) for name, cls in SECTIONS.items()},
+        **{f.name: f.default for f in dataclasses.fields(Config) if f.name in TOP_LEVEL_VALUES},
+        "experiments": copy.deepcopy(DEFAULT_EXPERIMENTS),
+    }
+
+
+def set_in(key: str | None, layers: Iterable[tuple[str, dict]]) -> str | None:
+    """Which of the config's layers (name, mapping: config/config.yaml, each --configfile, --config; the later
+    wins) sets the dotted `key`, for an error to name the file; None where none does."""
+    found = None
+    for name, mapping in layers:
+        if key is not None and _holds(mapping, key):
+            found = name
+    return found
+
+
+def _holds(mapping: Any, key: str) -> bool:
+    """Whether `mapping` has the dotted key (experiment names may hold dots: each split is tried)."""
+    if not isinstance(mapping, dict):
+        return False
+    if key in mapping:
+        return True
+    return any(
+        _holds(mapping[k], key[len(k) + 1 :])
+        for k in mapping
+        if isinstance(k, str) and key.startswith(f"{k}.")
+    )
 
 
 def _deep_merge(base: dict, override: dict) -> dict:
@@ -149,26 +138,33 @@ def merge_config_files(paths: Iterable[str | Path]) -> dict[str, Any]:
 def load_config(raw: dict[str, Any]) -> Config:
     """Build and check the typed config from the YAML mapping (snakemake's ``config``)."""
     raw = dict(raw or {})
-    _check_keys(raw, list(_SECTIONS) + list(_OTHER_TOP_LEVEL), "")
+    _check_keys(raw, TOP_LEVEL, "")
+    # A section left empty in the YAML (`train:` with nothing under it) is null: none of its keys set.
+    for name in SECTIONS:
+        if not isinstance(raw.get(name, {}), dict | None):
+            fail(name, f"must be a mapping of {name} settings, got {raw[name]!r}")
     dataset = from_dict(DatasetConfig, raw.get("dataset"), "dataset.")
-    experiments_raw = raw.get("experiments") or {"default": {}}
-    if not isinstance(experiments_raw, dict):
+    experiments_raw = raw.get("experiments")
+    if not isinstance(experiments_raw, dict | None):
         fail("experiments", "must map experiment names to overrides (e.g. default: {})")
+    experiments_raw = experiments_raw or DEFAULT_EXPERIMENTS
     experiments = {}
     for name, override in experiments_raw.items():
         if not isinstance(name, str) or not EXPERIMENT_NAME.match(name):
             fail(f"experiments.{name}", "experiment names use letters, digits, '_', '-', '.' (max 64)")
+        if not isinstance(override, dict | None):
+            fail(f"experiments.{name}", "must be a mapping of overrides of model/tokenize/train/preference")
         override = override or {}
-        if not isinstance(override, dict):
-            fail(f"experiments.{name}", "must be a mapping of overrides of model/tokenize/train")
-        _check_keys(override, list(_EXPERIMENT_SECTIONS), f"experiments.{name}.")
+        _check_keys(override, EXPERIMENT_SECTIONS, f"experiments.{name}.")
         sections = {}
         merged_sections = {}
-        for section in _EXPERIMENT_SECTIONS:
+        for section in EXPERIMENT_SECTIONS:
+            if not isinstance(override.get(section), dict | None):
+                fail(f"experiments.{name}.{section}", f"must be a mapping of {section} settings")
             merged = _deep_merge(raw.get(section) or {}, override.get(section) or {})
             merged_sections[section] = merged
             where = f"experiments.{name}.{section}." if section in override else f"{section}."
-            sections[section] = from_dict(_SECTIONS[section], merged, where)
+            sections[section] = from_dict(SECTIONS[section], merged, where)
         dpo_train = None
         if sections["preference"].enabled:
             where = (
@@ -185,14 +181,8 @@ def load_config(raw: dict[str, Any]) -> Config:
                 )
         experiments[name] = ExperimentConfig(name=name, dataset=dataset, dpo_train=dpo_train, **sections)
     check_pairs_source(dataset, experiments, raw)
-    if not isinstance(raw.get("eval") or {}, dict):
-        fail("eval", f"must be a mapping of eval settings, got {raw['eval']!r}")
     eval_cfg = from_dict(EvalConfig, raw.get("eval"), "eval.")
-    if not isinstance(raw.get("export") or {}, dict):
-        fail("export", f"must be a mapping of export settings, got {raw['export']!r}")
     export_cfg = from_dict(ExportConfig, raw.get("export"), "export.")
-    if not isinstance(raw.get("benchmark") or {}, dict):
-        fail("benchmark", f"must be a mapping of benchmark settings, got {raw['benchmark']!r}")
     benchmark_cfg = from_dict(BenchmarkConfig, raw.get("benchmark"), "benchmark.")
     gpu_memory_gib = raw.get("gpu_memory_gib")
     if gpu_memory_gib is not None:
@@ -202,7 +192,7 @@ def load_config(raw: dict[str, Any]) -> Config:
             fail("gpu_memory_gib", str(e))
     gpu_ids = raw.get("gpu_ids")
     if gpu_ids is not None:
-        if not isinstance(gpu_ids, list) or not gpu_ids or any(isinstance(i, bool) for i in gpu_ids):
+        if not isinstance(gpu_ids, list) or not gpu_ids or not all(_gpu_id(i) for i in gpu_ids):
             fail("gpu_ids", f"{gpu_ids!r} must be a list of GPU ids (e.g. [0, 1]), or null")
         gpu_ids = tuple(str(i) for i in gpu_ids)
     return Config(
@@ -215,6 +205,11 @@ def load_config(raw: dict[str, Any]) -> Config:
         gpu_memory_gib=None if gpu_memory_gib is None else float(gpu_memory_gib),
         gpu_ids=gpu_ids,
     )
+
+
+def _gpu_id(value: Any) -> bool:
+    """A GPU id as CUDA_VISIBLE_DEVICES takes it: an index or a UUID (`GPU-...`)."""
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def check_pairs_source(dataset: DatasetConfig, experiments: dict[str, ExperimentConfig], raw: dict) -> None:
