@@ -10,8 +10,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from snaketune.evaluation.intervals import wilson_interval
 from snaketune.report.inputs import ExperimentFiles, ReportInputs
-from snaketune.report.intervals import wilson_interval
 
 KEY = "0123456789abcdef"
 """The tokenized data's key."""
