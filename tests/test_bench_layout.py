@@ -218,7 +218,8 @@ def test_every_quoted_figure_stands_in_the_results_tables():
     missing = missing_figures(figure_sources(REPO), cells)
     assert not missing, (
         "figures quoted without a current row in bench/RESULTS.md's tables (a superseded row names the figure that "
-        "replaces it; a row without a record is to be measured again before it is quoted):\n" + "\n".join(missing)
+        "replaces it; a row without a record is to be measured again before it is quoted):\n"
+        + "\n".join(missing)
     )
 
 
