@@ -336,3 +336,8 @@ def write_manifest(path: Path) -> Path:
     job("evaluate", {"experiment": "lora"}, "logs/eval/lora.log", 36.0, h200s, {"gpu": 1})
     job("export", {"experiment": "lora", "model": "sft"}, "logs/export/lora/sft.log", 20.0, h200s)
     return write_json(path, {"format": 1, "jobs": jobs, "missing": [], "summary": {}})
+
+
+def first_screen(md: str) -> str:
+    """The report's first screen in report.md: from its answer to the data section."""
+    return md[md.index("## Did it help?") : md.index("## Data")]

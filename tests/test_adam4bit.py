@@ -22,7 +22,7 @@ from torchao.optim.adam import single_param_adam  # noqa: E402
 from torchao.optim.subclass_4bit import OptimState4bit  # noqa: E402
 
 from snaketune.train import adam4bit, states4bit  # noqa: E402
-from test_states4bit import (  # noqa: E402
+from states4bit_scenarios import (  # noqa: E402
     V_MAPS,
     check_exact_averages,
     check_nearest_is_torchaos,

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import copy_workflow
-from test_workflow import snakemake
+from conftest import copy_workflow, snakemake
 
 # The fixture runs the whole workflow for four experiments (about 6 minutes on two cores beside another test):
 # longer than pyproject.toml's per-test timeout, which the first test using it pays.

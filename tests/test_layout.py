@@ -1,6 +1,7 @@
 """The package's layout holds: layers in the order the data flows, each importing only the layers before it, no
 import circle, empty __init__.py files, absolute imports only, no module over 500 lines, and no torch in the
-stages that run in the Snakefile and on login nodes (config, data, plan, report)."""
+stages that run in the Snakefile and on login nodes (config, data, plan, report). And the tests': no test module
+imports another."""
 
 from __future__ import annotations
 
@@ -149,3 +150,20 @@ def test_the_layout_page_names_every_module():
         if not re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", entries.get(where, "")):
             missing.append(m)
     assert not missing, f"docs/layout.md does not name {missing} in its subpackage's entry"
+
+
+def test_no_test_module_imports_another():
+    """A test module imports no other test module (`from test_workflow import snakemake` once ran that module's code,
+    fixtures included, inside fifteen others): shared helpers live in tests/conftest.py, inputs in the modules
+    that build them (chat_data, oasst_trees, ...), which import no test module either."""
+    tests = keys.PACKAGE_DIR.parents[1] / "tests"
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            found += [
+                f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0].startswith("test_")
+            ]
+    assert not found, "test modules importing test modules:\n" + "\n".join(found)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_CONFIG, copy_workflow, run_snakemake
+from conftest import TINY_CONFIG, copy_workflow, snakemake
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -50,7 +50,9 @@ def real_run(tmp_path_factory) -> Path:
     workdir = copy_workflow(tmp_path_factory.mktemp("real_model"))
     shutil.copy2(TINY_CONFIG, workdir / "tiny.yaml")
     (workdir / "real.yaml").write_text(json.dumps({**REAL, "model": {"base": str(GGUF)}}))
-    run_snakemake(workdir, "--cores", "2", "--resources", "gpu=1", "--configfile", "tiny.yaml", "real.yaml")
+    snakemake(
+        workdir, "--cores", "2", "--resources", "gpu=1", "--configfile", "tiny.yaml", "real.yaml", timeout=900
+    )
     return workdir
 
 

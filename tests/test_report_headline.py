@@ -8,10 +8,9 @@ import json
 
 import torch
 
-from report_tree import make_results, write_json
+from report_tree import first_screen, make_results, write_json
 from snaketune.report import build as report
 from snaketune.report.headline import Measure, busy_seconds, cell_text, change_sentence
-from test_report import _first_screen
 
 
 def _measure(key: str, values: dict, intervals: dict | None = None, percent: bool = True) -> Measure:
@@ -88,7 +87,7 @@ def test_a_run_without_gpus_says_so(tmp_path):
     write_json(inputs.manifest, manifest)
     summary = report.build_report(inputs, tmp_path / "out", workdir=tmp_path)
     assert summary["run"]["gpu_hours"] == 0
-    assert "**CPU run**: no job held a GPU." in _first_screen((tmp_path / "out/report.md").read_text())
+    assert "**CPU run**: no job held a GPU." in first_screen((tmp_path / "out/report.md").read_text())
 
 
 def test_every_plot_labels_its_axes(tmp_path, monkeypatch):

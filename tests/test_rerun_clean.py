@@ -41,8 +41,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, TINY_CONFIG, clone_run, copy_workflow, run_snakemake
-from test_reproducibility import CASES, edit_line
+from conftest import REPO, TINY_CONFIG, clone_run, copy_workflow, snakemake
+from rerun_cases import CASES, edit_line
 
 # Its fixtures run whole workflows of many experiments: above pyproject.toml's per-test timeout on a busy host.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -279,7 +279,7 @@ def experiments(tmp_path_factory) -> dict:
     workdir = copy_workflow(root / "wf")
     shutil.copy2(TINY_CONFIG, workdir / "tiny.yaml")
     (workdir / "base.yaml").write_text(json.dumps({"experiments": BASE}))
-    run_snakemake(workdir, *_dpo_targets(BASE), *RUN, "--configfile", "tiny.yaml", "base.yaml", timeout=1500)
+    snakemake(workdir, *_dpo_targets(BASE), *RUN, "--configfile", "tiny.yaml", "base.yaml", timeout=1500)
     # The clean twins' outputs as the base run left them (the changed run remakes most of them), in the layout of
     # a run.
     base = root / "base"
@@ -288,7 +288,7 @@ def experiments(tmp_path_factory) -> dict:
     before = mtimes(workdir)
     (workdir / "changed.yaml").write_text(json.dumps({"experiments": CHANGED}))
     targets = _dpo_targets(CHANGED)
-    log = run_snakemake(workdir, *targets, *RUN, "--configfile", "tiny.yaml", "changed.yaml", timeout=1500)
+    log = snakemake(workdir, *targets, *RUN, "--configfile", "tiny.yaml", "changed.yaml", timeout=1500).output
     return {"workdir": workdir, "base": base, "written": written_since(workdir, before), "log": log}
 
 
@@ -393,7 +393,7 @@ def shared(tiny_run, tmp_path_factory) -> dict:
     runs.sort(key=lambda run: run[0])
     # Two Snakemake runs at a time (most of a job's time is one process importing torch).
     with ThreadPoolExecutor(2) as pool:
-        for future in [pool.submit(run_snakemake, w, *args) for _, w, args in runs]:
+        for future in [pool.submit(snakemake, w, *args, timeout=900) for _, w, args in runs]:
             future.result()
     return pairs
 

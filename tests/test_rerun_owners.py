@@ -23,8 +23,7 @@ import jsonschema
 import pytest
 import yaml
 
-from conftest import REPO, TINY_CONFIG, clone_run
-from dryrun import dry_run, job_stats
+from conftest import REPO, TINY_CONFIG, clone_run, dry_run, job_stats
 from snaketune.config import owners
 from snaketune.config.choices import ConfigError
 from snaketune.config.load import load_config, to_dict

@@ -18,13 +18,11 @@ from pathlib import Path, PurePosixPath
 import pandas as pd
 import pytest
 
-from conftest import HUB_TOKENS, TINY_CONFIG
+from conftest import FAST_CONFIG, HUB_TOKENS, TINY_CONFIG, snakemake, workflow_copy
 from snaketune.config.choices import ConfigError
 from snaketune.config.load import load_config
 from snaketune.config.paths import check_input_paths
 from snaketune.report.reproducibility import remote_code_line
-from test_faults import new_workdir
-from test_workflow import FAST_CONFIG, snakemake
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = sorted((REPO / "workflow/snaketune").rglob("*.py")) + sorted(
@@ -387,7 +385,7 @@ def dag_paths(output: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    return new_workdir(tmp_path_factory, "security_paths")
+    return workflow_copy(tmp_path_factory, "security_paths")
 
 
 @pytest.mark.parametrize("case", list(REJECTED))

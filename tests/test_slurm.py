@@ -24,9 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_workflow
+from conftest import FAST_CONFIG, REPO, Result, copy_workflow, file_bytes, finish, kill_everything, start
 from snaketune.train import hosts
-from test_workflow import FAST_CONFIG, REPO, Result, file_bytes, finish, kill_everything, start
 
 pytestmark = pytest.mark.slow
 

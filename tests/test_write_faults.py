@@ -34,9 +34,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FAST_CONFIG, REPO, RUN_TIMEOUT_S, TEMPORARY, snakemake_bin, temporaries, workflow_copy
 from snaketune import io
-from test_faults import TEMPORARY, TESTS_DIR, WORKFLOW_DIR, new_workdir, temporaries
-from test_workflow import FAST_CONFIG, RUN_TIMEOUT_S
+
+TESTS_DIR = REPO / "tests"
+WORKFLOW_DIR = REPO / "workflow"
 
 
 def write_json_file(root: Path, version: int) -> list[Path]:
@@ -103,8 +105,8 @@ def write_tokenized(root: Path, version: int) -> list[Path]:
 
 def write_report(root: Path, version: int) -> list[Path]:
     """snaketune.report.build.build_report: matplotlib, HTML, Markdown and JSON into io.atomic_files."""
+    from report_tree import make_results
     from snaketune.report import build as report
-    from test_report import make_results
 
     inputs_root = root.parent / "report_inputs"  # the inputs are not under test: outside root
     inputs = make_results(inputs_root)
@@ -356,8 +358,6 @@ def snakemake_on_a_full_disk(workdir: str) -> dict:
     the disk, ask for ten times the data (the download job deletes its old outputs first, as Snakemake does
     before every job, but the new ones need more), free the disk, rerun with the first config. The entry
     point of the namespaced child of test_snakemake_job_on_a_full_disk."""
-    from test_workflow import _snakemake_bin
-
     wd = Path(workdir)
 
     bigger = wd / "bigger.yaml"
@@ -367,7 +367,7 @@ def snakemake_on_a_full_disk(workdir: str) -> dict:
         proc = subprocess.run(
             # --configfile takes several files: it comes last.
             [
-                str(_snakemake_bin()),
+                str(snakemake_bin()),
                 *args,
                 "--cores",
                 "2",
@@ -420,7 +420,7 @@ def test_snakemake_job_on_a_full_disk(tmp_path_factory):
     is space a plain rerun redoes the job and the stages after it, to the same bytes as before."""
     if not _namespaces_work("--user", "--map-root-user", "--mount"):
         pytest.skip("user and mount namespaces are not available (unshare -Urm): no private tmpfs to fill")
-    workdir = new_workdir(tmp_path_factory, "faults_full_disk")
+    workdir = workflow_copy(tmp_path_factory, "faults_full_disk")
     (workdir / "results").mkdir()
     code = (
         f"import json, sys; sys.path[:0] = {[str(WORKFLOW_DIR), str(TESTS_DIR)]!r}; import test_write_faults; "
