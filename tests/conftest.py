@@ -366,6 +366,46 @@ def tiny_run(tmp_path_factory) -> Path:
     return workdir
 
 
+REAL_OASST = REPO / "tests" / "data" / "oasst"
+"""Real OpenAssistant samples, gzip-compressed (tests/data/README.md: what each holds, its source and licence)."""
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_vocab(tmp_path_factory) -> Path:
+    """llama.cpp's vocabulary file of deepseek-llm (ggml-vocab-deepseek-llm.gguf) with its test strings beside it
+    (`.inp`, `.out`), out of the pinned llama-cpp-python's source archive once per test session (tests/
+    deepseek_tokenizer.py). Read-only."""
+    from filelock import FileLock
+
+    import deepseek_tokenizer
+
+    root = shared_dir(tmp_path_factory)
+    out = root / "llama_cpp_vocab"
+    with FileLock(str(root / "llama_cpp_vocab.lock")):
+        if not (out / "done").exists():
+            deepseek_tokenizer.extract(out)
+            (out / "done").touch()
+    return out / deepseek_tokenizer.VOCAB
+
+
+@pytest.fixture(scope="session")
+def deepseek_tokenizer(tmp_path_factory, llama_cpp_vocab) -> Path:
+    """A directory with deepseek-llm-7b-base's tokenizer.json and tokenizer_config.json, rebuilt once per test
+    session (the xdist workers share it under a lock) from llama.cpp's vocabulary file (tests/deepseek_tokenizer.py).
+    Read-only."""
+    from filelock import FileLock
+
+    import deepseek_tokenizer
+
+    root = shared_dir(tmp_path_factory)
+    out = root / "deepseek-llm-7b-base"
+    with FileLock(str(root / "deepseek_tokenizer.lock")):
+        if not (out / "done").exists():
+            deepseek_tokenizer.rebuild(llama_cpp_vocab, out)
+            (out / "done").touch()
+    return out
+
+
 MAX_LENGTH = 128
 # Settings every training test shares unless it overrides them: a 4-sequence global batch on the tiny model,
 # metrics at every step (per-step losses are what the tests compare), no checkpoints, validation at the end.

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-REALDATA_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "realdata" / "deepseek-llm-7b-base"
-TOKENIZER = REALDATA_TOKENIZER
+TOKENIZER = "deepseek-llm-7b-base"
+"""model.tokenizer's change: the real DeepSeek tokenizer, a directory in the working directory where the tests put
+conftest.deepseek_tokenizer (a hub id would be pinned to a commit first: tests/test_hub_revisions.py)."""
 
 # What a change reruns, from the most upstream stage down. Every rerun ends in the manifest (unless only
 # the report changed), the report and `all`.
@@ -57,8 +58,7 @@ CASES = {
     # config: tokenization and tokenizer
     "tokenize.packing": (_config({"tokenize": {"packing": False}}), FROM_TOKENIZE),
     "model.tokenizer": (
-        # The real tokenizer's directory (a hub id would be pinned to a commit first: tests/test_hub_revisions.py).
-        _config({"model": {"tokenizer": str(TOKENIZER)}}),
+        _config({"model": {"tokenizer": TOKENIZER}}),
         ("fetch_tokenizer", "tokenize", "tokenize_pairs", *BENCH_BASE, *FROM_TRAIN),
     ),
     "tokenizer vocabulary (rule file)": (

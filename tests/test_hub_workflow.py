@@ -15,17 +15,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import copy_workflow, snakemake
+from conftest import REAL_OASST, copy_workflow, snakemake
 
 # The fixture runs the whole workflow for four experiments (about 6 minutes on two cores beside another test):
 # longer than pyproject.toml's per-test timeout, which the first test using it pays.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
-TOKENIZER = REALDATA / "deepseek-llm-7b-base"
-ROWS = REALDATA / "oasst" / "en_100.hf_rows.jsonl"
-TREES = REALDATA / "oasst" / "en_100_tree.jsonl"
-needs_realdata = pytest.mark.skipif(not TOKENIZER.is_dir(), reason=f"{REALDATA} is absent (a user's clone)")
+ROWS = REAL_OASST / "en_100.hf_rows.jsonl.gz"
+TREES = REAL_OASST / "en_100_tree.jsonl.gz"
 RUN_TIMEOUT_S = 1500
 ZERO2 = "default"
 EXPERIMENTS = {
@@ -48,7 +45,7 @@ EXPERIMENTS = {
 }
 
 
-def write_hub_model(out: Path) -> Path:
+def write_hub_model(out: Path, tokenizer: Path) -> Path:
     """A tiny model in the hub layout deepseek-llm-7b-base ships: config.json, model-0000N-of-0000M shards, the
     tokenizer's two files (no chat template, no pad)."""
     import torch
@@ -73,14 +70,14 @@ def write_hub_model(out: Path) -> Path:
         out, max_shard_size="5MB", safe_serialization=True
     )
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER / name, out / name)
+        shutil.copy(tokenizer / name, out / name)
     return out
 
 
 @pytest.fixture(scope="module")
-def hub_run(tmp_path_factory):
+def hub_run(tmp_path_factory, deepseek_tokenizer):
     root = tmp_path_factory.mktemp("hub")
-    model = write_hub_model(root / "deepseek-tiny-hub")
+    model = write_hub_model(root / "deepseek-tiny-hub", deepseek_tokenizer)
     workdir = copy_workflow(root / "wf")
     config = {
         "dataset": {"source": str(ROWS), "paths": "all", "validation_fraction": 0.08},
@@ -134,7 +131,6 @@ def _weight(model_dir: Path, name: str):
         return f.get_tensor(name)
 
 
-@needs_realdata
 def test_hub_model_has_the_users_layout(hub_run):
     _, model, _ = hub_run
     names = sorted(p.name for p in model.iterdir())
@@ -143,7 +139,6 @@ def test_hub_model_has_the_users_layout(hub_run):
     assert "chat_template" not in config and not (model / "chat_template.jinja").exists()
 
 
-@needs_realdata
 def test_every_strategy_trains_from_the_hub_directory(hub_run):
     import torch
 
@@ -191,7 +186,6 @@ def test_every_strategy_trains_from_the_hub_directory(hub_run):
         )
 
 
-@needs_realdata
 def test_real_tokenizer_tokenizes_real_oasst_rows(hub_run):
     workdir, _, _ = hub_run
     tokenized = [d for d in (workdir / "results/tokenized").iterdir() if d.is_dir()]
@@ -203,7 +197,6 @@ def test_real_tokenizer_tokenizes_real_oasst_rows(hub_run):
     assert tok.get("bos_token") == "<｜begin▁of▁sentence｜>"
 
 
-@needs_realdata
 def test_preference_stage_runs_on_the_hub_path(hub_run):
     workdir, _, _ = hub_run
     stats = _json(workdir / "results/data/preferences/best_vs_rest/stats.json")
@@ -218,7 +211,6 @@ def test_preference_stage_runs_on_the_hub_path(hub_run):
         assert not (workdir / f"results/dpo/{name}").exists()
 
 
-@needs_realdata
 def test_evaluation_and_report_on_the_hub_path(hub_run):
     import pyarrow.parquet as pq
 
@@ -253,7 +245,6 @@ def test_evaluation_and_report_on_the_hub_path(hub_run):
     }
 
 
-@needs_realdata
 def test_the_merged_qlora_model_goes_out_as_gguf_with_the_deepseek_tokenizer(hub_run):
     workdir, _, _ = hub_run
     assert [
@@ -269,7 +260,6 @@ def test_the_merged_qlora_model_goes_out_as_gguf_with_the_deepseek_tokenizer(hub
     assert unquantized["kl_mean"] < 1e-3 and unquantized["failing"] == [], unquantized
 
 
-@needs_realdata
 def test_trees_form_gives_the_same_tokens(hub_run, tmp_path):
     """The nested-tree export of the same 100 trees gives byte-identical tokenized data."""
     workdir, model, _ = hub_run

@@ -7,24 +7,19 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
-from conftest import assert_close_to_scale, run_reference, run_training
+from conftest import REAL_OASST, assert_close_to_scale, run_reference, run_training
 from snaketune.data import pairs
 from snaketune.data.messages import DataError
 from snaketune.data.preferences import GROUP_DROP_REASONS, build_preferences
 from snaketune.data.readers import read_messages
 from snaketune.model import batching
 from snaketune.preference.logprobs import pair_logprobs, preference_loss, reply_sums, token_logprobs
-
-REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata" / "oasst"
-needs_realdata = pytest.mark.skipif(not REALDATA.is_dir(), reason=f"{REALDATA} is absent (a user's clone)")
-
 
 # ---- the loss ----------------------------------------------------------------------------------------------
 
@@ -225,17 +220,16 @@ def test_no_split_and_no_pairs_are_named():
         )
 
 
-@needs_realdata
 @pytest.mark.parametrize(("trees", "rows"), [
-    ("en_100_tree.jsonl", "en_100.hf_rows.jsonl"),
-    ("openpaws_oasst2.trees.jsonl", "openpaws_oasst2.hf_rows.jsonl"),
+    ("en_100_tree.jsonl.gz", "en_100.hf_rows.jsonl.gz"),
+    ("openpaws_oasst2.trees.jsonl.gz", "openpaws_oasst2.hf_rows.jsonl.gz"),
 ])  # fmt: skip
 def test_real_samples_give_the_same_pairs_in_both_forms(trees, rows):
     from snaketune.data.conversations import build_conversations
 
     out = []
     for name in (trees, rows):
-        messages = read_messages(REALDATA / name)
+        messages = read_messages(REAL_OASST / name)
         conv = build_conversations(messages)
         split = {t: s for s in ("train", "validation") for t in getattr(conv, s)["message_tree_id"]}
         out.append(build_preferences(messages, split))

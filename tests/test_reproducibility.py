@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import NOTHING_TO_DO, clone_run, dry_run, job_stats, snakemake
-from rerun_cases import CASES, edit_line
+from rerun_cases import CASES, TOKENIZER, edit_line
 
 pytestmark = pytest.mark.slow
 
@@ -63,10 +64,13 @@ def planned(workdir: Path, configs: tuple[str, ...] = (CONFIG,)) -> dict[str, in
 
 
 @pytest.fixture(scope="module")
-def workdir(tiny_run, tmp_path_factory) -> Path:
+def workdir(tiny_run, tmp_path_factory, deepseek_tokenizer) -> Path:
     """A copy of the shared tiny run (conftest.tiny_run: one complete run from scratch, made with hub tokens in the
-    environment), so that the edits below never touch the run other tests read."""
-    return clone_run(tiny_run, tmp_path_factory.mktemp("reproducibility") / "wf")
+    environment), so that the edits below never touch the run other tests read; the real tokenizer beside it for
+    model.tokenizer's change."""
+    workdir = clone_run(tiny_run, tmp_path_factory.mktemp("reproducibility") / "wf")
+    shutil.copytree(deepseek_tokenizer, workdir / TOKENIZER)
+    return workdir
 
 
 def test_a_completed_run_reruns_nothing(workdir):

@@ -41,17 +41,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, TINY_CONFIG, clone_run, copy_workflow, snakemake
-from rerun_cases import CASES, edit_line
+from conftest import TINY_CONFIG, clone_run, copy_workflow, snakemake
+from rerun_cases import CASES, TOKENIZER, edit_line
 
 # Its fixtures run whole workflows of many experiments: above pyproject.toml's per-test timeout on a busy host.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-REALDATA_TOKENIZER = REPO.parent / "shared" / "realdata" / "deepseek-llm-7b-base"
 PREF_TRAIN = yaml.safe_load(TINY_CONFIG.read_text())["preference"]["train"]
 EXPERIMENT_KINDS = {
     "tokenize.packing": {"tokenize": {"packing": False}},
-    "model.tokenizer": {"model": {"tokenizer": str(REALDATA_TOKENIZER)}},
+    "model.tokenizer": {"model": {"tokenizer": TOKENIZER}},
     "train.learning_rate": {"train": {"learning_rate": 1.0e-3}},
     "train.deepspeed (ZeRO-2 -> ZeRO-3)": {"train": {"deepspeed": "config/deepspeed/zero3.json"}},
     "preference.beta": {"preference": {"beta": 0.2}},
@@ -272,11 +271,10 @@ def _dpo_targets(names) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def experiments(tmp_path_factory) -> dict:
-    if not REALDATA_TOKENIZER.is_dir():
-        pytest.skip(f"{REALDATA_TOKENIZER} absent (../shared/realdata, beside the checkout in CI)")
+def experiments(tmp_path_factory, deepseek_tokenizer) -> dict:
     root = tmp_path_factory.mktemp("rerun_experiments")
     workdir = copy_workflow(root / "wf")
+    shutil.copytree(deepseek_tokenizer, workdir / TOKENIZER)  # the model.tokenizer experiment's
     shutil.copy2(TINY_CONFIG, workdir / "tiny.yaml")
     (workdir / "base.yaml").write_text(json.dumps({"experiments": BASE}))
     snakemake(workdir, *_dpo_targets(BASE), *RUN, "--configfile", "tiny.yaml", "base.yaml", timeout=1500)
