@@ -33,6 +33,22 @@ REPO = Path(__file__).resolve().parent.parent
 # with passive waiting (this 2-core machine, 2026-12-03). Set before any torch loads, inherited by every process.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 DEEPSPEED_DIR = REPO / "config" / "deepspeed"
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
+"""CI sets CI (.ci/run; GitHub Actions and GitLab do too)."""
+
+
+def needs(missing: str | bool | None) -> None:
+    """A test's prerequisite that is not a Python package: a system package CI installs (chromium, SLURM's daemons)
+    or a SLURM cluster this machine should start. Where it is `missing` (why, in words), the test fails in CI, where
+    .ci/run installs everything and a skip would hide a broken setup, and skips with the reason on a user's machine,
+    which may lack SLURM or root (the test then checks nothing there, and says so). Pinned Python packages never
+    skip: tests/test_envs.py fails on a broken install."""
+    if missing:
+        if IN_CI:
+            pytest.fail(f"{missing} (CI is set: a missing prerequisite fails there instead of skipping)")
+        pytest.skip(missing)
+
+
 WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs")
 """What a copy of the workflow needs (tests run Snakemake in copies, never in the checkout)."""
 

@@ -15,8 +15,7 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("torchao")
-pytest.importorskip("triton")
+pytest.importorskip("triton")  # GPU-only: torch's CUDA build brings it, the CPU build none (Makefile)
 
 from torchao.optim.adam import single_param_adam  # noqa: E402
 from torchao.optim.subclass_4bit import OptimState4bit  # noqa: E402

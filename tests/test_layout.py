@@ -167,3 +167,18 @@ def test_no_test_module_imports_another():
                 f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0].startswith("test_")
             ]
     assert not found, "test modules importing test modules:\n" + "\n".join(found)
+
+
+def test_a_missing_prerequisite_fails_in_ci_and_skips_elsewhere(monkeypatch):
+    """conftest.needs: in CI (the CI variable set) a test whose system prerequisite or SLURM cluster is missing
+    fails with the reason; on a user's machine it skips with it; with nothing missing it does neither."""
+    import conftest
+
+    monkeypatch.setattr(conftest, "IN_CI", True)
+    with pytest.raises(pytest.fail.Exception, match="the two-node cluster did not start"):
+        conftest.needs("the two-node cluster did not start")
+    monkeypatch.setattr(conftest, "IN_CI", False)
+    with pytest.raises(pytest.skip.Exception, match="chromium is not installed"):
+        conftest.needs("chromium is not installed")
+    conftest.needs(None)
+    conftest.needs(False)  # `condition and "why"` with the condition false

@@ -17,8 +17,6 @@ from conftest import run_training
 from snaketune.config.schema import ModelConfig
 from snaketune.model.build import load_model
 
-pytest.importorskip("bitsandbytes")
-
 LORA = {"enabled": True, "rank": 4}
 STEPS = 10
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import clone_run, snakemake
+from conftest import clone_run, needs, snakemake
 from report_tree import COMMIT, DPO, GPU_SECONDS, KEY, first_screen, make_results, write_json, write_text
 from snaketune.report import build as report
 from snaketune.report.headline import Measure, cell_text
@@ -301,8 +301,8 @@ def _chromium(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([chromium(), *flags, *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.skipif(chromium() is None, reason="chromium is not installed (apt-get install -y chromium)")
 def test_html_renders_in_headless_chromium(built, tmp_path):
+    needs(chromium() is None and "chromium is not installed (apt-get install -y chromium)")
     out, summary = built
     url = (out / "index.html").resolve().as_uri()
     dom = _chromium(["--dump-dom", url], tmp_path)
@@ -392,8 +392,8 @@ def _final_figures(summary: dict) -> list[str]:
     return texts
 
 
-@pytest.mark.skipif(chromium() is None, reason="chromium is not installed (apt-get install -y chromium)")
 def test_the_first_screen_holds_the_answer_and_nothing_scrolls_sideways(built, tmp_path):
+    needs(chromium() is None and "chromium is not installed (apt-get install -y chromium)")
     """At 1,280 x 800 every final model's headline figure, with its interval, ends within the first 800 px; at 1,024
     and 1,280 px the page is no wider than the window; no plot is drawn wider than 1.1x its pixels."""
     out, summary = built
