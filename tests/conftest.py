@@ -691,6 +691,11 @@ them idle for the 100 s the other spent making the tiny run, and left the long r
 
 
 def pytest_collection_modifyitems(items):
+    # The shared tiny run is a whole workflow run: whatever reads it belongs to `make test`'s tier, marked or not.
+    for item in items:
+        if "tiny_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
     def rank(item) -> int:
         name = Path(str(item.fspath)).name
         return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)

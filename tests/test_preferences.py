@@ -412,6 +412,7 @@ def dpo_run(preference_data, tiny_data, tmp_path_factory):
     return _dpo(root, sft, tmp_path_factory.mktemp("dpo"), tiny_data, overrides={"checkpoint_every": 6})
 
 
+@pytest.mark.slow
 def test_cached_reference_log_probs_equal_the_ones_computed_on_the_fly(preference_data, tiny_data):
     from snaketune.config.schema import ModelConfig
     from snaketune.model.inference import load_tuned_model
@@ -431,6 +432,7 @@ def test_cached_reference_log_probs_equal_the_ones_computed_on_the_fly(preferenc
     assert record["reference"] == "sft" and record["pairs"]["train"] == len(cached["train"]["logprobs"])
 
 
+@pytest.mark.slow
 def test_dpo_starts_at_log_2_and_learns_the_preferences(dpo_run):
     rows = dpo_run.rows
     # The policy starts as the reference: every reward 0, every pair's loss log 2 (the first window is step 1).
@@ -443,6 +445,7 @@ def test_dpo_starts_at_log_2_and_learns_the_preferences(dpo_run):
     assert (dpo_run.out_dir / "model" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_dpo_one_rank_equals_two_ranks(dpo_run, preference_data, tiny_data, tmp_path):
     root, sft = preference_data
     two = _dpo(root, sft, tmp_path, tiny_data, nproc=2, overrides={"micro_batch_size": 2})
@@ -453,6 +456,7 @@ def test_dpo_one_rank_equals_two_ranks(dpo_run, preference_data, tiny_data, tmp_
         )
 
 
+@pytest.mark.slow
 def test_dpo_resume_equals_the_uninterrupted_run(dpo_run, preference_data, tiny_data, tmp_path):
     root, sft = preference_data
     ckpt = tmp_path / "checkpoints"
@@ -465,6 +469,7 @@ def test_dpo_resume_equals_the_uninterrupted_run(dpo_run, preference_data, tiny_
     )
 
 
+@pytest.mark.slow
 def test_dpo_checks_that_it_starts_at_the_reference(dpo_run, preference_data, tiny_data, tmp_path):
     """The first micro-batch's log-probabilities equal the reference stage's (computed in other micro-batches),
     the DPO loss there is ln 2, logged; a reference of another model stops the run before its first step."""

@@ -313,16 +313,19 @@ def check_outcome(outcome: dict, cause: str) -> None:
     assert outcome["rewrite_changes_outputs"], "the same rewrite without the fault changes nothing: no test"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writer", WRITER_NAMES)
 def test_disk_full_write_keeps_the_previous_outputs(real_enospc, writer):
     check_outcome(real_enospc[writer], "ENOSPC")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writer", WRITER_NAMES)
 def test_permission_denied_write_keeps_the_previous_outputs(real_eacces, writer):
     check_outcome(real_eacces[writer], "EACCES")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["injected_ENOSPC", "injected_EACCES"])
 @pytest.mark.parametrize("writer", WRITER_NAMES)
 def test_injected_write_failure_keeps_the_previous_outputs(written, tmp_path, writer, fault):
