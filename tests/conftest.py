@@ -280,8 +280,8 @@ def snakemake(
 def dry_run(workdir: Path, args: Sequence[str]) -> tuple[int, str]:
     """`snakemake -n args` in `workdir` without Snakemake's start-up each time: snakemake.cli is imported once per
     process (1.6 s of a 2 s dry run on two cores), then each dry run is a forked child that runs its command line
-    and exits, so no state of one run reaches the next (the Snakefile's module-level code runs afresh in each
-    child). (exit code, output)."""
+    and exits, so no state of one run reaches the next (the Snakefile's module-level code and snaketune's modules
+    load afresh in each child, from the working directory). (exit code, output)."""
     import snakemake.cli  # once per process; the children inherit it
 
     read, write = os.pipe()
@@ -296,6 +296,10 @@ def dry_run(workdir: Path, args: Sequence[str]) -> tuple[int, str]:
             sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
             sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
             os.chdir(workdir)
+            # The Snakefile imports snaketune from the working directory's copy (common.smk puts its workflow/
+            # first on sys.path), which is what its code hashes read: forget the copy this process imported.
+            for name in [m for m in sys.modules if m == "snaketune" or m.startswith("snaketune.")]:
+                del sys.modules[name]
             snakemake.cli.main(["-n", *args])
             code = 0
         except SystemExit as e:
