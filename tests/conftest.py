@@ -1,6 +1,6 @@
 """The one module of shared test helpers and fixtures (a test module never imports another: tests/test_layout.py):
 copies of the workflow and the one way to run snakemake in them (`snakemake`, or `start` and `finish` for a run to
-kill; `dry_run` forks it in-process for dry runs), the shared tiny run, the real data chain on a small builtin
+kill; a command that starts no job runs forked in-process), the shared tiny run, the real data chain on a small builtin
 sample, and a helper that trains on it with real DeepSpeed ranks (CPU ranks over gloo when there is no GPU).
 What a test builds its inputs from lives beside it by kind: chat_data, oasst_trees, bad_data, report_tree,
 rerun_cases, states4bit_scenarios."""
@@ -270,18 +270,38 @@ def finish(run: Started, timeout: float, *, check: bool = True) -> Result:
     return result
 
 
+NO_JOBS = {"-n", "--dry-run", "--unlock"}
+"""Commands that start no job: `snakemake` runs them in a forked child of this process (`_forked`)."""
+
+
 def snakemake(
     workdir: Path, *args: str, timeout: float = SHORT_TIMEOUT_S, check: bool = True, env: dict | None = None
 ) -> Result:
-    """`snakemake args` in `workdir`, to its end (start, then finish)."""
+    """`snakemake args` in `workdir`, to its end. A command that starts no job (a dry run, --unlock) runs in a
+    forked child of this process (its output all in `stdout`), others in a process of their own (start, then
+    finish)."""
+    if NO_JOBS & set(args):
+        code, output = _forked(workdir, args, env=env, timeout=timeout)
+        result = Result(tuple(args), code, output, "")
+        if check and code != 0:
+            pytest.fail(f"snakemake {' '.join(args)} in {workdir}: exit {code}\n{output[-4000:]}")
+        return result
     return finish(start(workdir, *args, env=env), timeout, check=check)
 
 
 def dry_run(workdir: Path, args: Sequence[str]) -> tuple[int, str]:
-    """`snakemake -n args` in `workdir` without Snakemake's start-up each time: snakemake.cli is imported once per
-    process (1.6 s of a 2 s dry run on two cores), then each dry run is a forked child that runs its command line
-    and exits, so no state of one run reaches the next (the Snakefile's module-level code and snaketune's modules
-    load afresh in each child, from the working directory). (exit code, output)."""
+    """`snakemake -n args` in `workdir`, forked (`_forked`): (exit code, output)."""
+    return _forked(workdir, ["-n", *args])
+
+
+def _forked(
+    workdir: Path, args: Sequence[str], *, env: dict | None = None, timeout: float = SHORT_TIMEOUT_S
+) -> tuple[int, str]:
+    """`snakemake args` without Snakemake's start-up each time: snakemake.cli is imported once per process (1.6 s
+    of a 2 s dry run on two cores), then each command is a forked child that runs its command line and exits, so
+    no state of one run reaches the next (the Snakefile's module-level code and snaketune's modules load afresh in
+    each child, from the working directory). For commands that start no job: a job would be a child of pytest's
+    process. The environment is `start`'s; past `timeout` the child is killed (SIGALRM). (exit code, output)."""
     import snakemake.cli  # once per process; the children inherit it
 
     read, write = os.pipe()
@@ -289,18 +309,20 @@ def dry_run(workdir: Path, args: Sequence[str]) -> tuple[int, str]:
     if pid == 0:  # the child: never returns
         code = 1
         try:
+            signal.alarm(max(1, int(timeout)))
             os.close(read)
             os.dup2(write, 1)
             os.dup2(write, 2)
             # pytest's capture replaced sys.stdout and sys.stderr: write to the pipe instead.
             sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
             sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+            os.environ.update({**(env or {}), "CUDA_VISIBLE_DEVICES": ""})
             os.chdir(workdir)
             # The Snakefile imports snaketune from the working directory's copy (common.smk puts its workflow/
             # first on sys.path), which is what its code hashes read: forget the copy this process imported.
             for name in [m for m in sys.modules if m == "snaketune" or m.startswith("snaketune.")]:
                 del sys.modules[name]
-            snakemake.cli.main(["-n", *args])
+            snakemake.cli.main(list(args))
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
