@@ -610,14 +610,35 @@ def run_training(
         threads=2,
         module=module,
     )
-    out = Path(spec["output_dir"])
+    return finished_run(tmp_path, Path(spec["output_dir"]), Path(spec["checkpoint_dir"]))
+
+
+def finished_run(root: Path, out: Path | None = None, checkpoint_dir: Path | None = None) -> TrainRun:
+    """The TrainRun of a finished run_training under `root` (its default directories unless named)."""
+    out = out or root / "out"
     return TrainRun(
         out_dir=out,
-        checkpoint_dir=Path(spec["checkpoint_dir"]),
-        log_file=log_file,
+        checkpoint_dir=checkpoint_dir or root / "checkpoints",
+        log_file=root / "train.log",
         rows=read_metrics(out / "metrics.csv"),
         summary=json.loads((out / "summary.json").read_text()),
     )
+
+
+@pytest.fixture(scope="session")
+def default_training_run(tiny_data, tmp_path_factory) -> TrainRun:
+    """run_training with every default (1 rank, ZeRO-2, TRAIN_DEFAULTS: micro-batch 4 x accumulation 1, 20 steps),
+    made once per test session: the baseline of tests/test_training.py and tests/test_quantized.py (the xdist
+    workers share it under a lock; the outputs are read-only)."""
+    from filelock import FileLock
+
+    root = shared_dir(tmp_path_factory) / "default_training_run"
+    with FileLock(f"{root}.lock"):
+        if not (root / "done").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            run_training(root, tiny_data)
+            (root / "done").touch()
+    return finished_run(root)
 
 
 def run_reference(
@@ -695,7 +716,6 @@ HEAVY_FIRST = (
     "test_hub_workflow.py",
     "test_workflow.py",
     "test_real_model.py",
-    "test_reproducibility.py",
     "test_rerun_owners.py",
     "test_slurm.py",
     "test_bench.py",
@@ -703,12 +723,14 @@ HEAVY_FIRST = (
     "test_quantized.py",
     "test_preferences.py",
     "test_own_data.py",
+    "test_reproducibility.py",
     "test_security.py",
     "test_fast_path.py",
     "test_write_faults.py",
     "test_gpus.py",
 )
-"""The files with the longest runs, longest first (`make test`'s slowest durations, CI 2026-12-06): the two workers of
+"""The files with the longest runs, longest first (`make test`'s slowest durations, CI 2026-12-06; test_reproducibility.py
+later since its dry runs fork in-process): the two workers of
 `make test` (pytest-xdist, --dist loadfile with --no-loadscope-reorder) take files in collection order, so the long
 ones start first and short ones fill the end. The first two files start together; the second (test_faults.py, through
 its `reference`) makes the shared tiny run while the first trains its own experiments, before most of its users start.

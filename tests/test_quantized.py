@@ -118,9 +118,9 @@ below its block's max, the steps' size), and on the real model the fourth root i
 
 
 @pytest.fixture(scope="module")
-def fp32_states_run(tiny_data, tmp_path_factory):
-    """builtin-tiny, ZeRO-2, 20 steps at the default learning rate, fp32 Adam states."""
-    return run_training(tmp_path_factory.mktemp("states32"), tiny_data)
+def fp32_states_run(default_training_run):
+    """builtin-tiny, ZeRO-2, 20 steps at the default learning rate, fp32 Adam states (conftest's default run)."""
+    return default_training_run
 
 
 @pytest.fixture(scope="module")

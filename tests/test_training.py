@@ -46,9 +46,9 @@ GOLDEN_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def base_run(tiny_data, tmp_path_factory):
-    """1 rank, ZeRO-2, micro-batch 4 x accumulation 1, 20 steps at the default learning rate."""
-    return run_training(tmp_path_factory.mktemp("base"), tiny_data, nproc=1)
+def base_run(default_training_run):
+    """1 rank, ZeRO-2, micro-batch 4 x accumulation 1, 20 steps at the default learning rate (conftest's)."""
+    return default_training_run
 
 
 @pytest.fixture(scope="module")
