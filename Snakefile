@@ -19,7 +19,8 @@
 # ├── benchmark/base/<key>/<task>.json, benchmark/<experiment>/<sft|dpo|sft-q4_k_m|...>/<task>.json
 # │                                lm-evaluation-harness scores (rules benchmark_base, benchmark, benchmark_gguf)
 # ├── provenance/                  manifest.json (rule manifest); <rule>[/<wildcards>].json per job (not outputs)
-# └── report/                      index.html, report.md, summary.json, *.png          (rule report)
+# └── report/                      index.html, report.md, summary.json, *.png          (rule report);
+#                                  gate.json: no drop beyond benchmark.max_drop  (rule benchmark_gate, fail_on_drop)
 #     checkpoints/<experiment>/    resumable DeepSpeed checkpoints (not an output: survives failures; removed
 #                                  once the stage's outputs are in place unless train.keep_final_checkpoint)
 #     hub_revisions.json           hub revisions pinned to commits (snaketune.hub), reused by later runs
@@ -64,9 +65,12 @@ include: "workflow/rules/eval.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/benchmark.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/verify.smk"
 
 
 rule all:
     default_target: True
     input:
         all_targets(),
+        # Missing outputs of the config's jobs, which a plain run rebuilds (snaketune.verify; none once all is built).
+        preflight(),

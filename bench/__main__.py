@@ -100,6 +100,11 @@ CASES = [
     Case("host_profile", "throughput", "where a training rank's host time goes (py-spy over a throughput case)",
          H200 + "; py-spy installed", _script("throughput/host_profile.sh"),
          sub_cases="throughput/throughput_cases.py"),
+    Case("cards24", "throughput", "issue #50 in one call: LoRA of the 7B under gpu_memory_gib 24 at the plan's pick "
+         "(bf16, FP8 compiled) beside TRL + Liger capped; one row of the plan's longest length for LoRA and QLoRA, "
+         "TRL's longest beside them", GPU + " (24 GB of it used); every part takes ~13 min: two calls, --only capped,fp8 and --only "
+         "long_lora,trl_long,long_qlora; --tiny: CPU",
+         _script("throughput/cards24.py")),
     Case("workflow_7b", "throughput", "the 7B architecture through the whole workflow, ZeRO-2 (24 layers) and LoRA "
          "(30): stage times, tokens/s, memory", "1 CUDA GPU of 141 GB (H200)", _script("throughput/workflow_7b.sh")),
     Case("plan_vs_measured", "memory", "the memory plan's peak against the measured one (allocator, nvidia-smi, "
@@ -141,6 +146,13 @@ CASES = [
          "`real_model` run's files", "CPU", _script("real_model/real_model_table.py")),
     Case("smollm2_mfu", "real_model", "the 135M train step at micro-batches 8 / 32 / 64 and compiled: tokens/s, "
          "MFU, memory", GPU + " (49 GB of it used)", _script("real_model/mfu.sh"), ("ROWS", "SMOL|GGUF")),
+    Case("user_scale", "overhead", "the user's scale on a CPU (issue #49): a hub-format DeepSeek-architecture model "
+         "with the real tokenizer (102,400 rows) on real rows through every stage the default config runs: the "
+         "run's wall time, each job, each GGUF job against its model's", "CPU (2 cores)",
+         _script("overhead/user_scale.sh"), ("ROWS", "TOKENIZER")),
+    Case("smollm2_example", "real_model", "config/examples/smollm2-135m-real.yaml as written through every stage "
+         "(export and benchmark included), real oasst rows for the hub's: each stage's wall time, every benchmark "
+         "job finished", GPU, _script("real_model/example.sh"), ("ROWS", "GGUF")),
     Case("stage_times", "real_model", "wall time of the SFT and DPO stages of the SmolLM2 example beside TRL's "
          "(same invocation)", GPU, _script("real_model/stage_times.sh"), ("ROWS", "SMOL|GGUF")),
     Case("benchmark_stage", "benchmark_stage", "the benchmark stage on the real SmolLM2-135M: wall time per model and "
@@ -160,6 +172,8 @@ CASES = [
          "evaluation's figures", "CPU (2 cores: ~3 min)", _script("overhead/default_run.py")),
     Case("bookkeeping", "overhead", "Snakemake's dry run and no-op rerun on a completed default run",
          "CPU (2 cores: ~4 min the first time)", _script("overhead/bookkeeping.py")),
+    Case("verify", "overhead", "`snakemake verify`'s hash of the outputs against their records: GB/s by file "
+         "count and threads (a 14 GiB file by default)", "CPU", _script("overhead/verify.py")),
     Case("startup", "overhead", "where a GPU stage's fixed start-up goes: import times, the train stage's "
          "phases (SmolLM2, 4 steps)", GPU, _script("overhead/startup.sh"), ("ROWS", "SMOL|GGUF")),
     Case("tests", "", "the test suite's checks, e.g. `-m gpu` (kernels, the fast path) on a GPU; pytest's "

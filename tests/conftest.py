@@ -702,6 +702,30 @@ def tok_dir(tmp_path_factory, conv_dir) -> Path:
     return out
 
 
+CHATML = (
+    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""A ChatML template with a default system turn where the conversation has none (as SmolLM2's and Qwen's)."""
+
+
+def chatml_tokenizer(tok_dir: Path, out: Path, template: str = CHATML) -> Path:
+    """A copy of a builtin tokenizer as a ChatML model's: `<|im_start|>` and `<|im_end|>` added as special tokens,
+    eos `<|im_end|>` (SmolLM2's and Qwen's instruct models), `template` its chat template."""
+    from tokenizers import AddedToken, Tokenizer
+
+    shutil.copytree(tok_dir, out)
+    backend = Tokenizer.from_file(str(out / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_start|>", "<|im_end|>")])
+    backend.save(str(out / "tokenizer.json"))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.update(chat_template=template, eos_token="<|im_end|>", pad_token="<|im_end|>")
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    return out
+
+
 @pytest.fixture(scope="module")
 def tok(tok_dir):
     from snaketune.data.tokenization import load_tokenizer

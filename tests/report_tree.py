@@ -43,6 +43,28 @@ def write_json(path: Path, obj) -> Path:
     return write_text(path, json.dumps(obj, indent=2))
 
 
+def benchmark_result(
+    root: Path, owner: str, label: str, kind: str, values: list[float], *, task: str = "builtin_choice"
+) -> str:
+    """A benchmark result file (snaketune.benchmark.run's shape, one metric: acc, higher is better) where the
+    workflow writes it under `root`: base/<key>/<task>.json for the base (owner: the key), else
+    <experiment>/<label>/<task>.json; `values`: each example's score."""
+    path = root / (f"base/{owner}" if kind == "base" else f"{owner}/{label}") / f"{task}.json"
+    acc = {"metric": "acc", "filter": "none", "value": sum(values) / len(values), "stderr": 0.05}
+    write_json(
+        path,
+        {
+            "task": task,
+            "n": len(values),
+            "spec": {"num_fewshot": 0},
+            "model": {"label": label, "experiment": None if kind == "base" else owner, "kind": kind},
+            "metrics": {"acc,none": {**acc, "higher_is_better": True}},
+            "samples": [{"doc_id": i, "filter": "none", "acc": v} for i, v in enumerate(values)],
+        },
+    )
+    return str(path)
+
+
 def make_results(root: Path) -> ReportInputs:
     """Every file the report reads, shaped like the stages write them, with known figures."""
     r = root / "results"
@@ -243,7 +265,11 @@ def make_results(root: Path) -> ReportInputs:
         config=config,
         benchmarks=bench,
         manifest=write_manifest(r / "provenance/manifest.json"),
-        invocation={"configfiles": ["config/mine.yaml"], "config_args": []},
+        invocation={
+            "configfiles": ["config/mine.yaml"],
+            "configfile_sha256": {"config/mine.yaml": "5e1f" * 16},
+            "config_args": [],
+        },
     )
 
 

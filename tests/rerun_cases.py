@@ -86,12 +86,11 @@ CASES = {
         (*BENCH_ALL, *END),
     ),
     "benchmark.limit": (_config({"benchmark": {"limit": 3}}), (*BENCH_ALL, *END)),
-    "benchmark.gguf_limit": (_config({"benchmark": {"gguf_limit": 2}}), (*BENCH_FILES, *END)),
     "benchmark task file (builtin_choice.yaml)": (
         _edit("workflow/snaketune/benchmark/tasks/builtin_choice.yaml"),
         (*BENCH_ALL, *END),
     ),
-    "benchmark/served.py": (_edit("workflow/snaketune/benchmark/served.py"), (*BENCH_ALL, *END)),
+    "benchmark/llama_lm.py": (_edit("workflow/snaketune/benchmark/llama_lm.py"), (*BENCH_ALL, *END)),
     # config: preference tuning. beta is not in the reference log-probs: they stay cached.
     "preference.beta": (_config({"preference": {"beta": 0.2}}), FROM_DPO),
     "preference.pairs": (_config({"preference": {"pairs": "all"}}), ("preferences", *FROM_PAIRS)),

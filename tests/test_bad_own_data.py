@@ -19,7 +19,7 @@ from snaketune.data.messages import DataError
 from snaketune.data.pair_format import build_pair_preferences
 from snaketune.data.preferences import write_preferences
 
-ROLES = "system, user, assistant (a conversation with tool, function or ipython turns is dropped and counted)"
+ROLES = "system, user, assistant, tool (a conversation with function or ipython turns is dropped and counted)"
 
 
 def turn(role: str, content) -> dict:
@@ -73,7 +73,7 @@ def test_a_line_without_messages(tmp_path, raw_dir):
     text, src = chat_fails(tmp_path, raw_dir, changed(CHATS, messages=..., conversation=[]))
     assert text == (
         f"{src}: line 3: missing required key 'messages' (the line has conversation); required on every line: "
-        "messages (a list of {role, content}); optional: id, split, lang"
+        "messages (a list of {role, content}); optional: id, split, lang, tools"
     )
 
 
@@ -110,14 +110,137 @@ def test_a_message_without_role_or_content(tmp_path, raw_dir, message, missing, 
 
 
 def test_an_assistant_turn_that_calls_tools_needs_no_content(tmp_path):
-    """Read (its conversation is then dropped as tool_use by the conversations stage), not refused."""
-    call = {"role": "assistant", "tool_calls": [{"name": "weather"}]}
+    call = {"role": "assistant", "tool_calls": [CALL]}
     records = changed(
-        CHATS, messages=[turn("user", "Hi"), call, turn("tool", "sun"), turn("assistant", "Sunny.")]
+        CHATS,
+        tools=TOOLS,
+        messages=[turn("user", "Hi"), call, turn("tool", "sun"), turn("assistant", "Sunny.")],
     )
     assert (
         download.materialize(str(write_jsonl(tmp_path / "t.jsonl", records)), tmp_path / "raw")["messages"]
         == 9
+    )
+
+
+# ---- tool calls (docs/own-data.md#tool-calling) ----
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+TOOLS = [WEATHER]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+TOOLS_ALLOWED = (
+    'a list of {"type": "function", "function": {"name", "description", "parameters"}} objects, or a string holding '
+    "that list as JSON (or null)"
+)
+ARGUMENTS = 'a JSON object, or a string holding one (e.g. {"city": "Paris"})'
+
+
+def calling(call: dict, tools=TOOLS, result: dict | None = None) -> dict:
+    """The record BAD as a conversation that calls a tool: `call` its one call, then a result and a reply."""
+    messages = [
+        turn("user", "Weather in Oslo?"),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        result or {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+        turn("assistant", "Rain."),
+    ]
+    return {"tools": tools, "messages": messages}
+
+
+def with_function(**changes) -> dict:
+    return {**CALL, "function": {**CALL["function"], **changes}}
+
+
+@pytest.mark.parametrize(
+    ("record", "key", "shown", "allowed"),
+    [
+        (
+            calling(with_function(name="forecast")),
+            "messages[1].tool_calls[0].function.name",
+            "'forecast' (str)",
+            "a function the conversation's tools declare (names in the record's tools: weather)",
+        ),
+        (
+            calling(CALL, tools=None),
+            "messages[1].tool_calls[0].function.name",
+            "'weather' (str)",
+            "a function the conversation's tools declare (none: the record has no tools)",
+        ),
+        (
+            calling(with_function(arguments="{city: Oslo}")),
+            "messages[1].tool_calls[0].function.arguments",
+            "'{city: Oslo}' (str)",
+            f"{ARGUMENTS}; the string is not JSON: Expecting property name enclosed in double quotes: line 1 column "
+            "2 (char 1)",
+        ),
+        (
+            calling(with_function(arguments='["Oslo"]')),
+            "messages[1].tool_calls[0].function.arguments",
+            "['Oslo'] (list)",
+            ARGUMENTS,
+        ),
+        (
+            calling(CALL, tools=[{"name": "weather"}]),
+            "tools[0]",
+            "{'name': 'weather'} (dict)",
+            TOOLS_ALLOWED,
+        ),
+        (
+            calling(CALL, tools=[WEATHER, WEATHER]),
+            "tools[1].function.name",
+            "'weather' (str)",
+            "a name no other tool of the record has",
+        ),
+        (
+            calling(CALL, result={"role": "tool", "tool_call_id": "call_9", "content": "rain"}),
+            "messages[2].tool_call_id",
+            "'call_9' (str)",
+            "an id of the calls it answers (call_1) or null",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi", "tool_calls": [CALL]},
+                    turn("assistant", "Hello."),
+                ]
+            },
+            "messages[0].tool_calls",
+            f"{[CALL]!r} (list)",
+            "null on a turn that is not the assistant's",
+        ),
+    ],
+    ids=[
+        "unknown tool",
+        "no tools",
+        "arguments not JSON",
+        "arguments not an object",
+        "tool not a function",
+        "tool twice",
+        "result of no call",
+        "user calls",
+    ],  # fmt: skip
+)
+def test_a_malformed_tool_call_names_its_field(tmp_path, raw_dir, record, key, shown, allowed):
+    records = copy.deepcopy(CHATS)
+    records[BAD] = record
+    text, src = chat_fails(tmp_path, raw_dir, records)
+    assert text == f"{src}: line 3, key {key!r}: {shown} is not allowed; allowed: {allowed}"
+
+
+def test_parquet_tool_calls_name_the_column_and_row(tmp_path, raw_dir):
+    records = [
+        {**calling(CALL), "tools": '[{"type": "function", "function": {"name": "weather"}}]'} for _ in CHATS
+    ]
+    records[BAD] = calling(with_function(name="forecast"))
+    records[BAD]["tools"] = records[0]["tools"]
+    text, src = chat_fails(tmp_path, raw_dir, records, ".parquet")
+    assert text.startswith(
+        f"{src}: column 'messages[1].tool_calls[0].function.name', row 1: 'forecast' (str) is not allowed;"
     )
 
 
@@ -166,7 +289,7 @@ def test_parquet_without_a_messages_column(tmp_path, raw_dir):
     text, src = chat_fails(tmp_path, raw_dir, records, ".parquet")
     assert text == (
         f"{src}: missing required column messages (the file has conversations); required: messages (a list of "
-        "{role, content}); optional: id, split, lang"
+        "{role, content}); optional: id, split, lang, tools"
     )
 
 
@@ -190,7 +313,8 @@ def test_nothing_left_to_train_on(tmp_path):
     assert str(e.value) == (
         f"{path}: no conversation is left to train on: 2 read, dropped: roles_out_of_order 1, no_assistant_turn 1; "
         "allowed: conversations where a user turn is answered by an assistant turn, roles in order (an optional "
-        "system turn first, then user and assistant alternating), no empty user or assistant turn"
+        "system turn first, then a user turn; a user turn answered by an assistant turn; an assistant turn that "
+        "calls tools answered by tool turns, and tool turns by an assistant turn), no empty user or assistant turn"
     )
 
 
@@ -198,8 +322,8 @@ def test_nothing_left_to_train_on(tmp_path):
 
 REQUIRED = (
     "required: chosen and rejected (a string, or a messages list ending in the assistant's reply) and prompt (a "
-    "string, or a messages list ending in a user turn; optional where chosen and rejected are messages lists that "
-    "share the turns before the reply); optional: id, split, lang"
+    "string, or a messages list ending in a user turn or tool results; optional where chosen and rejected are "
+    "messages lists that share the turns before the reply); optional: id, split, lang, tools"
 )
 
 
@@ -241,7 +365,7 @@ def test_a_pair_without_a_reply(tmp_path, pairs_dir, key, what):
             {"prompt": [turn("user", "Why?"), turn("assistant", "Hm.")]},
             "prompt[1].role",
             "'assistant' (str)",
-            "user (the prompt ends with the turn the replies answer)",
+            "user or tool (the prompt ends with the turn the replies answer)",
         ),
         ({"prompt": [turn("bot", "Why?")]}, "prompt[0].role", "'bot' (str)", ROLES),
         (
@@ -257,6 +381,15 @@ def test_a_pair_without_a_reply(tmp_path, pairs_dir, key, what):
             "a string, or a messages list ending in the assistant's reply",
         ),
         ({"split": "dev"}, "split", "'dev' (str)", "train, validation or null"),
+        (
+            {
+                "tools": TOOLS,
+                "chosen": [{"role": "assistant", "tool_calls": [with_function(name="forecast")]}],
+            },
+            "chosen[0].tool_calls[0].function.name",
+            "'forecast' (str)",
+            "a function the conversation's tools declare (names in the record's tools: weather)",
+        ),
     ],
 )
 def test_a_bad_pair_field(tmp_path, pairs_dir, change, key, shown, allowed):

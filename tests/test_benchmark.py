@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 import pytest
 from lm_eval.api.model import LM
 
+from report_tree import benchmark_result
 from snaketune.benchmark import local_tasks
 from snaketune.benchmark.run import evaluate_task
 from snaketune.config.benchmark import BenchmarkConfig
@@ -20,6 +22,8 @@ from snaketune.export import modelfile
 from snaketune.report.benchmark import benchmark_section, benchmark_summary, change
 
 # ---- the local tasks through the harness ---------------------------------------------------------------
+
+MMLU_LABELS = {q["question"]: q["label"] for q in local_tasks.mmlu_dev_questions()}
 
 
 class Oracle(LM):
@@ -35,16 +39,22 @@ class Oracle(LM):
             return json.loads(context[4:])[-1]["content"]
         return context.split("\n\n")[-1].strip()
 
+    def _expected(self, question: str) -> str:
+        """The builtin dataset's answer, or for an MMLU question (its text and lettered options) the right letter."""
+        if question.endswith("Answer:"):
+            return "ABCD"[MMLU_LABELS[question.split("\nA. ")[0]]]
+        return expected_answer(question)
+
     def loglikelihood(self, requests, disable_tqdm=False):
         out = []
         for req in requests:
             context, continuation = req.args
-            hit = continuation.strip() == expected_answer(self._question(context))
+            hit = continuation.strip() == self._expected(self._question(context))
             out.append((0.0 if hit == self.right else -5.0, hit == self.right))
         return out
 
     def generate_until(self, requests, disable_tqdm=False):
-        answers = [expected_answer(self._question(req.args[0])) for req in requests]
+        answers = [self._expected(self._question(req.args[0])) for req in requests]
         return [" " + a if self.right else " I don't know." for a in answers]
 
     def loglikelihood_rolling(self, requests, disable_tqdm=False):
@@ -110,6 +120,24 @@ def test_the_local_tasks_ask_the_evaluate_stages_questions():
     assert local_tasks.docs("builtin_choice") == choice  # deterministic
 
 
+def test_mmlu_dev_is_mmlus_dev_questions_from_the_pinned_harness():
+    """MMLU's dev questions, parsed from the prompts file the pinned lm-eval ships: most of the five per subject in
+    nearly all 57 subjects (elementary mathematics has another layout), four options each, the right one distinct, answers spread over the letters; one question per subject kept
+    back for few-shot prompts, never asked."""
+    mmlu = local_tasks.docs("mmlu_dev")
+    questions = local_tasks.mmlu_dev_questions()
+    assert len({q["subject"] for q in questions}) >= 55 and len(questions) >= 260
+    assert len(mmlu["test"]) + len(mmlu["fewshot"]) == len(questions) and len(mmlu["fewshot"]) >= 50
+    assert not {q["question"] for q in mmlu["test"]} & {q["question"] for q in mmlu["fewshot"]}
+    for q in questions:  # MMLU's own data repeats a wrong option once; the right one is always apart
+        assert len(q["choices"]) == 4 and q["choices"].count(q["choices"][q["label"]]) == 1, q
+    assert min(Counter(q["label"] for q in mmlu["test"]).values()) > len(mmlu["test"]) / 8
+    anatomy = next(
+        q for q in questions if q["question"].startswith("Which of the following is the body cavity")
+    )
+    assert anatomy["choices"][anatomy["label"]] == "Cranial"  # the pituitary gland
+
+
 # ---- settings ----------------------------------------------------------------------------------------
 
 
@@ -125,7 +153,6 @@ def test_the_local_tasks_ask_the_evaluate_stages_questions():
         ({"task_settings": {"builtin_choice": {"num_fewshot": -1}}}, "num_fewshot"),
         ({"models": ["tuned"]}, "benchmark.models"),
         ({"quants": ["q3_k"]}, "benchmark.quants"),
-        ({"gguf_limit": 0}, "benchmark.gguf_limit"),
     ],
 )
 def test_bad_settings_name_the_key(settings, key):
@@ -133,13 +160,30 @@ def test_bad_settings_name_the_key(settings, key):
         BenchmarkConfig(**settings)
 
 
-def test_a_task_spec_takes_its_own_settings_and_the_gguf_limit():
+def test_tasks_auto_follow_the_data_and_say_why():
+    cfg = BenchmarkConfig()
+    assert cfg.task_names(builtin_data=True) == ("builtin_choice",)
+    assert cfg.task_names(builtin_data=False) == ("mmlu_dev",)
+    assert "general knowledge" in cfg.tasks_reason(builtin_data=False) and "auto" in cfg.tasks_reason(False)
+    named = BenchmarkConfig(tasks=("arc_easy",))
+    assert (
+        named.task_names(builtin_data=True) == ("arc_easy",)
+        and named.tasks_reason(True) == "named in benchmark.tasks"
+    )
+    with pytest.raises(ConfigError, match="benchmark.tasks"):
+        BenchmarkConfig(tasks="all")
+    # A task's own settings may name any task auto could pick, for either kind of data.
+    BenchmarkConfig(task_settings={"mmlu_dev": {"limit": 50}, "builtin_choice": {"limit": 10}})
+
+
+def test_a_task_spec_takes_its_own_settings():
     cfg = BenchmarkConfig(
-        limit=200, gguf_limit=50, task_settings={"builtin_answer": {"limit": 20, "num_fewshot": 3}}
+        tasks=("builtin_choice", "builtin_answer"),
+        limit=200,
+        task_settings={"builtin_answer": {"limit": 20, "num_fewshot": 3}},
     )
     assert cfg.task_spec("builtin_choice")["limit"] == 200
-    assert cfg.task_spec("builtin_choice", gguf=True)["limit"] == 50
-    answer = cfg.task_spec("builtin_answer", gguf=True)
+    answer = cfg.task_spec("builtin_answer")
     assert (answer["limit"], answer["num_fewshot"], answer["fewshot_as_multiturn"]) == (20, 3, True)
     assert cfg.scored_quants(True, ("q4_k_m",)) == ["q4_k_m"] and cfg.scored_quants(False, ("q4_k_m",)) == []
 
@@ -147,31 +191,17 @@ def test_a_task_spec_takes_its_own_settings_and_the_gguf_limit():
 # ---- the report's intervals -----------------------------------------------------------------------------
 
 
-def _result(tmp_path, owner: str, label: str, kind: str, values: list[float]) -> str:
-    """A result file where the workflow writes it: results/benchmark/base/<key>/ or <experiment>/<label>/."""
-    path = tmp_path / (f"base/{owner}" if kind == "base" else f"{owner}/{label}") / "builtin_choice.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mean = sum(values) / len(values)
-    path.write_text(json.dumps({
-        "task": "builtin_choice", "n": len(values), "spec": {"num_fewshot": 0},
-        "model": {"label": label, "experiment": None if kind == "base" else owner, "kind": kind},
-        "metrics": {"acc,none": {"metric": "acc", "filter": "none", "value": mean, "stderr": 0.05, "higher_is_better": True}},
-        "samples": [{"doc_id": i, "filter": "none", "acc": v} for i, v in enumerate(values)],
-    }))  # fmt: skip
-    return str(path)
-
-
 def test_forgetting_is_marked_only_beyond_the_noise(tmp_path):
     """Base right on 40 of 40; SFT loses 10 (worse beyond the noise); DPO loses 1 (within it); the DPO model's
     q4_k_m file answers as the DPO model on every example (difference 0, interval [0, 0])."""
     dpo = [1.0] * 39 + [0.0]
     paths = [
-        _result(tmp_path, "k", "base", "base", [1.0] * 40),
-        _result(tmp_path, "exp", "sft", "tuned", [1.0] * 30 + [0.0] * 10),
-        _result(tmp_path, "exp", "dpo", "tuned", dpo),
-        _result(tmp_path, "exp", "dpo-q4_k_m", "gguf", dpo),
+        benchmark_result(tmp_path, "k", "base", "base", [1.0] * 40),
+        benchmark_result(tmp_path, "exp", "sft", "tuned", [1.0] * 30 + [0.0] * 10),
+        benchmark_result(tmp_path, "exp", "dpo", "tuned", dpo),
+        benchmark_result(tmp_path, "exp", "dpo-q4_k_m", "gguf", dpo),
     ]
-    summary = benchmark_summary(paths, {"exp": "k"})
+    summary = benchmark_summary(paths, {"exp": "k"}, max_drop=2.0)
     changes = summary["experiments"]["exp"]["builtin_choice"]["metrics"]["acc,none"]["change_vs_base"]
     assert (
         changes["sft"]["worse"]

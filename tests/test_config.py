@@ -37,13 +37,18 @@ def test_shipped_configs_validate(path):
     assert cfg.experiments
 
 
+LAYERED = {"smollm2-135m-cpu.yaml": "smollm2-135m-real.yaml"}
+"""Examples that go after another one on the command line (their header says so)."""
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "config/examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_configs_load_over_the_defaults(path, tmp_path, monkeypatch):
     """Each example as `--configfile config/examples/<file>` gives it: merged key by key over config.yaml. A GGUF
     model.base is the file its header copies into the working directory (an empty stand-in here)."""
     from snaketune.config.load import merge_config_files
 
-    raw = merge_config_files([ROOT / "config/config.yaml", path])
+    under = [ROOT / "config/examples" / LAYERED[path.name]] if path.name in LAYERED else []
+    raw = merge_config_files([ROOT / "config/config.yaml", *under, path])
     monkeypatch.chdir(tmp_path)
     if raw["model"]["base"].endswith(".gguf"):
         (tmp_path / raw["model"]["base"]).touch()

@@ -22,6 +22,7 @@ from snaketune.data.conversations import (
     split_hash,
     write_conversations,
 )
+from snaketune.data.tools import MESSAGE
 
 
 def expected_hash(tree_id: str) -> float:
@@ -185,10 +186,13 @@ def test_written_files_round_trip(tmp_path):
     write_conversations(result, tmp_path)
     train = pq.read_table(tmp_path / "train.parquet")
     assert train.schema.names == list(OUTPUT_COLUMNS)
-    assert train.schema.field("messages").type == pa.list_(
-        pa.struct([("role", pa.string()), ("content", pa.string())])
-    )
-    assert train.to_pylist() == result.train.to_dict("records")
+    assert train.schema.field("messages").type == pa.list_(MESSAGE)
+    # Stored as every stage stores a message (snaketune.data.tools.MESSAGE): oasst's have no tool calls.
+    stored = [
+        {**row, "messages": [{**m, "tool_calls": None, "tool_call_id": None} for m in row["messages"]]}
+        for row in result.train.to_dict("records")
+    ]
+    assert train.to_pylist() == stored
     assert json.loads((tmp_path / "stats.json").read_text()) == result.stats
     text = (tmp_path / "stats.json").read_text()
     assert text == json.dumps(result.stats, sort_keys=True, indent=2) + "\n"

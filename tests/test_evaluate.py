@@ -3,6 +3,7 @@ training; exact-match scoring; generation decoding; metrics.json and generations
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -219,26 +220,44 @@ def test_builtin_examples_have_the_dataset_answers():
 # ---- the stage -----------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_evaluate_writes_metrics_and_generations(nearly_untrained, tiny_data, tmp_path):
-    metrics_path, generations_path = tmp_path / "metrics.json", tmp_path / "generations.jsonl"
-    metrics = evaluate.evaluate(
+def _job(trained, data, tmp_path, **changes) -> evaluate.EvalJob:
+    """The evaluate stage's job on the nearly untrained model and the tiny data, on the CPU; `changes` replace fields."""
+    job = evaluate.EvalJob(
         model=to_dict(ModelConfig()),
         seed=SEED,
         chat_template="deepseek",
+        builtin_dataset=False,
+        tuned_dir=trained.out_dir / "model",
+        train_summary=trained.out_dir / "summary.json",
+        tokenizer_dir=data.tokenizer_dir,
+        data_dir=data.data_dir,
+        prompts=PROMPTS[:1],
+        max_new_tokens=4,
+        builtin_examples=0,
+        batch_size=8,
+        metrics_out=tmp_path / "m.json",
+        generations_out=tmp_path / "g.jsonl",
+        device="cpu",
+    )
+    return dataclasses.replace(job, **changes)
+
+
+@pytest.mark.slow
+def test_evaluate_writes_metrics_and_generations(nearly_untrained, tiny_data, tmp_path):
+    metrics_path, generations_path = tmp_path / "metrics.json", tmp_path / "generations.jsonl"
+    job = _job(
+        nearly_untrained,
+        tiny_data,
+        tmp_path,
         builtin_dataset=True,
-        tuned_dir=nearly_untrained.out_dir / "model",
-        train_summary=nearly_untrained.out_dir / "summary.json",
-        tokenizer_dir=tiny_data.tokenizer_dir,
-        data_dir=tiny_data.data_dir,
         prompts=PROMPTS,
         max_new_tokens=8,
         builtin_examples=10,
         batch_size=4,
         metrics_out=metrics_path,
         generations_out=generations_path,
-        device="cpu",
     )
+    metrics = evaluate.evaluate(job)
     assert json.loads(metrics_path.read_text()) == json.loads(json.dumps(metrics))
     val = metrics["validation"]
     # Same masking and weighting as the train stage: its final validation loss, on the same weights.
@@ -265,23 +284,7 @@ def test_evaluate_writes_metrics_and_generations(nearly_untrained, tiny_data, tm
 
 @pytest.mark.slow
 def test_evaluate_without_builtin_data_skips_exact_match(nearly_untrained, tiny_data, tmp_path):
-    metrics = evaluate.evaluate(
-        model=to_dict(ModelConfig()),
-        seed=SEED,
-        chat_template="deepseek",
-        builtin_dataset=False,
-        tuned_dir=nearly_untrained.out_dir / "model",
-        train_summary=nearly_untrained.out_dir / "summary.json",
-        tokenizer_dir=tiny_data.tokenizer_dir,
-        data_dir=tiny_data.data_dir,
-        prompts=PROMPTS[:1],
-        max_new_tokens=4,
-        builtin_examples=64,
-        batch_size=8,
-        metrics_out=tmp_path / "m.json",
-        generations_out=tmp_path / "g.jsonl",
-        device="cpu",
-    )
+    metrics = evaluate.evaluate(_job(nearly_untrained, tiny_data, tmp_path, builtin_examples=64))
     assert metrics["exact_match"] is None
     assert json.loads((tmp_path / "g.jsonl").read_text())["expected"] is None
 
@@ -289,23 +292,7 @@ def test_evaluate_without_builtin_data_skips_exact_match(nearly_untrained, tiny_
 @pytest.mark.slow
 def test_seed_mismatch_with_the_train_summary_is_refused(nearly_untrained, tiny_data, tmp_path):
     with pytest.raises(ValueError, match="seed"):
-        evaluate.evaluate(
-            model=to_dict(ModelConfig()),
-            seed=SEED + 1,
-            chat_template="deepseek",
-            builtin_dataset=False,
-            tuned_dir=nearly_untrained.out_dir / "model",
-            train_summary=nearly_untrained.out_dir / "summary.json",
-            tokenizer_dir=tiny_data.tokenizer_dir,
-            data_dir=tiny_data.data_dir,
-            prompts=PROMPTS[:1],
-            max_new_tokens=4,
-            builtin_examples=0,
-            batch_size=8,
-            metrics_out=tmp_path / "m.json",
-            generations_out=tmp_path / "g.jsonl",
-            device="cpu",
-        )
+        evaluate.evaluate(_job(nearly_untrained, tiny_data, tmp_path, seed=SEED + 1))
 
 
 # ---- the eval config -----------------------------------------------------------------------------

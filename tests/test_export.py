@@ -15,6 +15,7 @@ import pytest
 from snaketune.config.choices import ConfigError
 from snaketune.config.export import DEFAULT_MAX_KL
 from snaketune.config.load import load_config
+from snaketune.data.tokenizer import EOS
 from snaketune.export import export, llama_cpp, measure
 from snaketune.model.batching import IGNORE, TokenizedSplit
 
@@ -42,6 +43,10 @@ def test_the_tiny_run_exports_each_model_in_every_configured_type(tiny_run, mode
     for f in m["files"]:
         assert f["eos_is_end_of_generation"] and f["failing"] == [], f
         assert f["replies_ended"] == f["replies_ended_transformers"], f
+    # Each file renders held-out conversations to training's tokens and stops at eos (snaketune.export.parity).
+    parity = m["parity"]
+    assert parity["files"] == names and parity["stop_tokens"] == [EOS], parity
+    assert parity["conversations"] > 0 and parity["assistant_turns"] >= parity["conversations"], parity
     replies = [json.loads(line) for line in (d / "replies.jsonl").open()]
     assert len(replies) == 3 * m["files"][0]["replies"]
     assert all(r["llama_cpp_tokenizer_matches"] for r in replies), (
@@ -80,7 +85,6 @@ def test_export_settings_are_checked():
         "kl key": ({"max_kl": {"q2": 1}}, "export.max_kl.q2': unknown type"),
         "kl value": ({"max_kl": {"q8_0": -1}}, "export.max_kl.q8_0': -1 must be a number >= 0"),
         "typo": ({"quant": ["q8_0"]}, "did you mean 'quants'?"),
-        "threads": ({"threads": 0}, "export.threads': 0 must be between 1 and 256"),
         "not a mapping": ([1], "export': must be a mapping"),
     }
     for case, (section, message) in bad.items():

@@ -339,3 +339,23 @@ def test_the_launcher_asks_the_cuda_driver_without_importing_torch(tmp_path):
     assert ask(lib, FAKE_CUDA_DEVICES="")["n"] == 0  # cuInit: CUDA_ERROR_NO_DEVICE
     assert ask(lib, FAKE_CUDA_DEVICES="H200:139", FAKE_CUDA_INIT="999")["n"] == 0
     assert ask(tmp_path / "absent.so")["n"] == 0
+
+
+def test_a_memory_cap_the_run_cannot_enforce_is_refused(caplog):
+    """gpu_memory_gib on a GPU where NVML does not answer: the memory outside PyTorch's allocator cannot be measured,
+    and a cap on the allocator alone overshoots the card (docs/facts.md), so the rank stops, naming the key and what
+    would make it work, instead of warning and running over budget."""
+    import torch
+
+    from snaketune import device_memory
+
+    with pytest.raises(RuntimeError) as e:
+        device_memory.cap_allocator(torch.device("cuda", 0), 24.0, None)
+    assert str(e.value).startswith(
+        "config key 'gpu_memory_gib': 24 GiB cannot be enforced on cuda:0: NVML is not"
+    )
+    assert "nvidia-ml-py==13.615.71" in str(e.value) and "gpu_memory_gib: null" in str(e.value)
+    assert device_memory.cap_allocator(torch.device("cuda", 0), None, None) == (
+        None,
+        {},
+    )  # no cap asked: runs

@@ -103,8 +103,9 @@ def hub_run(tmp_path_factory, deepseek_tokenizer):
         "eval": {"max_new_tokens": 6, "batch_size": 4},
         # GGUF out of the merged LoRA and QLoRA DPO models, with the real DeepSeek tokenizer
         "export": {"models": ["dpo"], "eval_tokens": 256},
-        # the benchmark stage: the tiny run (tests/test_benchmark_serve.py); a 102,400-token vocabulary's GGUF is slow there
-        "benchmark": {"enabled": False},
+        # The benchmark stage as the defaults run it on a user's data (tasks auto: mmlu_dev), on its first 40
+        # questions: every model and the q4_k_m file, at DeepSeek's 102,400-token vocabulary.
+        "benchmark": {"limit": 40},
         "experiments": EXPERIMENTS,
     }
     (workdir / "hub.yaml").write_text(yaml.safe_dump(config))
@@ -258,6 +259,32 @@ def test_the_merged_qlora_model_goes_out_as_gguf_with_the_deepseek_tokenizer(hub
     assert replies and all(r["llama_cpp_tokenizer_matches"] for r in replies)
     unquantized = m["files"][0]
     assert unquantized["kl_mean"] < 1e-3 and unquantized["failing"] == [], unquantized
+
+
+def _wall_s(tsv: Path) -> float:
+    """A job's wall time from Snakemake's benchmark file."""
+    return float(next(csv.DictReader(tsv.open(), delimiter="\t"))["s"])
+
+
+def test_the_benchmark_stage_fits_the_data_and_scores_the_file_at_the_models_cost(hub_run):
+    """On a user's data the stage asks general questions (mmlu_dev, the report says why); at DeepSeek's vocabulary
+    the q4_k_m file is scored on the same 40 questions as its model, in at most twice its model's job time (the
+    server's echoed log-probabilities took 3.5 s a request here: 4 x 40 requests would be 9 minutes)."""
+    workdir, _, _ = hub_run
+    results = {
+        p.relative_to(workdir / "results/benchmark").as_posix(): _json(p)
+        for p in (workdir / "results/benchmark").rglob("*.json")
+    }
+    assert {Path(k).name for k in results} == {"mmlu_dev.json"}
+    assert {"qlora/dpo/mmlu_dev.json", "qlora/dpo-q4_k_m/mmlu_dev.json", "default/sft/mmlu_dev.json"} <= set(
+        results
+    )
+    assert all(r["n"] == 40 and 0 <= r["metrics"]["acc,none"]["value"] <= 1 for r in results.values())
+    gguf = _wall_s(workdir / "benchmarks/benchmark/qlora/dpo-q4_k_m/mmlu_dev.tsv")
+    model = _wall_s(workdir / "benchmarks/benchmark/qlora/dpo/mmlu_dev.tsv")
+    assert gguf <= 2 * model, (gguf, model)
+    report = (workdir / "results/report/report.md").read_text()
+    assert "Why these tasks: benchmark.tasks auto, for your own data: general knowledge (mmlu_dev" in report
 
 
 def test_trees_form_gives_the_same_tokens(hub_run, tmp_path):

@@ -34,7 +34,9 @@ SCRIPT_STAGES = {
     "export.py": "export",
     "benchmark.py": "benchmark",
     "report.py": "report",
+    "benchmark_gate.py": "benchmark_gate",
     "manifest.py": "manifest",
+    "verify.py": "verify",
 }
 """The stage (keys.STAGE_MODULES) whose code hash each script's rule carries in its params."""
 HEAVY = (

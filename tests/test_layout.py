@@ -18,6 +18,8 @@ from snaketune import keys
 LAYERS = (
     (
         "snaketune.io",
+        "snaketune.backups",
+        "snaketune.verify",
         "snaketune.cuda_driver",
         "snaketune.gpus",
         "snaketune.device_memory",
@@ -37,6 +39,8 @@ LAYERS = (
 """Each layer may import itself and the layers above it in this list, never one below."""
 NO_TORCH = (
     "snaketune.io",
+    "snaketune.backups",
+    "snaketune.verify",
     "snaketune.cuda_driver",
     "snaketune.gpus",
     "snaketune.device_memory",
@@ -150,6 +154,43 @@ def test_the_layout_page_names_every_module():
         if not re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", entries.get(where, "")):
             missing.append(m)
     assert not missing, f"docs/layout.md does not name {missing} in its subpackage's entry"
+
+
+def _private_uses(path) -> list[str]:
+    """`from snaketune.x import _name` and `module._name` (module: a snaketune module imported by name) in a file."""
+    tree = ast.parse(path.read_text())
+    modules_by_alias: dict[str, str] = {}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("snaketune"):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{path.name}:{node.lineno} imports {node.module}.{alias.name}")
+                elif keys.module_path(f"{node.module}.{alias.name}"):
+                    modules_by_alias[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("snaketune.") and alias.asname:
+                    modules_by_alias[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules_by_alias
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{path.name}:{node.lineno} uses {modules_by_alias[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """What one module of the package (or a Snakemake script) uses of another is public and named for what it is: a
+    leading underscore says "only this module relies on it", which a change to that module may then break unseen."""
+    files = [keys.module_path(m) for m in modules()]
+    files += sorted((keys.PACKAGE_DIR.parent / "scripts").glob("*.py"))
+    found = [use for path in files for use in _private_uses(path)]
+    assert not found, "private names used outside their module:\n" + "\n".join(found)
 
 
 def test_no_test_module_imports_another():

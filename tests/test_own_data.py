@@ -1,5 +1,6 @@
-"""Your own data in the common formats (docs/own-data.md): chat-format conversations with system turns and
-prompt/chosen/rejected pairs, written here, through the whole workflow with the README's own-data config; the
+"""Your own data in the common formats (docs/own-data.md): chat-format conversations with system turns and tool calls
+(single and parallel calls, multi-turn) and prompt/chosen/rejected pairs (some choosing between calls), written here,
+through the whole workflow with the README's own-data config; the
 README's example as written (its records, its YAML, its two commands); system turns through both chat templates
 without a loss; what `dataset.format: auto` tells apart, and the chat data the config refuses before any job.
 Malformed records: tests/test_bad_own_data.py."""
@@ -17,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from chat_data import sentence
-from conftest import REPO, TINY_CONFIG, copy_workflow, dry_run, job_stats, snakemake
+from chat_data import WORDS, sentence
+from conftest import CHATML, REPO, TINY_CONFIG, chatml_tokenizer, copy_workflow, dry_run, job_stats, snakemake
 from snaketune.config.choices import ConfigError
 from snaketune.config.load import load_config
 from snaketune.data import download
@@ -51,11 +52,8 @@ def turn(role: str, content: str | None) -> dict:
 
 SYSTEM = "Answer in one short sentence."
 CHAT_DROPS = {
-    "tool_use": [
-        turn("user", "weather?"),
-        {"role": "assistant", "tool_calls": [{"name": "w"}]},
-        turn("tool", "sun"),
-    ],
+    # OpenAI's deprecated function calling (the common form's `tool` turns train: TOOL_CHATS)
+    "tool_use": [turn("user", "weather?"), turn("function", "sun"), turn("assistant", "Sunny.")],
     "empty_content": [turn("user", "hello"), turn("assistant", "  ")],
     "roles_out_of_order": [turn("user", "one"), turn("user", "two"), turn("assistant", "three")],
     "no_assistant_turn": [turn("system", SYSTEM), turn("user", "anyone there?")],
@@ -63,8 +61,48 @@ CHAT_DROPS = {
 """One conversation per reason the conversations stage drops (a duplicate is added to them)."""
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "time", "description": "The time in a city."}},
+]
+
+
+def tool_chats(n: int = 8) -> list[dict]:
+    """n tool-calling conversations: a single call, parallel calls, a system turn and a call, and a call in a longer
+    conversation, in turn."""
+    rng = random.Random(3)
+    out = []
+    for i in range(n):
+        city = [rng.choice(WORDS) for _ in range(2)]
+        calls = [
+            {"id": f"c{i}-{j}", "type": "function", "function": {"name": "weather", "arguments": {"city": c}}}
+            for j, c in enumerate(city[: 2 if i % 4 == 1 else 1])
+        ]
+        messages = [turn("system", SYSTEM)] if i % 4 == 2 else []
+        messages += [turn("user", f"Weather in {' and '.join(city)}? {sentence(rng, 1, 3)}")]
+        messages += [{"role": "assistant", "content": None, "tool_calls": calls}]
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": sentence(rng, 1, 3)} for c in calls]
+        messages += [turn("assistant", sentence(rng, 2, 6))]
+        if i % 4 == 3:
+            messages += [turn("user", sentence(rng, 2, 5)), turn("assistant", sentence(rng, 2, 6))]
+        out.append({"tools": TOOLS, "messages": messages})
+    return out
+
+
 def chats(n: int = 48) -> list[dict]:
-    """n conversations, every third opening with a system turn; then one of each kind the stage drops or repairs."""
+    """n conversations, every third opening with a system turn; the tool-calling ones; then one of each kind the
+    stage drops or repairs."""
     rng = random.Random(1)
     out = []
     for i in range(n):
@@ -72,12 +110,15 @@ def chats(n: int = 48) -> list[dict]:
         for _ in range(1 + i % 2):
             messages += [turn("user", sentence(rng, 2, 5)), turn("assistant", sentence(rng, 2, 6))]
         out.append({"messages": messages})
+    out += tool_chats()
     out += [{"messages": m} for m in CHAT_DROPS.values()]
     out.append(dict(out[1]))  # a duplicate
     out.append({"messages": [turn("system", ""), turn("user", "hi"), turn("assistant", "hello")]})  # repaired
     out.append(
         {"messages": [turn("user", "ping"), turn("assistant", "pong"), turn("user", "again?")]}
     )  # repaired
+    unanswered = tool_chats(1)[0]
+    out.append({**unanswered, "messages": unanswered["messages"][:-1]})  # repaired: its result is cut
     return out
 
 
@@ -113,10 +154,34 @@ def pairs(n: int = 40) -> list[dict]:
             out.append(
                 {"chosen": [*conv, turn("assistant", good)], "rejected": [*conv, turn("assistant", bad)]}
             )
+    for conversation in tool_chats(4):  # the right call over the wrong tool, then the reply to the results
+        messages = conversation["messages"]
+        at = next(i for i, m in enumerate(messages) if m.get("tool_calls"))
+        wrong = [{**c, "function": {**c["function"], "name": "time"}} for c in messages[at]["tool_calls"]]
+        reply = next(i for i, m in enumerate(messages) if i > at and m["role"] == "assistant")
+        out.append(
+            {
+                "tools": TOOLS,
+                "prompt": messages[:at],
+                "chosen": [messages[at]],
+                "rejected": [{**messages[at], "tool_calls": wrong}],
+            }
+            if len(out) % 2
+            else {
+                "tools": TOOLS,
+                "prompt": messages[:reply],
+                "chosen": messages[reply]["content"],
+                "rejected": "no",
+            }
+        )
     out += [
         {"prompt": "same?", "chosen": "yes", "rejected": "yes"},  # identical
         {"prompt": "empty?", "chosen": "no", "rejected": ""},  # empty_content
-        {"prompt": [turn("user", "a"), turn("tool", "b"), turn("user", "c")], "chosen": "d", "rejected": "e"},
+        {
+            "prompt": [turn("user", "a"), turn("function", "b"), turn("user", "c")],
+            "chosen": "d",
+            "rejected": "e",
+        },
         {
             "prompt": [turn("user", "a"), turn("user", "b")],
             "chosen": "c",
@@ -203,14 +268,24 @@ def test_chat_data_with_system_turns_trains_end_to_end(own_run):
     assert stats["format"] == "chat"
     assert stats["dropped"] == {**dict.fromkeys(CHAT_DROPS, 1), "language": 0, "duplicate": 1}
     assert stats["empty_system_turns_removed"] == 1 and stats["trailing_user_turns_cut"] == 1
-    assert stats["rows_kept"] == 50 == sum(stats["conversations"].values())
-    assert sum(stats["with_system_turn"].values()) == 16  # every third of 48
+    assert stats["trailing_tool_results_cut"] == 1
+    assert stats["rows_kept"] == 59 == sum(stats["conversations"].values())
+    assert (
+        sum(stats["with_system_turn"].values()) == 16 + 2
+    )  # every third of 48, every fourth tool-calling one
+    assert sum(stats["with_tool_calls"].values()) == 8 + 1
     files = [own_run / f"results/data/conversations/{split}.parquet" for split in ("train", "validation")]
     kept = [m for f in files for m in pq.read_table(f).column("messages").to_pylist()]
-    assert sum(m[0] == turn("system", SYSTEM) for m in kept) == 16
+    assert sum(m[0]["role"] == "system" and m[0]["content"] == SYSTEM for m in kept) == 18
+    parallel = [m for m in kept if m[1]["tool_calls"] and len(m[1]["tool_calls"]) == 2]
+    assert len(parallel) == 2 and [t["role"] for t in parallel[0][2:4]] == ["tool", "tool"]
     (tokenized,) = (own_run / "results/tokenized").iterdir()
     tok_stats = json.loads((tokenized / "stats.json").read_text())
-    assert sum(s["conversations"] for s in tok_stats["splits"].values()) == 50
+    assert sum(s["conversations"] for s in tok_stats["splits"].values()) == 59
+    check = tok_stats["template_check"]  # every row proven before training
+    assert check["conversations_checked"] == 59 and check["conversations_with_tools"] == 9
+    assert check["end_of_turn"] == EOS and check["tool_rendering"] == "project"
+    assert "Template check, before training" in (own_run / "results/report/report.md").read_text()
     summary = json.loads((own_run / "results/train/default/summary.json").read_text())
     assert summary["steps"] == 4
 
@@ -223,10 +298,11 @@ def test_a_pairs_file_tunes_the_sft_model(own_run):
     assert stats["dropped"] == dict.fromkeys(
         ("tool_use", "empty_content", "roles_out_of_order", "identical", "duplicate"), 1
     )
-    assert stats["rows_kept"] == 40 == sum(stats["pairs"].values())
-    assert sum(stats["with_system_turn"].values()) == 10  # shape 1 of 4
+    assert stats["rows_kept"] == 44 == sum(stats["pairs"].values())
+    assert sum(stats["with_system_turn"].values()) == 10 + 1  # shape 1 of 4, the third tool-calling pair
+    assert sum(stats["with_tool_calls"].values()) == 4
     prompts = pq.read_table(directory / "train.parquet").column("prompt").to_pylist()
-    assert all(p[-1]["role"] == "user" for p in prompts)
+    assert all(p[-1]["role"] in ("user", "tool") for p in prompts)
     dpo = json.loads((own_run / "results/dpo/default/summary.json").read_text())
     assert dpo["steps"] == 4
     metrics = json.loads((own_run / "results/eval/default/metrics.json").read_text())
@@ -248,21 +324,6 @@ def test_naming_the_format_auto_found_reruns_no_data_stage(own_run):
 # ---- system turns through both chat templates -----------------------------------------------------------------
 
 CONVERSATION = [turn("system", "Answer briefly."), turn("user", "Hi there"), turn("assistant", "Hello.")]
-CHATML = (
-    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-"""A ChatML template with a default system turn where the conversation has none (as SmolLM2's and Qwen's)."""
-
-
-def with_template(tmp_path: Path, tok_dir: Path, template: str) -> Path:
-    out = tmp_path / "tok"
-    shutil.copytree(tok_dir, out)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
-    (out / "chat_template.jinja").unlink(missing_ok=True)
-    return out
 
 
 def trained_text(tok, ids: list[int], labels: list[int]) -> str:
@@ -279,7 +340,7 @@ def test_the_deepseek_template_renders_a_system_turn_without_loss(tok_dir):
 
 
 def test_the_models_own_template_renders_a_system_turn_without_loss(tmp_path, tok_dir):
-    tok = load_tokenizer(with_template(tmp_path, tok_dir, CHATML), "model")
+    tok = load_tokenizer(chatml_tokenizer(tok_dir, tmp_path / "tok"), "model")
     ids, labels = encode_conversation(tok, CONVERSATION, assistant_only_loss=True)
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nHi there")
@@ -289,7 +350,7 @@ def test_the_models_own_template_renders_a_system_turn_without_loss(tmp_path, to
 
 def test_a_template_that_refuses_system_turns_names_the_conversation(tmp_path, tok_dir):
     refusing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
-    tok = load_tokenizer(with_template(tmp_path, tok_dir, refusing + CHATML), "model")
+    tok = load_tokenizer(chatml_tokenizer(tok_dir, tmp_path / "tok", refusing + CHATML), "model")
     with pytest.raises(
         TemplateError, match=r"conversation index 1: .*roles system, user, assistant.*System role not"
     ):

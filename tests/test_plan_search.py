@@ -19,6 +19,7 @@ from snaketune.config.load import load_config, to_dict
 from snaketune.config.schema import TrainConfig, checkpointed_layers
 from snaketune.model.architectures import DEEPSEEK_LLM_7B
 from snaketune.plan import apply, memory, search, strategies
+from snaketune.plan import evaluation as eval_plan
 from snaketune.plan.arch import Arch, arch_from_hf_config, resolve_arch
 from snaketune.plan.budget import Budget
 
@@ -192,7 +193,7 @@ def test_strategy_auto_picks_the_fastest_that_fits(model, train, gib, expected):
 
 def test_checkpointing_some_layers_is_planned_as_configured():
     """train.gradient_checkpointing: N plans N checkpointed layers (between none and all of them), under the
-    name zero0+ckptN, and `auto` replaces it by a strategy of its own (every layer or none)."""
+    name zero0+ckptN, and `auto` replaces it by a pick of its own (test_auto_checkpoints_the_fewest_layers_that_fit)."""
     train = train_dict(
         gpus=1, global_batch_size=8, micro_batch_size=8, lora={"enabled": True}, kernels="liger",
         deepspeed=DEEPSPEED["zero0.json"],
@@ -209,24 +210,28 @@ def test_checkpointing_some_layers_is_planned_as_configured():
     # 16-layer run that fit an allocator cap of 24 GiB held more than 23.5 GiB of device memory.
     assert [peaks[n]["fits"] for n in peaks] == [False, False, False, True]
     auto = make(SEVEN_B, {**train, "gradient_checkpointing": 24, "strategy": "auto"}, gib=23.5, host=256)
-    assert auto["chosen"]["name"] == "zero0+ckpt" and auto["chosen"]["gradient_checkpointing"] is True
+    n = auto["chosen"]["gradient_checkpointing"]
+    assert 24 < n < 30 and auto["chosen"]["name"] == f"zero0+ckpt{n}"
 
 
 def test_auto_halves_the_micro_batch_where_nothing_else_fits():
     """QLoRA at 4,096 tokens under 12 GiB: micro-batch 4 does not fit even with every layer checkpointed; the plan
-    halves it (same global batch, twice the accumulation steps) and `auto` applies that to the run."""
+    halves it (same global batch, twice the accumulation steps), checkpointing as few layers as then fit, and
+    `auto` applies that to the run."""
     train = train_dict(
         gpus=1, global_batch_size=8, micro_batch_size=4, kernels="liger", fused_cross_entropy=True,
         deepspeed=DEEPSPEED["zero0.json"], lora={"enabled": True, "quantize": "nf4"},
     )  # fmt: skip
     result = make(SEVEN_B, {**train, "strategy": "auto"}, gib=12, host=256, max_length=4096)
     assert result["fits"] and result["chosen"]["micro_batch_size"] < 4
-    assert result["chosen"]["name"] == f"zero0+ckpt+micro{result['chosen']['micro_batch_size']}"
+    n = result["chosen"]["gradient_checkpointing"]
+    n_name = "" if n is True else n
+    assert result["chosen"]["name"] == f"zero0+ckpt{n_name}+micro{result['chosen']['micro_batch_size']}"
     assert not any(c["fits"] for c in result["candidates"] if c["setup"]["micro_batch"] == 4)
     spec = {"train": train, "deepspeed_config": DEEPSPEED["zero0.json"], "run_key": "abc"}
     applied = apply.apply_plan(spec, result)
     assert applied["train"]["micro_batch_size"] == result["chosen"]["micro_batch_size"]
-    assert applied["train"]["gradient_checkpointing"] is True and applied["run_key"] != "abc"
+    assert applied["train"]["gradient_checkpointing"] == n and applied["run_key"] != "abc"
     assert applied["train"]["global_batch_size"] == 8
 
 
@@ -390,7 +395,7 @@ def test_qlora_example_plans_training_and_evaluation_in_16_gib():
     )
     assert evaluation["fits"] and evaluation["evaluate"]["estimate"]["weights_gib"] < 5
     # The same evaluation in bf16 would not fit 16 GiB even at batch size 1.
-    bf16_eval = search.plan_evaluation(
+    bf16_eval = eval_plan.plan_evaluation(
         deepseek(30),
         {"batch_size": 8, "max_new_tokens": 128},
         max_length=4096,
@@ -398,3 +403,128 @@ def test_qlora_example_plans_training_and_evaluation_in_16_gib():
         budget=budget,
     )
     assert bf16_eval["fits"] is False
+
+
+# ---- the plan's own pick under a memory cap, and the longest row (issue #50) -------------------------------------
+
+CAPPED_LORA = dict(
+    gpus=1, global_batch_size=8, micro_batch_size=8, lora={"enabled": True}, kernels="liger", loss_kernel="triton",
+    deepspeed=DEEPSPEED["zero0.json"], strategy="auto",
+)  # fmt: skip
+"""LoRA r16 of the 7B at 8 x 512 with Liger's kernels and the Triton loss: what a 24 GB card trains (its memory is
+counted tensor by tensor, tests/test_plan.py)."""
+USABLE_24 = 23.5
+"""gpu_memory_gib: 24 less the driver's 0.5 GiB (snaketune.device_memory)."""
+
+
+def pick(gib: float, **changes) -> dict:
+    return make(SEVEN_B, train_dict(**{**CAPPED_LORA, **changes}), gib=gib, host=125)
+
+
+def test_auto_checkpoints_the_fewest_layers_that_fit():
+    """Under gpu_memory_gib 24 the plan checkpoints the fewest of the 30 layers that leave PICK_MARGIN_GIB of the
+    budget (it used to checkpoint all 30 and leave 6 GiB of the card unused), writes what it chose and the device
+    peak it predicts, and the run takes it. One layer fewer would not leave the margin; what it predicts leaves at
+    most 1 GiB of the budget unused."""
+    result = pick(USABLE_24)
+    chosen = result["chosen"]
+    n = chosen["gradient_checkpointing"]
+    assert isinstance(n, int) and not isinstance(n, bool) and 0 < n < 30, chosen
+    assert chosen["name"] == f"zero0+ckpt{n}" and chosen["micro_batch_size"] == 8
+    predicted = chosen["estimate"]["gpu_gib"]
+    assert USABLE_24 - 1.0 <= predicted <= USABLE_24 - strategies.PICK_MARGIN_GIB
+    assert f"{predicted:.2f} GiB per GPU predicted" in chosen["why"]
+    one_fewer = pick(USABLE_24, strategy="as_configured", gradient_checkpointing=n - 1)["configured"]
+    assert one_fewer["estimate"]["gpu_gib"] > USABLE_24 - strategies.PICK_MARGIN_GIB
+    # Every layer checkpointed (what the plan picked before) is among the slower candidates, and fits.
+    every = pick(USABLE_24, strategy="as_configured", gradient_checkpointing=True)["configured"]
+    assert every["fits"] and every["estimate"]["gpu_gib"] < predicted - 3
+    spec = {"train": train_dict(**CAPPED_LORA), "deepspeed_config": DEEPSPEED["zero0.json"], "run_key": "abc"}
+    applied = apply.apply_plan(spec, result)
+    assert applied["train"]["gradient_checkpointing"] == n and applied["run_key"] != "abc"
+    # The same training uncapped (the budget of a detected card, whose ranks keep fixed segments): every layer.
+    uncapped = search.make_plan(
+        experiment="x", model=SEVEN_B, train=train_dict(**CAPPED_LORA), max_length=512,
+        deepspeed_config=DEEPSPEED["zero0.json"], gpu_memory_gib=None, budget=Budget(USABLE_24, "a 24 GB card", 125),
+        candidate_files=DEEPSPEED,
+    )  # fmt: skip
+    assert uncapped["chosen"]["gradient_checkpointing"] is True
+
+
+def test_the_pick_follows_the_budget():
+    """More memory, fewer checkpointed layers, down to none; each pick within its budget less the margin."""
+    layers = []
+    for gib in (20.0, 22.0, USABLE_24, 26.0, 30.0, 40.0):
+        chosen = pick(gib)["chosen"]
+        setting = chosen["gradient_checkpointing"]
+        layers.append(30 if setting is True else int(setting))
+        assert chosen["estimate"]["gpu_gib"] <= gib - (
+            strategies.PICK_MARGIN_GIB if 0 < layers[-1] < 30 else 0
+        )
+    assert layers == sorted(layers, reverse=True) and len(set(layers)) == len(layers), layers
+    assert layers[-1] == 0  # 40 GiB: no checkpointing at all
+
+
+def test_a_row_longer_than_fits_is_refused_naming_the_longest():
+    """One row per step of LoRA under gpu_memory_gib 24, every layer checkpointed, the chunked loss: the plan records
+    the longest tokenize.max_length that fits; that length fits, one step more is refused with a message naming it,
+    and what train.strategy auto (the checkpointed inputs in host memory) would reach."""
+    train = train_dict(**{**CAPPED_LORA, "strategy": "as_configured", "global_batch_size": 1, "micro_batch_size": 1,
+                          "gradient_checkpointing": True, "fused_cross_entropy": True})  # fmt: skip
+    longest = make(SEVEN_B, train, gib=USABLE_24, max_length=1024)["longest_row"]
+    rows = longest["max_length"]
+    assert rows >= 16384 and rows % search.ROW_STEP == 0, longest
+    assert make(SEVEN_B, train, gib=USABLE_24, max_length=rows)["fits"] is True
+    too_long = make(SEVEN_B, train, gib=USABLE_24, max_length=rows + search.ROW_STEP)
+    assert too_long["fits"] is False
+    message = too_long["message"]
+    assert (
+        f"tokenize.max_length {rows + search.ROW_STEP:,} is longer than the longest row that fits: {rows:,}"
+        in message
+    )
+    auto = make(SEVEN_B, {**train, "strategy": "auto"}, gib=USABLE_24, max_length=1024)["longest_row"]
+    assert auto["max_length"] > rows and auto["offload_activations"], auto
+    assert f"{auto['max_length']:,} with train.strategy: auto" in message
+    with pytest.raises(search.PlanError, match=f"longest row that fits: {rows:,}"):
+        search.write_plan(
+            out=Path("/nonexistent/never-written.json"), experiment="x", model=SEVEN_B, train=train,
+            max_length=rows + search.ROW_STEP, deepspeed_config=train["deepspeed"], gpu_memory_gib=24,
+            budget=Budget(USABLE_24, "test budget", 125), candidate_files=DEEPSPEED,
+        )  # fmt: skip
+    # strategy auto at a row only activation offload fits: the plan turns it on, and the run takes it.
+    offloaded = make(SEVEN_B, {**train, "strategy": "auto"}, gib=USABLE_24, max_length=auto["max_length"])
+    assert offloaded["fits"] and offloaded["chosen"]["offload_activations"] is True
+    spec = {"train": train, "deepspeed_config": DEEPSPEED["zero0.json"], "run_key": "abc"}
+    assert apply.apply_plan(spec, offloaded)["train"]["offload_activations"] is True
+
+
+# The README's recipe table: the longest row each 7B recipe fits as written (Liger's kernels and the Triton loss,
+# what its GPU ranks run; the QLoRA recipe's strategy auto may offload activations), planned on its own budget.
+RECIPE_ROWS = {
+    "deepseek-7b-lora-3x24gb": 4352,
+    "deepseek-7b-qlora-16gb": 37120,
+    "deepseek-7b-full-h200": 10240,
+}
+
+
+@pytest.mark.parametrize(("example", "longest"), RECIPE_ROWS.items(), ids=list(RECIPE_ROWS))
+def test_each_7b_recipe_records_the_longest_row_it_fits(example, longest):
+    from snaketune.config.load import merge_config_files
+    from snaketune.device_memory import card_gib, usable_gib
+
+    cfg = load_config(
+        merge_config_files([REPO / "config/config.yaml", REPO / "config/examples" / f"{example}.yaml"])
+    )
+    exp = cfg.experiments["default"]
+    train = {**to_dict(exp.train), "kernels": "liger", "loss_kernel": "triton"}
+    train["deepspeed"] = str(REPO / train["deepspeed"])
+    card = cfg.gpu_memory_gib or card_gib(
+        "h200"
+    )  # the full fine-tune's example plans for the card it runs on
+    result = search.make_plan(
+        experiment=example, model=SEVEN_B, train=train, max_length=exp.tokenize.max_length,
+        deepspeed_config=train["deepspeed"], gpu_memory_gib=cfg.gpu_memory_gib,
+        budget=Budget(usable_gib(card), example, 125), candidate_files=DEEPSPEED,
+    )  # fmt: skip
+    assert result["fits"] and result["longest_row"]["max_length"] == longest >= exp.tokenize.max_length
+    assert f"| {longest:,} tokens" in (REPO / "README.md").read_text()

@@ -125,6 +125,9 @@ def test_the_fine_tuned_real_model_goes_out_as_gguf_and_chats_in_llama_cpp(real_
     assert m["metadata"]["chat_template_matches"] and m["metadata"]["pre_tokenizer"] == "smollm", m[
         "metadata"
     ]
+    # Every file renders held-out conversations to training's tokens and stops at <|im_end|>, and so do the
+    # Modelfiles (snaketune.export.parity).
+    assert m["parity"]["stop_tokens"] == ["<|im_end|>"] and m["parity"]["conversations"] > 0, m["parity"]
     files = {f["type"]: f for f in m["files"]}
     # Trained on the CPU in fp32: the unquantized file is f32 (outtype auto), exactly the model; a bf16 file would
     # round away most of a short fine-tune's updates (KL 0.02 here, the same as q8_0's from it).

@@ -132,10 +132,53 @@ def test_the_first_screen_answers_for_the_final_model(built):
     assert (
         f"git checkout {COMMIT}\nsnakemake --cores all --resources gpu=3 --configfile config/mine.yaml" in top
     )
-    assert "clean (no uncommitted changes)" in top
+    # The overlay config is named by its hash; outside a git checkout nothing is "clean".
+    assert "**1 of the inputs below are not in the commit**" in top and "clean (" not in top
+    assert f"| `config/mine.yaml` (config file) | `{'5e1f' * 4}` | not a git checkout |" in top
     # The resolved config is folded away.
     page = (out / "index.html").read_text()
     assert "<details><summary>The configuration as resolved" in page and "<details open" not in page
+
+
+def test_the_reproduce_box_names_what_a_checkout_would_not_bring_back(tmp_path):
+    """A run on the user's own overlay config and data file (untracked), a tracked file edited, a file outside the
+    checkout: each named with its sha256 and why the commit lacks it, and the box does not call the run clean;
+    tracked, unmodified inputs are in the commit."""
+    from snaketune.report.render import to_markdown
+    from snaketune.report.reproducibility import reproduce_blocks, run_inputs
+
+    repo = tmp_path / "repo"
+    for name in ("config/deepspeed/zero2.json", "data/edited.jsonl"):
+        write_text(repo / name, "{}\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    write_text(repo / "data/edited.jsonl", "{}\n{}\n")
+    write_text(repo / "my.yaml", "dataset: {source: my_chats.jsonl}\n")
+    write_text(repo / "my_chats.jsonl", "{}\n")
+    write_text(tmp_path / "elsewhere.jsonl", "{}\n")
+    sources = {p: {"sha256": f"{i}" * 64} for i, p in enumerate(
+        ["config/deepspeed/zero2.json", "data/edited.jsonl", "my_chats.jsonl", str(tmp_path / "elsewhere.jsonl")]
+    )}  # fmt: skip
+    inputs = run_inputs(
+        {"sources": sources}, {"configfiles": ["my.yaml"], "configfile_sha256": {"my.yaml": "f" * 64}}, repo
+    )
+    assert {i["path"]: i["outside"] for i in inputs} == {
+        "config/deepspeed/zero2.json": None,
+        "data/edited.jsonl": "modified",
+        "my.yaml": "untracked",
+        "my_chats.jsonl": "untracked",
+        str(tmp_path / "elsewhere.jsonl"): "outside the checkout",
+    }
+    run = {"command": "snakemake", "git_commit": COMMIT, "git_dirty": False, "git_commits": 1,
+           "config_sha256": "c" * 64, "inputs": inputs}  # fmt: skip
+    box = to_markdown("r", reproduce_blocks(run))
+    assert "clean (" not in box and "**4 of the inputs below are not in the commit**" in box, box
+    assert f"| `my.yaml` (config file) | `{'f' * 16}` | untracked |" in box
+    assert f"| `config/deepspeed/zero2.json` (input) | `{'0' * 16}` | yes |" in box
+    clean = to_markdown("r", reproduce_blocks({**run, "inputs": [i for i in inputs if not i["outside"]]}))
+    assert "clean (no uncommitted changes; every input below is in the commit)" in clean
 
 
 def test_the_misses_listed_are_the_final_models(built):

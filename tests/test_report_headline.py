@@ -97,7 +97,7 @@ def test_every_plot_labels_its_axes(tmp_path, monkeypatch):
 
     figures = []
     for module in (plots, preference):
-        monkeypatch.setattr(module, "_save", lambda fig, path: figures.append((path.name, fig)))
+        monkeypatch.setattr(module, "save_png", lambda fig, path: figures.append((path.name, fig)))
     _, experiments = load(make_results(tmp_path))
     report.make_plots(experiments, tmp_path)
     assert len(figures) == 6

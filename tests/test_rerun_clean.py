@@ -82,9 +82,8 @@ STAGE_KINDS = {"export.quants": {"export": {"quants": ["q8_0"]}}}
 BENCHMARK_ONLY = (
     "benchmark.tasks (one added)",
     "benchmark.limit",
-    "benchmark.gguf_limit",
     "benchmark task file (builtin_choice.yaml)",
-    "benchmark/served.py",
+    "benchmark/llama_lm.py",
 )
 """Changes that rerun only the benchmark stage: scores this test does not compare (a harness run is deterministic on
 CPU; tests/test_benchmark.py checks its scores), whose reruns tests/test_reproducibility.py and

@@ -79,6 +79,9 @@ NO_STEP = {
     "train.epochs": "preference.train sets max_steps, which the preference stage would then have beside epochs "
     "(preference.train.epochs is stepped)",
     "experiments": "structure: adding an experiment adds its own jobs (tests/test_rerun_clean.py)",
+    "train.offload_activations": "true needs train.gradient_checkpointing, false in the tiny config (whose own step "
+    "reruns the reference stage too)",
+    "preference.train.offload_activations": "as train.offload_activations",
 }
 """Keys with no valid one-step change of the tiny config, and why (checked: each candidate step is refused)."""
 

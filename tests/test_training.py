@@ -163,6 +163,15 @@ def test_checkpointing_some_layers_changes_nothing_but_memory(base_run, tiny_dat
     assert_same_steps(run, base_run)
 
 
+def test_offloaded_checkpoint_inputs_change_nothing_but_memory(base_run, tiny_data, tmp_path):
+    """train.offload_activations (the checkpointed layers' inputs in host memory until backward, tests/test_offload.py)
+    through the train rule's ranks: the same steps as without checkpointing, and the rank built it that way."""
+    overrides = {**SHORT, "gradient_checkpointing": True, "offload_activations": True}
+    run = run_training(tmp_path, tiny_data, nproc=1, train_overrides=overrides)
+    assert run.summary["offload_activations"] is True
+    assert_same_steps(run, base_run)
+
+
 def test_checkpoint_layers_recomputes_only_the_first_n(tiny_data):
     """Each checkpointed layer runs its forward twice in a training step (once more in backward), the others
     once; a count above the model's layers is refused with the key and the allowed values."""

@@ -353,14 +353,13 @@ def test_a_kill_leaves_only_temporaries_that_the_next_write_removes(tmp_path):
 # ---- a full disk under Snakemake ---------------------------------------------------------------------
 
 TOKENIZER_TARGET = "results/tokenizer/builtin/tokenizer.json"
-DOWNLOAD_OUTPUTS = ("data/raw/messages.parquet", "data/raw/SHA256SUMS", "data/raw/source.json")
 
 
 def snakemake_on_a_full_disk(workdir: str) -> dict:
     """With results/ on a small tmpfs (the caller mounts it): run the data stages up to the tokenizer, fill
-    the disk, ask for ten times the data (the download job deletes its old outputs first, as Snakemake does
-    before every job, but the new ones need more), free the disk, rerun with the first config. The entry
-    point of the namespaced child of test_snakemake_job_on_a_full_disk."""
+    the disk, ask for ten times the data (the download job keeps its old outputs while it runs, update() in
+    data.smk, and the new ones need more), free the disk, rerun with the first config. The entry point of the
+    namespaced child of test_snakemake_job_on_a_full_disk."""
     wd = Path(workdir)
 
     bigger = wd / "bigger.yaml"
@@ -395,15 +394,12 @@ def snakemake_on_a_full_disk(workdir: str) -> dict:
     failed_log = log.read_text() if log.exists() else ""
     again = run(TOKENIZER_TARGET)
     after = snapshot(wd / "results")
-    provenance = "provenance/download.json"  # the failed job's record is gone (it describes the last success)
     return {
         "first": first,
         "failed": failed,
         "failed_log": failed_log,
         "changed_by_failure": sorted(
-            k
-            for k in before.keys() | during.keys()
-            if before.get(k, b"") != during.get(k, b"") and k != provenance
+            k for k in before.keys() | during.keys() if before.get(k, b"") != during.get(k, b"")
         ),
         "temporaries_during": [k for k in during if TEMPORARY.match(Path(k).name)],
         "again": again,
@@ -417,10 +413,10 @@ def snakemake_on_a_full_disk(workdir: str) -> dict:
 
 @pytest.mark.slow  # three Snakemake runs
 def test_snakemake_job_on_a_full_disk(tmp_path_factory):
-    """Real ENOSPC through Snakemake: the failing job says which outputs and why, Snakemake keeps none of
-    them (it deletes a job's outputs before the job runs, so a stage's old outputs cannot survive its own
-    rerun under Snakemake, only the other stages' can), nothing else under results/ changes, and once there
-    is space a plain rerun redoes the job and the stages after it, to the same bytes as before."""
+    """Real ENOSPC through Snakemake: the failing job says which outputs and why, its old outputs and their
+    provenance record stay as they were (update() in data.smk, snaketune.backups: restored without a byte of
+    space), nothing else under results/ changes, and once there is space a plain rerun of the first config has
+    nothing to do."""
     if not _namespaces_work("--user", "--map-root-user", "--mount"):
         pytest.skip("user and mount namespaces are not available (unshare -Urm): no private tmpfs to fill")
     workdir = workflow_copy(tmp_path_factory, "faults_full_disk")
@@ -451,16 +447,11 @@ def test_snakemake_job_on_a_full_disk(tmp_path_factory):
     assert "results/data/raw/{messages.parquet, SHA256SUMS, source.json}" in line.group(0), line.group(0)
     assert "(the file system is full)" in line.group(0) and "28" in line.group(0), line.group(0)
     assert "(the file system is full)" in out["failed_log"]  # and in the job's log, with the traceback
-    # Only the failed job's own outputs are gone (Snakemake removed them): none is left looking complete,
-    # no temporary is left, and every other stage's outputs are byte for byte what they were.
-    # (Snakemake also removes the then empty directory it made for them.)
-    assert set(out["changed_by_failure"]) - {"data/raw"} == set(DOWNLOAD_OUTPUTS), out["changed_by_failure"]
+    # Nothing under results/ changed: the failed job's own outputs and record are kept, no temporary is left.
+    assert "Restored previous version of results/data/raw/messages.parquet" in failed["output"]
+    assert out["changed_by_failure"] == [], out["changed_by_failure"]
     assert out["temporaries_during"] == []
     again = out["again"]
     assert again["returncode"] == 0, again["output"][-3000:]
-    assert re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", again["output"]) == [
-        "download",
-        "conversations",
-        "train_tokenizer",
-    ]
+    assert re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", again["output"]) == []
     assert out["differ_after_rerun"] == [], out["differ_after_rerun"]

@@ -8,7 +8,7 @@ peak memory is its own; --phase all runs both in this one):
           builds `arch:deepseek-llm-7b` (snaketune.model.build.load_model, on the GPU where there is one) and
           saves it as the train stage does (save_pretrained, safetensors shards, and the tokenizer with the chat
           template it trained with): out/model
-  export  snaketune.export.export.export(...) with the arguments workflow/scripts/export.py passes (the config's
+  export  snaketune.export.export.export(ExportJob(...)) with the arguments workflow/scripts/export.py passes (the config's
           export and eval defaults), every call into the converter, quantizer and scoring timed
 Each phase merges its figures into out/export_7b.json (the export's metrics.json is copied in).
 
@@ -182,7 +182,7 @@ def export_phase(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
     from snaketune.data.prompts import resolve_prompts
     from snaketune.export import llama_cpp, measure
-    from snaketune.export.export import export
+    from snaketune.export.export import ExportJob, export
 
     cfg, exp = load_cfg(args)
     data = out / "data"
@@ -195,8 +195,13 @@ def export_phase(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     calls: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for name in ("convert", "quantize", "gguf_metadata"):
         timed(calls, llama_cpp, name)
-    for name in ("validation_segments", "reference_logprobs", "reference_replies", "open_gguf", "score_gguf",
-                 "greedy_gguf"):  # fmt: skip
+    for name in (
+        "validation_segments",
+        "reference_logprobs",
+        "reference_replies",
+        "score_gguf",
+        "greedy_gguf",
+    ):
         timed(calls, measure, name)
     # workflow/scripts/export.py with rule export's params (workflow/rules/common_report.smk: export_params).
     torch.set_num_threads(args.threads)
@@ -205,7 +210,7 @@ def export_phase(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                               conversations_dir=data / "conversations")  # fmt: skip
     export_dir = out / "export"
     t0 = time.perf_counter()
-    metrics = export(
+    job = ExportJob(
         outtype=cfg.export.outtype,
         quants=list(cfg.export.quants),
         max_kl=cfg.export.thresholds(),
@@ -218,9 +223,11 @@ def export_phase(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         name=f"{EXPERIMENT}-{MODEL}",
         out_dir=export_dir,
         data_dir=data / "tokenized",
+        conversations=data / "conversations" / "validation.parquet",
         threads=args.threads,
         log_file=log_file,
     )
+    metrics = export(job)
     export_s = time.perf_counter() - t0
     sys.stderr = sys.__stderr__
     # Wall and CPU seconds per call in order: convert once, quantize per quant, per file open/score/greedy x prompts.

@@ -238,7 +238,7 @@ def evaluate_peer(files: dict, exp, cfg, out: Path) -> None:
     """The workflow's evaluate stage, as its rule calls it (workflow/rules/common_report.smk evaluate_params),
     on TRL's two models."""
     from snaketune.config.load import to_dict
-    from snaketune.evaluation.evaluate import evaluate
+    from snaketune.evaluation.evaluate import EvalJob, evaluate
 
     summary = out / "summary.json"
     summary.write_text(
@@ -246,7 +246,7 @@ def evaluate_peer(files: dict, exp, cfg, out: Path) -> None:
             {"seed": exp.train.seed, "precision": "bfloat16" if torch.cuda.is_available() else "float32"}
         )
     )
-    evaluate(
+    job = EvalJob(
         **to_dict(cfg.eval),
         model=to_dict(exp.model),
         seed=exp.train.seed,
@@ -266,6 +266,7 @@ def evaluate_peer(files: dict, exp, cfg, out: Path) -> None:
         metrics_out=out / "metrics.json",
         generations_out=out / "generations.jsonl",
     )
+    evaluate(job)
 
 
 def main(argv: list[str]) -> int:

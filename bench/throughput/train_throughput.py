@@ -82,8 +82,8 @@ def bench_config(work: Path, cases: list[Case], tiny: bool) -> Path:
         if case.kind != "train":
             continue
         train = dict(case.train)
-        if tiny:  # CPU ranks: fp32, no Liger (CUDA only), and torch.compile would spend minutes compiling
-            train.update(precision="fp32", compile=False, kernels="auto")
+        if tiny:  # CPU ranks: fp32, no Liger (CUDA only), no FP8 matmuls, torch.compile would spend minutes
+            train.update(precision="fp32", compile=False, kernels="auto", fp8="none")
         model = {} if tiny else {"base": "arch:deepseek-llm-7b", "num_layers": case.layers}
         experiments[case.name] = {"model": model, "tokenize": dict(case.tokenize), "train": train}
     cfg["experiments"] = experiments
@@ -167,6 +167,7 @@ def train_result(work: Path, case: Case, rc) -> dict:
         plan = json.loads(plan_path.read_text())
         est = (plan.get("chosen") or {}).get("estimate") or {}
         res["plan_peak_gib"] = est.get("peak_allocated_gib")
+        res["plan_gpu_gib"] = est.get("gpu_gib")  # what the device must hold, the budget's side (NVML)
         res["plan_status"] = plan.get("status")
         res["plan_chosen"] = (plan.get("chosen") or {}).get("name")
     if not summary_path.exists():

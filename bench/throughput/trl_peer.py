@@ -7,7 +7,8 @@ unpacked rows faster than packing with padding-free there: no FlashAttention-2 p
 each micro-batch of 8, loss on the assistant tokens (`completion_only_loss` over the train stage's labels),
 torch's fused AdamW; full fine-tuning in fp32 weights with bf16 autocast (mixed precision), LoRA r16 on every
 linear layer over a bf16 base. `--cap GIB` caps the allocator as gpu_memory_gib does; `--checkpointing` turns
-on gradient checkpointing. Writes the report bench/throughput/seed_recipe.py writes (per-step times, CUDA-synchronized;
+on gradient checkpointing; `--max-length N --micro 1 --accumulation 1 --offload-activations` trains one long row
+per step with TRL's activation offloading (bench/throughput/cards24.py). Writes the report bench/throughput/seed_recipe.py writes (per-step times, CUDA-synchronized;
 tokens per sample; peak memory; status), which bench/throughput/train_throughput.py reads the same way.
 
     python3 bench/throughput/trl_peer.py --data DIR --tokenizer DIR --layers 24 [--lora] [--cap 24 --checkpointing] --out t.json
@@ -38,14 +39,14 @@ from snaketune.model.batching import IGNORE, load_split  # noqa: E402
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def dataset(data_dir: Path):
+def dataset(data_dir: Path, max_length: int = SEQ):
     """The split's conversations as TRL's tokenized format: input_ids and completion_mask (the train stage's
-    loss-bearing tokens), truncated to SEQ."""
+    loss-bearing tokens), truncated to max_length."""
     from datasets import Dataset
 
     split = load_split(data_dir)
-    ids = [row[:SEQ].tolist() for row in split.input_ids]
-    mask = [(lab[:SEQ] != IGNORE).astype(int).tolist() for lab in split.labels]
+    ids = [row[:max_length].tolist() for row in split.input_ids]
+    mask = [(lab[:max_length] != IGNORE).astype(int).tolist() for lab in split.labels]
     return Dataset.from_dict({"input_ids": ids, "completion_mask": mask})
 
 
@@ -60,6 +61,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--cap", type=float, default=None, help="GiB the allocator may use")
     parser.add_argument(
         "--micro", type=int, default=8, help="rows per micro-batch (8 / this accumulation steps)"
+    )
+    parser.add_argument(
+        "--accumulation", type=int, default=None, help="micro-batches per step (default 8 / micro)"
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=SEQ, help="tokens per row (longer ones are truncated)"
+    )
+    parser.add_argument(
+        "--offload-activations", action="store_true", help="TRL's activation offloading (SFTConfig)"
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiny", action="store_true")
@@ -83,7 +93,7 @@ def main(argv: list[str]) -> int:
     sampler = device_memory.PeakSampler(nvml)
     report: dict = {"recipe": f"trl {trl.__version__}", "layers": args.layers, "steps": args.steps,
                     "step_times": [], "losses": []}  # fmt: skip
-    real, loss_tokens = PaddedSamples(args.data, 0).token_counts()
+    real, loss_tokens = PaddedSamples(args.data, 0, seq=args.max_length).token_counts()
     # No padding to 512: TRL pads each micro-batch to its longest row; positions are reported as real tokens.
     report.update(positions_per_sample=real, real_per_sample=real, loss_tokens_per_sample=loss_tokens)
 
@@ -92,7 +102,7 @@ def main(argv: list[str]) -> int:
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
-        data = dataset(args.data)
+        data = dataset(args.data, args.max_length)
         report["samples"] = len(data)
         # LoRA: a bf16 base under the adapters, as TRL's LoRA recipes load it, built in bf16 (an fp32 build of the 7B
         # alone is 27.6 GB: over a 24 GiB cap before the first step, which is how trl_lora30_cap24 failed on
@@ -110,11 +120,12 @@ def main(argv: list[str]) -> int:
         config = SFTConfig(
             output_dir=str(args.out.parent / f"{args.out.stem}_trainer"),
             per_device_train_batch_size=args.micro,
-            gradient_accumulation_steps=8 // args.micro,
+            gradient_accumulation_steps=args.accumulation or 8 // args.micro,
             learning_rate=1e-4 if args.lora else 1e-5,
             lr_scheduler_type="constant",
             max_steps=args.steps,
-            max_length=SEQ,
+            max_length=args.max_length,
+            activation_offloading=args.offload_activations,
             packing=False,
             completion_only_loss=True,
             bf16=cuda,

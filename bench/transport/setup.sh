@@ -91,4 +91,5 @@ elif [ ! -f "$GGUF" ] && [ "$_have" -gt 0 ]; then
     echo "SmolLM2's GGUF: $_have of $_total parts kept; carry the others in this or a later call"
 fi
 [ -f "$GGUF" ] && export SNAKETUNE_BENCH_GGUF=${SNAKETUNE_BENCH_GGUF:-$GGUF}
-env | grep -E '^SNAKETUNE_(BENCH_|LLAMA)' | sort
+# What the cases will read (none set is not an error: a case that needs one says so).
+env | grep -E '^SNAKETUNE_(BENCH_|LLAMA)' | sort || true

@@ -1,5 +1,5 @@
 # Benchmark: lm-evaluation-harness tasks (benchmark.tasks) on each experiment's base, SFT and DPO model and on its
-# exported GGUF files served by llama.cpp's server, one job per model and task (snaketune.benchmark.run): a new
+# exported GGUF files run by llama.cpp in the job's process, one job per model and task (snaketune.benchmark.run): a new
 # task runs only its own jobs; the base model's scores are shared by the experiments that share it.
 
 
@@ -21,7 +21,7 @@ rule benchmark_base:
         task=TASK_WILDCARD,
     conda:
         "../../envs/benchmark.yaml"
-    threads: 2
+    threads: 1  # as evaluate's
     resources:
         gpu=1,
     params:
@@ -52,7 +52,7 @@ rule benchmark:
         task=TASK_WILDCARD,
     conda:
         "../../envs/benchmark.yaml"
-    threads: 2
+    threads: 1  # as evaluate's
     resources:
         gpu=1,
     params:
@@ -84,7 +84,7 @@ rule benchmark_gguf:
         task=TASK_WILDCARD,
     conda:
         "../../envs/benchmark.yaml"
-    threads: CFG.benchmark.threads
+    threads: all_cores
     params:
         spec=benchmark_gguf_params,
     script:

@@ -9,13 +9,16 @@ from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
-from snaketune import hub, keys, provenance  # noqa: E402
+from snaketune import backups, hub, keys, provenance, verify  # noqa: E402
 from snaketune.config import owners  # noqa: E402
 from snaketune.config.choices import ConfigError  # noqa: E402
 from snaketune.config.load import load_config, to_dict
 from snaketune.config.paths import check_input_paths
 from snaketune.data.format_config import resolve_format
 from snaketune.io import sha256_file  # noqa: E402
+
+# A failing job of a rule with update() outputs keeps them as they were, without copying them (snaketune.backups).
+backups.install()
 
 try:
     CFG = load_config(config)
@@ -29,15 +32,6 @@ except ConfigError as e:
     raise WorkflowError(f"Invalid configuration: {e}") from None
 # Defaults live in the typed config (snaketune.config.schema), not in the schema.
 validate(config, schema="../schemas/config.schema.yaml", set_default=False)
-# A cached output whose files no longer have the sizes its job recorded (a truncated Arrow file) is named before
-# any job uses it, with the command that rebuilds it (snaketune.provenance). In the main process only: a job that
-# Snakemake runs elsewhere (SLURM) reads this file again.
-_changed = provenance.changed_outputs() if workflow.is_main_process else []
-if _changed:
-    raise WorkflowError(
-        "Outputs changed since their jobs wrote them:\n  " + "\n  ".join(_changed)
-    )
-
 EXPERIMENTS = CFG.experiments
 # Several experiments may share one tokenized cache (same data, tokenizer and settings).
 DATA_KEYS = {keys.data_key(exp): exp for exp in EXPERIMENTS.values()}
@@ -45,14 +39,45 @@ TOKENIZERS = {keys.tokenizer_id(exp.model): exp.model for exp in EXPERIMENTS.val
 
 
 def all_targets():
-    """The report (it depends on every experiment's training and evaluation, and on the data stages) and the memory
-    plans (the preflight checks, which no stage reads)."""
+    """The report (it depends on every experiment's training and evaluation, and on the data stages), the memory
+    plans (the preflight checks, which no stage reads) and, under benchmark.fail_on_drop, the check that fails the
+    run on a drop the report flags (rule benchmark_gate)."""
     return [
         "results/report/index.html",
         "results/report/report.md",
         "results/report/summary.json",
         *plan_targets(),
+        *(["results/report/gate.json"] if CFG.benchmark.fail_on_drop else []),
     ]
+
+
+def preflight():
+    """Cached outputs of the current config's jobs checked against their records before any job runs
+    (snaketune.verify): a changed one stops the workflow with the command that rebuilds it; the missing ones are
+    returned, for rule all to ask for (Snakemake alone would not rebuild an output whose consumers are up to date).
+    In the main process only: a job that Snakemake runs elsewhere (SLURM) reads this file again.
+    """
+    if not workflow.is_main_process:
+        return []
+    try:
+        return verify.preflight(
+            provenance.load_records(),
+            workflow_outputs(),
+            lambda path: any(rule.is_producer(path) for rule in workflow.rules),
+        )
+    except verify.OutputsChanged as e:
+        raise WorkflowError(str(e)) from None
+
+
+def all_cores(wildcards=None):
+    """Every core Snakemake may use (--cores): the CPU stages that run alone on their machine's CPU (export,
+    the GGUF files' benchmark jobs: llama.cpp and transformers on the CPU). A runtime setting, not a config key:
+    `--set-threads export=4` lowers it. One when there is no --cores (--report evaluates threads).
+    """
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
 
 
 def experiment(wildcards):

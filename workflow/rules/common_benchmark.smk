@@ -5,6 +5,10 @@ from snaketune.benchmark.local_tasks import definition_sha256, is_local  # noqa:
 from snaketune.config.choices import EXPORT_QUANTS  # noqa: E402
 
 BENCHMARK = CFG.benchmark
+BUILTIN_DATA = CFG.dataset.source == "builtin"
+BENCHMARK_TASKS = BENCHMARK.task_names(
+    BUILTIN_DATA
+)  # benchmark.tasks, auto resolved by the data
 TASK_WILDCARD = "[A-Za-z0-9][A-Za-z0-9_.-]*"  # snaketune.config.benchmark.TASK_NAME
 
 
@@ -48,7 +52,7 @@ def benchmark_results():
     if not BENCHMARK.enabled:
         return []
     files = []
-    for task in BENCHMARK.tasks:
+    for task in BENCHMARK_TASKS:
         if "base" in BENCHMARK.models:
             files += [
                 f"results/benchmark/base/{k}/{task}.json" for k in BENCHMARK_BASES
@@ -61,15 +65,15 @@ def benchmark_results():
     return files
 
 
-def benchmark_task(wildcards, gguf=False):
-    """The task's spec: the section's settings for it (for a GGUF file, at most benchmark.gguf_limit examples), and
-    the task file's hash for a local task (the harness's own tasks come with the pinned lm-eval).
+def benchmark_task(wildcards):
+    """The task's spec: the section's settings for it, the same for every model and file, and the task file's hash
+    for a local task (the harness's own tasks come with the pinned lm-eval).
     """
-    if wildcards.task not in BENCHMARK.tasks:
+    if wildcards.task not in BENCHMARK_TASKS:
         raise WorkflowError(
-            f"benchmark task {wildcards.task!r} is not in benchmark.tasks ({', '.join(BENCHMARK.tasks)})"
+            f"benchmark task {wildcards.task!r} is not in benchmark.tasks ({', '.join(BENCHMARK_TASKS)})"
         )
-    spec = BENCHMARK.task_spec(wildcards.task, gguf=gguf)
+    spec = BENCHMARK.task_spec(wildcards.task)
     spec["definition"] = (
         definition_sha256(wildcards.task) if is_local(wildcards.task) else "lm-eval"
     )
@@ -157,6 +161,6 @@ def benchmark_gguf_params(wildcards):
         "file": f"{exp.name}-{wildcards.model}-{wildcards.quant}.gguf",
     }
     return {
-        **_benchmark_spec(exp, source, benchmark_task(wildcards, gguf=True)),
+        **_benchmark_spec(exp, source, benchmark_task(wildcards)),
         "code": keys.code_hash("benchmark"),
     }

@@ -18,7 +18,11 @@ def resolved_config():
         },
         "eval": to_dict(CFG.eval),
         "export": to_dict(CFG.export),
-        "benchmark": to_dict(CFG.benchmark),
+        "benchmark": {
+            **to_dict(CFG.benchmark),
+            "tasks": list(BENCHMARK_TASKS),
+            "tasks_reason": BENCHMARK.tasks_reason(BUILTIN_DATA),
+        },
     }
 
 
@@ -155,14 +159,33 @@ def manifest_input(wildcards):
     }
 
 
+def workflow_outputs():
+    """What the current config's jobs write, as far as needed to tell their provenance records from those of other
+    configs (snaketune.verify.current_records: a record with an output here is current): the report's inputs, what
+    rule all asks for, and what neither names (the models, the tokenizers, imported GGUF models).
+    """
+    files = list(all_targets())
+    for value in manifest_input(None).values():
+        files += [value] if isinstance(value, str) else list(value)
+    for exp in EXPERIMENTS.values():
+        files += [
+            f"results/train/{exp.name}/model",
+            f"{tokenizer_dir(exp)}/tokenizer.json",
+        ]
+        files += list(base_model_input(exp.model).values())
+    files += [f"{dpo_dir(e)}/model" for e in PREFERENCE_EXPERIMENTS.values()]
+    return sorted(set(files))
+
+
 def report_input(wildcards):
     return {**manifest_input(wildcards), "manifest": "results/provenance/manifest.json"}
 
 
 def invocation():
-    """--configfile (relative to the working directory when inside it) and --config as given to Snakemake: the
-    report's reproduce box. Only what changes the results: --cores and --resources are not here, so a run with
-    other ones reruns nothing."""
+    """--configfile (relative to the working directory when inside it), each with its sha256, and --config as given
+    to Snakemake: the report's reproduce box. Only what changes the results: --cores and --resources are not here,
+    so a run with other ones reruns nothing (an edit of a config file reruns the report, which names it by hash).
+    """
     files = []
     for f in workflow.config_settings.configfiles:
         try:
@@ -171,6 +194,7 @@ def invocation():
             files.append(str(f))
     return {
         "configfiles": files,
+        "configfile_sha256": {f: sha256_file(f) for f in files if Path(f).is_file()},
         "config_args": list(workflow.config_settings.config_args or []),
     }
 

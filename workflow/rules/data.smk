@@ -4,13 +4,16 @@
 rule download:
     input:
         download_input(),
+    # update(): a failing job keeps the last good outputs (snaketune.backups).
     output:
-        messages="results/data/raw/messages.parquet",
-        sums="results/data/raw/SHA256SUMS",
-        source=report(
-            "results/data/raw/source.json",
-            caption="../report/download.rst",
-            category="1. Data",
+        messages=update("results/data/raw/messages.parquet"),
+        sums=update("results/data/raw/SHA256SUMS"),
+        source=update(
+            report(
+                "results/data/raw/source.json",
+                caption="../report/download.rst",
+                category="1. Data",
+            )
         ),
     log:
         "logs/download.log",
@@ -27,13 +30,16 @@ rule download:
 rule conversations:
     input:
         messages=rules.download.output.messages,
+    # update(): a failing job keeps the last good outputs (snaketune.backups).
     output:
-        train="results/data/conversations/train.parquet",
-        validation="results/data/conversations/validation.parquet",
-        stats=report(
-            "results/data/conversations/stats.json",
-            caption="../report/conversations.rst",
-            category="1. Data",
+        train=update("results/data/conversations/train.parquet"),
+        validation=update("results/data/conversations/validation.parquet"),
+        stats=update(
+            report(
+                "results/data/conversations/stats.json",
+                caption="../report/conversations.rst",
+                category="1. Data",
+            )
         ),
     log:
         "logs/conversations.log",
@@ -87,8 +93,9 @@ ruleorder: train_tokenizer > fetch_tokenizer
 rule tokenize:
     input:
         unpack(tokenize_input),
+    # update(): a failing job keeps the last good outputs (snaketune.backups).
     output:
-        directory("results/tokenized/{key}"),
+        update(directory("results/tokenized/{key}")),
     log:
         "logs/tokenized/{key}.log",
     benchmark:

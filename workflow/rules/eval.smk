@@ -24,7 +24,9 @@ rule evaluate:
         "benchmarks/eval/{experiment}.tsv"
     conda:
         "../../envs/train.yaml"
-    threads: 2
+    # Its model runs on a GPU where there is one; on a CPU the job is mostly imports: one core, two side by side
+    # (--set-threads evaluate=N for a real model on a CPU).
+    threads: 1
     resources:
         gpu=1,
         gpu_memory_mib=gpu_memory_mib(),

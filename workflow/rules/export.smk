@@ -5,15 +5,16 @@
 rule export:
     input:
         unpack(export_input),
+    # update(): a failing job keeps the last good outputs (snaketune.backups).
     output:
-        directory("results/export/{experiment}/{model}"),
+        update(directory("results/export/{experiment}/{model}")),
     log:
         "logs/export/{experiment}/{model}.log",
     benchmark:
         "benchmarks/export/{experiment}/{model}.tsv"
     conda:
         "../../envs/export.yaml"
-    threads: CFG.export.threads
+    threads: all_cores
     params:
         spec=export_params,
     script:

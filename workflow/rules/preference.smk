@@ -5,13 +5,16 @@
 rule preferences:
     input:
         unpack(preferences_input),
+    # update(): a failing job keeps the last good outputs (snaketune.backups).
     output:
-        train="results/data/preferences/{pairs}/train.parquet",
-        validation="results/data/preferences/{pairs}/validation.parquet",
-        stats=report(
-            "results/data/preferences/{pairs}/stats.json",
-            caption="../report/preferences.rst",
-            category="1. Data",
+        train=update("results/data/preferences/{pairs}/train.parquet"),
+        validation=update("results/data/preferences/{pairs}/validation.parquet"),
+        stats=update(
+            report(
+                "results/data/preferences/{pairs}/stats.json",
+                caption="../report/preferences.rst",
+                category="1. Data",
+            )
         ),
     log:
         "logs/preferences/{pairs}.log",
@@ -28,8 +31,9 @@ rule preferences:
 rule tokenize_pairs:
     input:
         unpack(tokenize_pairs_input),
+    # update(): a failing job keeps the last good outputs (snaketune.backups).
     output:
-        directory("results/tokenized_pairs/{key}"),
+        update(directory("results/tokenized_pairs/{key}")),
     log:
         "logs/tokenized_pairs/{key}.log",
     benchmark:

@@ -85,3 +85,22 @@ rule report:
         spec=report_params(),
     script:
         "../scripts/report.py"
+
+
+# Under benchmark.fail_on_drop (then a target of rule all): the run fails, once the report is written, when the
+# report flags a benchmark score lost beyond benchmark.max_drop (snaketune.report.gate says why a rule of its own).
+rule benchmark_gate:
+    input:
+        summary="results/report/summary.json",
+    output:
+        gate="results/report/gate.json",
+    log:
+        "logs/benchmark_gate.log",
+    localrule: True
+    conda:
+        "../../envs/report.yaml"
+    threads: 1
+    params:
+        code=keys.code_hash("benchmark_gate"),
+    script:
+        "../scripts/benchmark_gate.py"

@@ -27,7 +27,6 @@ def main(smk):
             outs=[smk.output[0]],
             tokenizer_dir=Path(smk.input.tokenizer).parent,
             threads=smk.threads,
-            log_file=smk.log[0],
             **spec,
         )
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from snaketune import gpus
-from snaketune.evaluation.evaluate import evaluate
+from snaketune.evaluation.evaluate import EvalJob, evaluate
 from snaketune.plan.budget import memory_cap_gib
 from snaketune.plan.search import stage_plan
 
@@ -38,7 +38,7 @@ def main(smk):
         spec.pop("reference")
     # A GPU of its own (set as CUDA_VISIBLE_DEVICES before CUDA starts in this process), held to the end.
     with gpus.in_process(int(smk.resources.gpu), label=f"evaluate {smk.wildcards.experiment}"):
-        evaluate(
+        job = EvalJob(
             **spec,
             **preference,
             tuned_dir=smk.input.model,
@@ -50,6 +50,7 @@ def main(smk):
             generations_out=smk.output.generations,
             memory_cap_gib=cap,
         )
+        evaluate(job)
 
 
 _stage.run(snakemake, main)

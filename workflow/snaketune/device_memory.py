@@ -185,16 +185,21 @@ ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 EXPANDABLE = "expandable_segments:True"
 
 
-def allocator_settings(in_backward: bool, environ: Mapping[str, str] | None = None) -> str | None:
+def allocator_settings(expandable: bool, environ: Mapping[str, str] | None = None) -> str | None:
     """The caching allocator's settings a rank sets for itself, None for PyTorch's defaults.
 
-    With the optimizer step in the backward (`train.optimizer_step: in_backward`), expandable segments: the step
-    frees each gradient as it is applied, so blocks of many sizes come and go and fixed segments keep holes. On one
-    H200, the 7B's full fine-tune at 1 x 2,048 tokens: device peak 23.18 GiB with them against 23.46-23.59 GiB
-    without (allocator peak 21.46-21.51 GiB in all four runs; bench/RESULTS.md, issue #26). Other setups keep the
-    defaults their figures were measured with. A user's PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) wins."""
+    `expandable`: the optimizer step in the backward (`train.optimizer_step: in_backward`), or any training under
+    `gpu_memory_gib`: expandable segments. The step in backward frees each gradient as it is applied, so blocks of
+    many sizes come and go and fixed segments keep holes; on one H200, the 7B's full fine-tune at 1 x 2,048 tokens:
+    device peak 23.18 GiB with them against 23.46-23.59 GiB without (allocator peak 21.46-21.51 GiB in all four
+    runs; bench/RESULTS.md, issue #26). Under a memory cap the plan sizes the training to the budget (train.strategy
+    auto picks the fewest checkpointed layers that fit), so what fixed segments reserve beyond the allocated peak
+    (0.65 GiB for LoRA of the 7B under 24 GiB, 1.4 GiB where the QLoRA example ran out of memory: bench/RESULTS.md,
+    issue #16) is what it cannot plan; with expandable segments free pages go back before an allocation over the cap
+    fails. Uncapped setups keep the defaults their figures were measured with. A user's PYTORCH_CUDA_ALLOC_CONF (or
+    PYTORCH_ALLOC_CONF) wins."""
     env = os.environ if environ is None else environ
-    if not in_backward or any(env.get(name) for name in ALLOC_CONF_ENVS):
+    if not expandable or any(env.get(name) for name in ALLOC_CONF_ENVS):
         return None
     return EXPANDABLE
 
@@ -218,28 +223,33 @@ def cap_allocator(device, card: float | None, mem: DeviceMemory | None) -> tuple
     """Cap this process's caching allocator on `device` so that its device memory stays under usable_gib(card):
     measures the memory outside the allocator now (after `warm_up`). Returns the log line (None when nothing is
     capped) and what it measured: {"outside_allocator_gib", "allocator_cap_gib", "usable_gib"}."""
-    import torch
-
     if card is None or device.type != "cuda":
         return None, {}
+    if mem is None:
+        # Without NVML the cap would bind the allocator alone, which the memory outside it overshoots (24.8 GiB under
+        # a 24 GiB cap: docs/facts.md, "Device memory"): refused rather than a budget the run cannot keep.
+        raise RuntimeError(
+            f"config key 'gpu_memory_gib': {card:g} GiB cannot be enforced on {device}: NVML is not available, so the "
+            "memory outside PyTorch's allocator cannot be measured (see the warning above); allowed: install "
+            "nvidia-ml-py==13.615.71 (requirements.txt) on a machine with an NVIDIA driver, or gpu_memory_gib: null"
+        )
+    import torch
+
     total = torch.cuda.get_device_properties(device).total_memory
     usable = usable_gib(card)
-    outside = 0.0
-    if mem is not None:
-        torch.cuda.synchronize(device)
-        outside = max(0.0, (mem.used_bytes() - torch.cuda.memory_reserved(device)) / GIB)
+    torch.cuda.synchronize(device)
+    outside = max(0.0, (mem.used_bytes() - torch.cuda.memory_reserved(device)) / GIB)
     fraction = allocator_fraction(usable, outside, total)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     measured = {
         "usable_gib": round(usable, 3),
-        "outside_allocator_gib": round(outside, 3) if mem is not None else None,
+        "outside_allocator_gib": round(outside, 3),
         "allocator_cap_gib": round(fraction * total / GIB, 3),
     }
     line = (
         f"device memory budget {usable:.2f} GiB (gpu_memory_gib {card:.2f} less {DRIVER_RESERVE_GIB:g} for the "
         f"driver): outside the allocator {outside:.2f} GiB measured"
-        + ("" if mem is not None else " (no NVML: not measured)")
-        + f" + {LAZY_MODULES_GIB:g} for kernel modules loaded later; allocator capped at "
+        f" + {LAZY_MODULES_GIB:g} for kernel modules loaded later; allocator capped at "
         f"{measured['allocator_cap_gib']:.2f} GiB of {total / GIB:.1f}"
     )
     return line, measured

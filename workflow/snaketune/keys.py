@@ -46,7 +46,9 @@ STAGE_MODULES = {
     "export": ("snaketune.export.export", "snaketune.data.prompts"),
     "benchmark": ("snaketune.benchmark.run", "snaketune.gpus"),
     "report": ("snaketune.report.build",),
+    "benchmark_gate": ("snaketune.report.gate",),
     "manifest": ("snaketune.provenance",),
+    "verify": ("snaketune.verify", "snaketune.provenance"),
 }
 
 PACKAGE_DIR = Path(__file__).resolve().parent

@@ -2,17 +2,19 @@
 
 `record()` runs in every Snakemake script (workflow/scripts/_stage.py) after the stage's function succeeds and
 writes `results/provenance/<rule>.json`, or `results/provenance/<rule>/<wildcard values>.json` for a rule with
-wildcards: the sha256 of every input and output file, the params (the stage's code hash and seeds among
-them), package versions, host, GPU models, start and end time, and the git commit of the workflow's
-checkout. The previous record of the job is deleted before the stage starts (`forget()`), so a record
-always describes the last successful run.
+wildcards: the sha256, size and mtime of every input and output file (snaketune.verify.describe), the params (the
+stage's code hash and seeds among them), package versions, host, GPU models, start and end time, and the git commit
+of the workflow's checkout. The previous record of the job is deleted before the stage starts (`forget()`) unless
+the job's outputs are still there (a rule whose outputs Snakemake keeps while the job runs, snaketune.backups: a
+failed job leaves them, and the record that describes them), so a record always describes the outputs in place.
 
 Records are deliberately not declared outputs: a missing or rewritten record must never make Snakemake
 rerun a job (deleting results/provenance/ must not retrain a 7B model), and a job whose record cannot be
 written keeps its outputs (the failure is logged). The manifest rule collects them instead:
 `build_manifest()` starts from the files the report is made from and follows each record's inputs back to
 the record of the job that wrote them, so it lists exactly the jobs behind the current results, in
-pipeline order, whatever rules the workflow has.
+pipeline order, whatever rules the workflow has. snaketune.verify checks outputs against their records: before any
+job, in each stage for its inputs, and in full (`snakemake verify`).
 
 No environment variable reaches a record except the few in ENV_RECORDED, and any string that contains the
 value of a secret-looking variable (HF_TOKEN, ...) is redacted, as a second line of defence.
@@ -21,7 +23,6 @@ value of a secret-looking variable (HF_TOKEN, ...) is redacted, as a second line
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -36,7 +37,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from snaketune.io import sha256_file, write_json
+from snaketune.io import write_json
+from snaketune.verify import compare, describe
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +73,6 @@ ENV_RECORDED = (
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_?KEY|ACCESS_?KEY", re.IGNORECASE)
 HUB_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{20,}")
 """The shape of a Hugging Face token, redacted even when it is not in the environment."""
-SKIPPED_FILES = (".snakemake_timestamp",)
-"""Snakemake's marker in directory outputs: written after the job, so never part of what a job made."""
 
 
 # ---- where records live --------------------------------------------------------------------------
@@ -86,50 +86,6 @@ def record_path(rule: str, wildcards: Mapping[str, str], root: Path = PROVENANCE
 
 def _wildcards(smk) -> dict[str, str]:
     return {k: str(v) for k, v in smk.wildcards.items()}
-
-
-# ---- describing files ----------------------------------------------------------------------------
-
-
-def describe(path: str | os.PathLike) -> dict[str, Any]:
-    """sha256 and size of a file; for a directory, of every file under it, and a digest over the sorted
-    `relative path NUL sha256` lines, so that equal trees give equal digests wherever they lie."""
-    p = Path(path)
-    if not p.exists():
-        return {"type": "missing"}
-    if p.is_file():
-        return {"type": "file", "sha256": sha256_file(p), "bytes": p.stat().st_size}
-    files = {}
-    for f in sorted(p.rglob("*")):
-        if f.is_file() and f.name not in SKIPPED_FILES:
-            files[f.relative_to(p).as_posix()] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
-    digest = hashlib.sha256("".join(f"{rel}\0{e['sha256']}\n" for rel, e in files.items()).encode())
-    return {
-        "type": "directory",
-        "sha256": digest.hexdigest(),
-        "bytes": sum(e["bytes"] for e in files.values()),
-        "files": files,
-    }
-
-
-def _sizes(entry: Mapping[str, Any]) -> dict[str, int] | None:
-    if entry.get("type") == "file":
-        return {"": entry["bytes"]}
-    if entry.get("type") == "directory":
-        return {rel: e["bytes"] for rel, e in entry["files"].items()}
-    return None
-
-
-def _current_sizes(path: Path) -> dict[str, int] | None:
-    if path.is_file():
-        return {"": path.stat().st_size}
-    if path.is_dir():
-        return {
-            f.relative_to(path).as_posix(): f.stat().st_size
-            for f in sorted(path.rglob("*"))
-            if f.is_file() and f.name not in SKIPPED_FILES
-        }
-    return None
 
 
 # ---- the environment -----------------------------------------------------------------------------
@@ -198,6 +154,45 @@ def git_state(directory: Path) -> dict[str, Any] | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def outside_commit(paths: Iterable[str], directory: Path) -> dict[str, str]:
+    """path -> why a checkout of the commit of `directory` would not bring it back, for each of `paths` that is not
+    a tracked, unmodified file or directory of that checkout: `outside the checkout`, `untracked` (a user's config
+    overlay or data file beside the workflow), `modified`, or `not a git checkout`."""
+    paths = list(dict.fromkeys(str(p) for p in paths))
+    top = _git(directory, "rev-parse", "--show-toplevel")
+    if top is None:
+        return {p: "not a git checkout" for p in paths}
+    root = Path(top.strip()).resolve()
+    why, inside = {}, {}
+    for p in paths:
+        full = (directory / p).resolve()
+        if full == root or root in full.parents:
+            inside[p] = full.relative_to(root).as_posix()
+        else:
+            why[p] = "outside the checkout"
+    if inside:
+        tracked = set((_git(root, "ls-files", "-z", "--", *inside.values()) or "").split("\0"))
+        changed = (
+            _git(root, "status", "--porcelain", "-z", "--untracked-files=no", "--", *inside.values()) or ""
+        )
+        modified = {entry[3:] for entry in changed.split("\0") if len(entry) > 3}
+        for p, rel in inside.items():
+            files = {t for t in tracked if t == rel or t.startswith(rel.rstrip("/") + "/")}
+            if not files:
+                why[p] = "untracked"
+            elif files & modified or any(m.startswith(rel.rstrip("/") + "/") for m in modified):
+                why[p] = "modified"
+    return why
+
+
+def _git(directory: Path, *args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
 
 
 def host() -> dict[str, Any]:
@@ -330,40 +325,12 @@ def load_records(root: Path = PROVENANCE_DIR) -> dict[str, dict]:
 
 
 def status(rec: Mapping[str, Any]) -> str:
-    """`ok` when every output still has the files and sizes the record describes, else `changed`.
-    Sizes, not hashes (a 7B model would take minutes to hash again) nor mtimes (Snakemake touches
-    outputs after the job)."""
-    for path, entry in rec["outputs"].items():
-        if _current_sizes(Path(path)) != _sizes(entry):
-            return "changed"
-    return "ok"
-
-
-def changed_outputs(root: Path = PROVENANCE_DIR) -> list[str]:
-    """One line per output that exists but no longer has the files and sizes its job's record describes (a
-    truncated Arrow file, a file deleted from a model directory): Snakemake would use it as it is, since its
-    timestamps say nothing of its content. Each line names the output, the job and the command that rebuilds it.
-    Sizes only, as `status` (when Snakemake builds the DAG: a stat per file). A missing output is not listed:
-    Snakemake remakes it, and what follows it; so removing a broken one is how to rebuild it (--forcerun cannot:
-    the Snakefile reads this before Snakemake says what it forces)."""
-    lines = []
-    for path, rec in load_records(root).items():
-        for out, entry in rec["outputs"].items():
-            now = _current_sizes(Path(out))
-            if now is None or now == _sizes(entry):
-                continue
-            was = _sizes(entry) or {}
-            differ = sorted(k for k in set(now) | set(was) if now.get(k) != was.get(k))
-            where = ", ".join(
-                f"{(Path(out) / k).as_posix() if k else out}: {now.get(k, 'missing')} bytes, "
-                f"recorded {was.get(k, 'none')}"
-                for k in differ[:3]
-            )
-            lines.append(
-                f"{out} (written by {rec['rule']}, {path}) no longer matches its record ({where}); remove it "
-                f"(rm -r {out}) and Snakemake rebuilds it and what follows"
-            )
-    return lines
+    """`ok` when every output still holds what the record describes (`compare`'s quick check: a file is hashed
+    only when its mtime says something wrote it since), `missing` when an output is gone, else `changed`."""
+    results = [compare(path, entry) for path, entry in rec["outputs"].items()]
+    if any(r is None for r in results):
+        return "missing"
+    return "changed" if any(results) else "ok"
 
 
 def build_manifest(targets: Iterable[str], root: Path = PROVENANCE_DIR) -> dict[str, Any]:

@@ -1,14 +1,15 @@
 """The benchmark tasks defined in this repository, on local data: lm-evaluation-harness task files (tasks/*.yaml)
-whose data the job writes from the builtin dataset's question space (snaketune.data.builtin) before the harness
-reads it (`dataset_path: json` with `data_files`), so that they run offline.
+whose data the job writes before the harness reads it (`dataset_path: json` with `data_files`), so that they run
+offline.
 
 - ``builtin_choice`` (multiple choice): the correct reply beside up to three replies of the same form with a
   wrong fact, scored by log-likelihood (acc, acc_norm).
 - ``builtin_answer`` (generation): the greedy reply, stripped, must equal the exact answer (exact_match), as in
   the evaluate stage.
+- ``mmlu_dev`` (multiple choice, general knowledge): MMLU's dev questions as the pinned lm-eval ships them.
 
-Both ask the evaluate stage's exact-match questions (``eval_examples`` with its seed) in the same order, so a
-``limit`` of n asks the first n of them; few-shot examples come from questions outside that set.
+The builtin tasks ask the evaluate stage's exact-match questions (``eval_examples`` with its seed) in the same
+order, so a ``limit`` of n asks the first n of them; few-shot examples come from questions outside that set.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import functools
 import hashlib
 import json
 import random
+import re
 from pathlib import Path
 
 import yaml
@@ -31,7 +33,7 @@ from snaketune.data.builtin import (
 )
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
-LOCAL_TASKS = ("builtin_choice", "builtin_answer")
+LOCAL_TASKS = ("builtin_choice", "builtin_answer", "mmlu_dev")
 """The task names this repository defines; any other name is the harness's own (read from the hub)."""
 QUESTIONS_SEED = 1
 """eval_examples' seed: the evaluate stage's exact-match questions (snaketune.evaluation.evaluate)."""
@@ -53,8 +55,50 @@ def definition_path(name: str) -> Path:
 
 
 def definition_sha256(name: str) -> str:
-    """The task file's hash: part of the benchmark's task spec (YAML is not covered by the stage's code hash)."""
-    return hashlib.sha256(definition_path(name).read_bytes()).hexdigest()
+    """The task file's hash, and its data file's where the data comes from a file: part of the benchmark's task
+    spec (neither is covered by the stage's code hash)."""
+    digest = hashlib.sha256(definition_path(name).read_bytes())
+    if name == "mmlu_dev":
+        digest.update(mmlu_prompts_file().read_bytes())
+    return digest.hexdigest()
+
+
+def mmlu_prompts_file() -> Path:
+    """lm-eval's FLAN chain-of-thought prompts for MMLU: five dev questions per subject, with options and answer."""
+    import lm_eval
+
+    return Path(lm_eval.__file__).parent / "tasks" / "mmlu" / "flan_cot_fewshot" / "_cot_prompts.json"
+
+
+_MMLU_QUESTION = re.compile(
+    r"^(?P<question>.+?)\n\(A\) (?P<a>.+?) \(B\) (?P<b>.+?) \(C\) (?P<c>.+?) \(D\) (?P<d>.+?)\nA: .*"
+    r"The answer is \((?P<answer>[ABCD])\)\.?$",
+    re.S,
+)
+
+
+def mmlu_dev_questions() -> list[dict]:
+    """{"subject", "question", "choices", "label"} of each dev question whose options and answer parse cleanly
+    (the prompts file holds a few with other layouts, and a few whose LaTeX lost its backslashes to JSON escapes:
+    control characters; both are left out), subjects in order."""
+    out = []
+    for subject, text in json.loads(mmlu_prompts_file().read_text(encoding="utf-8")).items():
+        for block in text.split("\n\nQ: ")[1:]:  # after the subject's header line
+            m = _MMLU_QUESTION.match(block.strip())
+            if not m or any(ord(c) < 32 and c not in "\n\t" for c in block):
+                continue
+            choices = [m[k].strip() for k in "abcd"]
+            if any("\n" in c or not c for c in choices):
+                continue
+            out.append(
+                {
+                    "subject": subject,
+                    "question": m["question"].strip(),
+                    "choices": choices,
+                    "label": "ABCD".index(m["answer"]),
+                }
+            )
+    return out
 
 
 @functools.cache
@@ -97,6 +141,16 @@ def answer_doc(example: dict[str, str]) -> dict:
 
 def docs(name: str) -> dict[str, list[dict]]:
     """The task's splits: test (the questions asked) and fewshot (examples for few-shot prompts)."""
+    if name == "mmlu_dev":
+        # The last question of each subject is the few-shot pool (drawn from for any subject: the harness picks
+        # few-shot examples from the whole split), the rest are asked, subjects in order.
+        questions = mmlu_dev_questions()
+        last = {q["subject"]: i for i, q in enumerate(questions)}
+        fewshot_ids = set(last.values())
+        return {
+            "test": [q for i, q in enumerate(questions) if i not in fewshot_ids],
+            "fewshot": [questions[i] for i in sorted(fewshot_ids)],
+        }
     test = _test_questions()
     fewshot = _fewshot_questions(test)
     if name == "builtin_choice":

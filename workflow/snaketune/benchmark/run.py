@@ -1,6 +1,6 @@
 """Stage 10, benchmark: lm-evaluation-harness tasks on the base, SFT and DPO models (transformers, the harness's `hf`
-model on the loaded model) and on the exported GGUF files (served by llama.cpp's OpenAI-compatible server,
-snaketune.benchmark.served), one task per job, so that a new task reruns only its own jobs.
+model on the loaded model) and on the exported GGUF files (llama.cpp in this process,
+snaketune.benchmark.llama_lm), one task per job, so that a new task reruns only its own jobs.
 
 Every model renders its prompts with the same tokenizer and chat template (the data stages' tokenizer with
 `tokenize.chat_template`), as the harness does for chat models (`apply_chat_template`; few-shot examples as earlier
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from snaketune.benchmark import local_tasks, served
+from snaketune.benchmark import local_tasks
 from snaketune.config.load import from_dict
 from snaketune.config.schema import ModelConfig
 from snaketune.data.tokenization import load_tokenizer
@@ -90,21 +90,23 @@ def open_model(
     batch_size: int,
     max_length: int,
     threads: int,
-    log_file,
     device: str | None = None,
 ) -> Iterator[tuple[Any, dict]]:
     """The harness's model for `source` (kind base, tuned or gguf) and what describes it."""
     if source["kind"] == "gguf":
+        from snaketune.benchmark.llama_lm import LlamaCppLM
+        from snaketune.export.runtime import GGUFRuntime
+
         gguf = Path(source["gguf"])
-        with served.serve(gguf, n_ctx=max_length, threads=threads, log_file=log_file) as url:
-            info = {
-                "runtime": "llama.cpp server (llama_cpp.server)",
-                "file": gguf.name,
-                "bytes": gguf.stat().st_size,
-                "sha256": sha256_file(gguf),
-                "threads": threads,
-            }
-            yield served.LlamaServerLM(url, tokenizer, max_length=max_length), info
+        info = {
+            "runtime": "llama.cpp (llama-cpp-python, in process)",
+            "file": gguf.name,
+            "bytes": gguf.stat().st_size,
+            "sha256": sha256_file(gguf),
+            "threads": threads,
+        }
+        with GGUFRuntime(gguf, n_ctx=max_length, threads=threads) as runtime:
+            yield LlamaCppLM(runtime, tokenizer), info
         return
     from lm_eval.models.huggingface import HFLM
 
@@ -195,7 +197,6 @@ def benchmark(
     batch_size: int,
     max_length: int,
     threads: int,
-    log_file: str | Path,
     device: str | None = None,
 ) -> list[dict]:
     """Score `source` on each task (BenchmarkConfig.task_spec), writing one result file per task to `outs`."""
@@ -208,7 +209,6 @@ def benchmark(
         batch_size=batch_size,
         max_length=max_length,
         threads=threads,
-        log_file=log_file,
         device=device,
     ) as (lm, info):
         load_s = time.perf_counter() - t0

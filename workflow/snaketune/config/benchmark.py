@@ -1,5 +1,6 @@
 """The benchmark stage's settings (config key `benchmark`, shared by every experiment; snaketune.benchmark.run):
-which lm-evaluation-harness tasks, on how many examples and shots, on which models and GGUF files."""
+which lm-evaluation-harness tasks, on how many examples and shots, on which models and GGUF files; how much loss
+against the base the report flags, and whether that fails the run."""
 
 from __future__ import annotations
 
@@ -14,21 +15,32 @@ TASK_SETTINGS = ("limit", "num_fewshot")
 """What benchmark.task_settings may set per task (over the section's own values)."""
 TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 """A task name is a file name of the outputs (results/benchmark/.../<task>.json)."""
+AUTO_TASKS = {
+    "builtin": (
+        ("builtin_choice",),
+        "the builtin data's own questions (builtin_choice): what it teaches, and what forgetting would lose; the "
+        "evaluate stage already scores their exact answers",
+    ),
+    "own": (
+        ("mmlu_dev",),
+        "general knowledge (mmlu_dev: MMLU's dev questions, offline), which fine-tuning on your data should keep; "
+        "the hub's tasks (e.g. benchmark.tasks: [arc_easy, hellaswag, ifeval]) need network",
+    ),
+}
+"""benchmark.tasks: auto, by the data: (tasks, why), as the report says it."""
 
 
 @dataclass(frozen=True)
 class BenchmarkConfig:
     enabled: bool = True
     """Score the models on `tasks` with lm-evaluation-harness (rules benchmark_base, benchmark, benchmark_gguf)."""
-    tasks: tuple[str, ...] = ("builtin_choice", "builtin_answer")
-    """Harness task names: this repository's local tasks (builtin_choice, builtin_answer: offline, on the builtin
-    dataset's questions) or the harness's own (arc_easy, hellaswag, ifeval, ...: their data comes from the hub)."""
+    tasks: tuple[str, ...] | str = "auto"
+    """Harness task names: this repository's local tasks (offline: builtin_choice, builtin_answer on the builtin
+    dataset's questions; mmlu_dev, general knowledge) or the harness's own (arc_easy, hellaswag, ifeval, ...: their
+    data comes from the hub); auto: the tasks that fit the data (AUTO_TASKS), resolved when the config loads."""
+
     limit: int | None = None
     """Examples per task (the first ones); null: all (the local tasks have 200)."""
-    gguf_limit: int | None = None
-    """Examples per task for the GGUF files, the first ones (at most `limit`); null: as `limit`. The server computes
-    the echoed log-probabilities in Python, sorting the whole vocabulary per prompt token: ~0.1 s per token for a
-    49k vocabulary here, seconds per multiple-choice request of a real model."""
     num_fewshot: int = 0
     """Examples shown before each question; with chat_template as earlier user/assistant turns."""
     task_settings: dict = field(default_factory=dict)
@@ -46,22 +58,35 @@ class BenchmarkConfig:
     """Sequences per forward pass of a transformers model."""
     max_length: int = 2048
     """Most tokens of a request (context + continuation; longer contexts lose their start); the server's context."""
-    threads: int = 2
-    """CPU threads of llama.cpp's server (the GGUF jobs' threads)."""
+    max_drop: float = 2.0
+    """Percentage points of a task's score (a share: acc, exact_match, ...) the final model or one of its scored GGUF
+    files may lose against the base model before the report flags the run: flagged where the change's whole 95%
+    interval lies below -max_drop (beyond it and beyond the noise; snaketune.report.benchmark). 0: any loss
+    beyond the noise."""
+    fail_on_drop: bool = False
+    """Fail the run when the report flags a drop beyond max_drop: rule benchmark_gate, after the report is
+    written, exits 1 naming each drop."""
 
     def __post_init__(self) -> None:
-        if self.enabled and not self.tasks:
+        if isinstance(self.tasks, str) and self.tasks != "auto":
+            fail("benchmark.tasks", f"{self.tasks!r} must be a list of task names or auto")
+        # With auto, the tasks any data could pick: a setting for one the data does not pick is kept for another.
+        named = (
+            sorted({t for tasks, _ in AUTO_TASKS.values() for t in tasks})
+            if self.tasks == "auto"
+            else self.tasks
+        )
+        if self.enabled and not named:
             fail("benchmark.tasks", "is empty; name at least one task or set benchmark.enabled: false")
-        for t in self.tasks:
+        for t in named:
             if not TASK_NAME.match(t):
                 fail("benchmark.tasks", f"{t!r} is not a task name (letters, digits, '_', '.', '-')")
-        if len(set(self.tasks)) != len(self.tasks):
-            fail("benchmark.tasks", f"{list(self.tasks)} names a task twice")
+        if len(set(named)) != len(named):
+            fail("benchmark.tasks", f"{list(named)} names a task twice")
         self._check_settings("benchmark.", {"limit": self.limit, "num_fewshot": self.num_fewshot})
-        self._check_settings("benchmark.gguf_", {"limit": self.gguf_limit})
         for task, settings in self.task_settings.items():
-            if task not in self.tasks:
-                fail(f"benchmark.task_settings.{task}", f"not in benchmark.tasks ({', '.join(self.tasks)})")
+            if task not in named:
+                fail(f"benchmark.task_settings.{task}", f"not in benchmark.tasks ({', '.join(named)})")
             if not isinstance(settings, dict):
                 fail(
                     f"benchmark.task_settings.{task}",
@@ -84,8 +109,30 @@ class BenchmarkConfig:
             fail("benchmark.batch_size", f"{self.batch_size} must be >= 1")
         if self.max_length < 16:
             fail("benchmark.max_length", f"{self.max_length} must be >= 16")
-        if not 1 <= self.threads <= 256:
-            fail("benchmark.threads", f"{self.threads} must be between 1 and 256")
+        if isinstance(self.max_drop, bool) or not 0 <= self.max_drop <= 100:
+            fail(
+                "benchmark.max_drop", f"{self.max_drop!r} must be a number of percentage points from 0 to 100"
+            )
+        if self.fail_on_drop and not (self.enabled and "base" in self.models):
+            # Drops are changes against the base model: without its scores there is nothing to fail on.
+            fail(
+                "benchmark.fail_on_drop",
+                "true needs the benchmark stage with the base model (benchmark.enabled: true, base in "
+                f"benchmark.models; got enabled: {str(self.enabled).lower()}, models: {list(self.models)})",
+            )
+
+    def task_names(self, builtin_data: bool) -> tuple[str, ...]:
+        """The tasks that run: those named, or for `auto` those that fit the data (builtin or the user's own)."""
+        return AUTO_TASKS["builtin" if builtin_data else "own"][0] if self.tasks == "auto" else self.tasks
+
+    def tasks_reason(self, builtin_data: bool) -> str:
+        """Why these tasks run, in words (the report's)."""
+        if self.tasks != "auto":
+            return "named in benchmark.tasks"
+        return (
+            f"benchmark.tasks auto, for {'the builtin' if builtin_data else 'your own'} data: "
+            + AUTO_TASKS["builtin" if builtin_data else "own"][1]
+        )
 
     @staticmethod
     def _check_settings(where: str, settings: dict) -> None:
@@ -96,14 +143,12 @@ class BenchmarkConfig:
         if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
             fail(f"{where}num_fewshot", f"{shots!r} must be an integer >= 0")
 
-    def task_spec(self, task: str, *, gguf: bool = False) -> dict:
-        """What one task's scores depend on in this section (the rules add the task file's hash and the code); for
-        a GGUF file (`gguf`) at most gguf_limit examples."""
+    def task_spec(self, task: str) -> dict:
+        """What one task's scores depend on in this section (the rules add the task file's hash and the code): the
+        same for every model and file, so that their examples pair up."""
         own = self.task_settings.get(task, {})
         shots = own.get("num_fewshot", self.num_fewshot)
         limit = own.get("limit", self.limit)
-        if gguf and self.gguf_limit is not None:
-            limit = self.gguf_limit if limit is None else min(limit, self.gguf_limit)
         return {
             "name": task,
             "limit": limit,

@@ -38,8 +38,6 @@ class ExportConfig:
     """Mean KL per token above which a file is marked failing, by type; unset types: DEFAULT_MAX_KL."""
     eval_tokens: int = 2048
     """Held-out assistant tokens scored per file (whole validation conversations, in order, up to this many)."""
-    threads: int = 2
-    """CPU threads of llama.cpp and of the transformers reference (the rule's threads)."""
 
     def __post_init__(self) -> None:
         for m in self.models:
@@ -63,8 +61,6 @@ class ExportConfig:
                 fail(f"export.max_kl.{k}", f"{v!r} must be a number >= 0")
         if self.eval_tokens < 1:
             fail("export.eval_tokens", f"{self.eval_tokens} must be >= 1")
-        if not 1 <= self.threads <= 256:
-            fail("export.threads", f"{self.threads} must be between 1 and 256")
 
     def thresholds(self) -> dict[str, float]:
         """max_kl of every type this config may make (the defaults where unset; `auto` may be any unquantized

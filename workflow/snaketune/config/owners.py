@@ -76,6 +76,7 @@ TRAIN_FIELDS: dict[str, tuple[str, ...]] = {
     "attention": _MODEL,
     "kernels": _MODEL,
     "compile": _MODEL,
+    "offload_activations": (MEMORY, WEIGHTS),
     "strategy": _MODEL,
     # The data order and dropout; the weights of a builtin model (the base the evaluate stage rebuilds) and of
     # LoRA's adapters at step 0.
@@ -150,12 +151,13 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "export.eval_tokens": ("export",),
     "gpu_memory_gib": _PLANS,
     "benchmark.limit": _BENCHMARKS,
-    "benchmark.gguf_limit": ("benchmark_gguf",),
     "benchmark.num_fewshot": _BENCHMARKS,
     "benchmark.task_settings": _BENCHMARKS,
     "benchmark.chat_template": _BENCHMARKS,
     "benchmark.batch_size": _BENCHMARKS,
     "benchmark.max_length": _BENCHMARKS,
+    # What the report flags among the scores, never the scores: the benchmark jobs keep theirs.
+    "benchmark.max_drop": ("report",),
 }
 """Every key outside train (and preference.train) that changes an output, and the stages whose outputs it changes."""
 
@@ -164,13 +166,13 @@ UNOWNED: dict[str, str] = {
     "reference, plan_dpo, dpo) and the DPO model's evaluation and export",
     "export.enabled": "structure: adds or removes the export stage",
     "export.models": "structure: which models the export stage exports (a job each)",
-    "export.threads": "runtime: llama.cpp's and transformers' CPU threads in the export stage",
     "gpu_ids": "runtime: which GPUs the jobs may use (the environment, not a param)",
     "benchmark.enabled": "structure: adds or removes the benchmark stage",
     "benchmark.tasks": "structure: adds or removes a task's jobs (one per model); the others are kept",
     "benchmark.models": "structure: which models the benchmark stage scores (a job each)",
     "benchmark.quants": "structure: which GGUF files the benchmark stage scores (a job each)",
-    "benchmark.threads": "runtime: llama.cpp's server threads in the GGUF files' jobs",
+    "benchmark.fail_on_drop": "structure: adds or removes the check after the report that fails the run on a drop "
+    "beyond max_drop (rule benchmark_gate)",
     "experiments": "structure: adds or removes experiments (each its own jobs)",
 }
 """Keys that own no stage, and why."""

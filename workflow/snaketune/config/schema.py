@@ -264,8 +264,9 @@ class TrainConfig:
     gradient_checkpointing: bool | int = False
     """Recompute activations in backward to save memory: `true` (every decoder layer; a second forward pass, about
     25% slower for full fine-tuning), `false`, or N: the first N decoder layers only, the others keep their
-    activations (N up to the model's layers; 0 is false). `strategy: auto` sets true or false (snaketune.plan.strategies
-    says why not N)."""
+    activations (N up to the model's layers; 0 is false). `strategy: auto` sets true, false or, under gpu_memory_gib
+    where the plan counts every saved tensor (LoRA with Liger's kernels), the fewest N that fit
+    (snaketune.plan.strategies)."""
     bf16_optimizer: str = "auto"
     """Who keeps the fp32 master weights in bf16 training: `snaketune` (bf16 weights and gradients on the GPU, fp32
     masters and Adam states updated chunk by chunk by a fused AdamW: 16 B/param; ZeRO stage 0 only), `deepspeed`
@@ -306,9 +307,16 @@ class TrainConfig:
     `torch` (transformers' modules); `auto`: liger where it runs (snaketune.model.kernels)."""
     compile: bool = False
     """torch.compile every decoder layer (one compiled graph shared by all layers; the first step pays the compile)."""
+    offload_activations: bool = False
+    """With gradient checkpointing: each checkpointed layer's input waits in pinned host memory until backward
+    recomputes the layer (snaketune.model.offload), so that long rows hold one layer's input on the GPU instead of
+    every layer's (a*hidden bytes per token each: 8 KiB for the 7B, 3.75 GiB for 30 layers of a 16,384-token row).
+    The same losses and gradients; one copy each way per layer and step. `strategy: auto` turns it on where
+    nothing fits without it."""
     strategy: str = "as_configured"
-    """`as_configured`: `deepspeed` and `gradient_checkpointing` as given; `auto`: the fastest ZeRO stage, offload
-    and checkpointing that fits the GPUs (snaketune.plan.search; results/plan/<experiment>.json names it)."""
+    """`as_configured`: `deepspeed` and `gradient_checkpointing` as given; `auto`: the fastest ZeRO stage, offload,
+    checkpointing (how many layers), micro-batch and activation offload that fits the GPUs (snaketune.plan.search;
+    results/plan/<experiment>.json names it and the device peak it predicts)."""
     seed: int = 1234
     """Seed for model init (builtin models), data order and dropout."""
     checkpoint_every: int = 40
@@ -365,6 +373,12 @@ class TrainConfig:
             fail(
                 "train.gradient_checkpointing",
                 f"{self.gradient_checkpointing} is not allowed; allowed: true, false or a number of layers >= 0",
+            )
+        if self.offload_activations and not self.gradient_checkpointing and self.strategy != "auto":
+            fail(
+                "train.offload_activations",
+                "true needs train.gradient_checkpointing (true or a number of layers): it offloads the inputs of "
+                "the layers that recompute; allowed without it: false",
             )
         if self.keep_checkpoints < 1:
             fail("train.keep_checkpoints", f"{self.keep_checkpoints} must be >= 1")

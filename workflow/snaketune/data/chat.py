@@ -4,7 +4,11 @@ evaluation prompts): the chat template, which characters are the assistant's, an
 Each conversation is rendered with the chat template once, and once per assistant turn for the prefix up to
 it, with and without the turn: a token is trained on when its first character lies in an assistant turn's
 span, the reply text and its end-of-turn token, never the ``Assistant:`` prompt or anything the user wrote.
-That works for any template that renders earlier turns the same whatever follows (others are refused).
+That works for any template that renders earlier turns the same whatever follows (others are refused). Every row is
+checked as it is encoded (snaketune.data.template_check): its turns end in a trained end-of-turn token and its
+replies start on a token boundary after the generation prompt. Tool calling (snaketune.data.tools): a template that
+renders tools gets them as they are, any other the project's plain turns, decided once per tokenizer
+(`handles_tools`).
 
 Speed (bench/tokenize_throughput.py): the template is compiled once and rendered directly with jinja (what
 ``apply_chat_template`` does, without its per-call conversions; checked against it when the renderer is
@@ -23,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from snaketune.config.choices import CHAT_TEMPLATES
+from snaketune.data import template_check
+from snaketune.data import tools as tool_calling
 from snaketune.data.tokenizer import DEEPSEEK_CHAT_TEMPLATE, check_tokenizer_dir, load_fast_tokenizer
 from snaketune.io import sha256_text
 
@@ -92,21 +98,24 @@ def chat_template_text(tokenizer) -> str:
     return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
 
 
-def _render(tokenizer, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+def _render(tokenizer, messages: Sequence[Message], add_generation_prompt: bool = False, tools=None) -> str:
     return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
     )
 
 
-def assistant_spans(tokenizer, messages: Sequence[Message]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans [start, end) of its assistant turns.
+def assistant_spans(tokenizer, messages: Sequence[Message], tools=None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans [start, end) of its assistant turns (of the messages as
+    the template gets them: `template_inputs`).
 
     A span runs from the end of the generation prompt to the end of the turn, so it holds the reply and the
     end-of-turn token: what the model must produce after the prompt at inference. Spans are found by
     rendering prefixes of the conversation, which works only if the template renders each turn the same
     way whatever follows it; templates that rewrite history (e.g. drop earlier replies' reasoning) raise.
     """
-    return _spans(lambda m, prompt=False: _render(tokenizer, m, prompt), tokenizer, messages)
+    return _spans(
+        lambda m, prompt=False, t=None: _render(tokenizer, m, prompt, t), tokenizer, messages, tools
+    )
 
 
 # Two exchanges: the second assistant turn is rendered after an earlier one, which is where templates that
@@ -119,6 +128,99 @@ _PROBE = (
 )
 
 
+# A call, its result and the reply to it, with the names and values no template writes of itself: a template that
+# renders tools shows all four markers, the call inside the assistant's turn.
+_TOOLS_PROBE = [
+    {
+        "type": "function",
+        "function": {
+            "name": "probe_lookup",
+            "description": "Probe tool description.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}},
+                "required": ["query"],
+            },
+        },
+    }
+]
+_TOOL_PROBE = (
+    {"role": "user", "content": "Look it up."},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "probe_lookup", "arguments": '{"query": "probe query"}'},
+            }
+        ],
+        "tool_call_id": None,
+    },
+    {"role": "tool", "content": "probe result", "tool_calls": None, "tool_call_id": "call_1"},
+    {"role": "assistant", "content": "It is sunny.", "tool_calls": None, "tool_call_id": None},
+)
+
+
+_HANDLES_TOOLS: dict[str, bool] = {}
+"""handles_tools by template text: a stage asks once per conversation."""
+
+
+def handles_tools(tokenizer) -> bool:
+    """Whether the chat template renders tool calling itself: the probe's tools, call and result all appear, the
+    call inside the assistant's trained turn (else the project's plain turns render them)."""
+    template = chat_template_text(tokenizer)
+    cached = _HANDLES_TOOLS.get(template)
+    if cached is None:
+        try:
+            text, spans = assistant_spans(tokenizer, tool_calling.native_messages(_TOOL_PROBE), _TOOLS_PROBE)
+            at = text.find("probe query")
+            cached = all(
+                m in text for m in ("Probe tool description.", "probe_lookup", "probe result")
+            ) and any(a <= at < b for a, b in spans)
+        except Exception:  # noqa: BLE001 - the template cannot render them: jinja errors, `+ None`, raise_exception
+            cached = False
+        _HANDLES_TOOLS[template] = cached
+    return cached
+
+
+def template_inputs(tokenizer, messages: Sequence[dict], tools=None) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) as the chat template gets them: the common form where it renders tools, else plain
+    turns with the tool parts written in (snaketune.data.tools); a conversation without tool parts as its
+    {role, content} turns."""
+    tools = tool_calling.loads_tools(tools)
+    if not tool_calling.has_tool_parts(messages, tools):
+        return [{"role": m["role"], "content": m["content"]} for m in messages], None
+    if handles_tools(tokenizer):
+        return tool_calling.native_messages(messages), tools
+    return tool_calling.plain_turns(messages, tools), None
+
+
+def end_of_turn(tokenizer) -> int:
+    """The token the template writes after an assistant reply (snaketune.data.template_check); TemplateError when
+    it writes none."""
+    reply = _PROBE[1]["content"]
+    # Rendered whole: a template that writes the token only when another turn follows shows it there.
+    text = _render(tokenizer, _PROBE)
+    if reply not in text:  # it drops earlier replies (spans refuse it where it matters)
+        text = _render(tokenizer, _PROBE[:2])
+    if reply not in text:
+        raise TemplateError(
+            f"the chat template does not render the assistant's reply {reply!r} (rendered: {text!r}; "
+            f"{_template_id(tokenizer)}); allowed: a template that renders message['content'] of assistant messages"
+        )
+    after = text[text.index(reply) + len(reply) :]
+    end = template_check.first_special(tokenizer, _backend(tokenizer), after)
+    if end is None:
+        raise TemplateError(
+            f"the chat template writes no end-of-turn token after an assistant reply (after {reply!r} it renders "
+            f"{after!r}; {_template_id(tokenizer)}), so a model trained on it has no token to stop at; allowed: a "
+            "template that ends assistant turns with eos or an end-of-turn token, e.g. tokenize.chat_template: deepseek"
+        )
+    return end
+
+
 def _template_id(tokenizer) -> str:
     """How error messages name a tokenizer and its chat template."""
     return f"tokenizer {tokenizer.name_or_path!r}, chat template sha256 {sha256_text(chat_template_text(tokenizer))[:12]}"
@@ -126,7 +228,9 @@ def _template_id(tokenizer) -> str:
 
 def check_chat_template(tokenizer) -> None:
     """Raise TemplateError unless the template renders a plain two-exchange conversation with its replies
-    in assistant spans: checked once before tokenizing, so a broken template fails before any data is read.
+    in assistant spans, writes an end-of-turn token the turns train on, and ends its generation prompt where the
+    reply's tokens start (the prompt encoded alone is the conversation's tokens up to the reply), for a tool-calling
+    conversation too: checked once before tokenizing, so a broken template fails before any data is read.
     """
     where = _template_id(tokenizer)
     try:
@@ -147,6 +251,30 @@ def check_chat_template(tokenizer) -> None:
                 f"(rendered: {text!r}; {where}); allowed: a template that renders message['content'] of "
                 "assistant messages, e.g. tokenize.chat_template: deepseek"
             )
+    end_of_turn(tokenizer)
+    # Every row's checks, on the probe, and on a tool call where the template renders tools itself (else the project's
+    # plain turns render them, which the probe's turns show already).
+    probes = [(_PROBE, None)] + ([(_TOOL_PROBE, _TOOLS_PROBE)] if handles_tools(tokenizer) else [])
+    try:
+        [(ids, _), *_] = encode_conversations(
+            tokenizer, [p for p, _ in probes], tools=[t for _, t in probes], assistant_only_loss=True
+        )
+    except TemplateError as e:
+        named = str(e).replace("conversation index 0:", "the probe conversation (two exchanges):", 1)
+        raise TemplateError(
+            named.replace("conversation index 1:", "the tool-calling probe conversation:", 1)
+        ) from e
+    prompt = _backend(tokenizer).encode(_render(tokenizer, _PROBE[:1], True), add_special_tokens=False).ids
+    if ids[: len(prompt)].tolist() != prompt:
+        at = next(
+            (i for i, (a, b) in enumerate(zip(prompt, ids.tolist(), strict=False)) if a != b), len(prompt)
+        )
+        shown = tokenizer.convert_ids_to_tokens(prompt[at]) if at < len(prompt) else "(the prompt's end)"
+        raise TemplateError(
+            f"the generation prompt, encoded alone as inference does, differs from the conversation's tokens at "
+            f"token {at}: {shown!r} ({where}); allowed: a template whose generation prompt is the text that "
+            "precedes the reply in the rendered conversation"
+        )
 
 
 class ChatRenderer:
@@ -167,36 +295,40 @@ class ChatRenderer:
 
             self._compiled = _compile_jinja_template(chat_template_text(tokenizer))
             self._kwargs = dict(tokenizer.special_tokens_map)
-            for n in range(1, len(_PROBE) + 1):
-                for prompt in (False, True):
-                    if self(_PROBE[:n], prompt) != _render(tokenizer, _PROBE[:n], prompt):
-                        raise ValueError("differs")
+            probes = [(_PROBE, None)]
+            if handles_tools(tokenizer):
+                probes.append((tool_calling.native_messages(_TOOL_PROBE), _TOOLS_PROBE))
+            for probe, tools in probes:
+                for n in range(1, len(probe) + 1):
+                    for prompt in (False, True):
+                        if self(probe[:n], prompt, tools) != _render(tokenizer, probe[:n], prompt, tools):
+                            raise ValueError("differs")
         except Exception:  # noqa: BLE001 - any doubt: transformers' own path
             self._compiled = None
 
-    def __call__(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+    def __call__(self, messages: Sequence[Message], add_generation_prompt: bool = False, tools=None) -> str:
         if self._compiled is None:
-            return _render(self.tokenizer, messages, add_generation_prompt)
+            return _render(self.tokenizer, messages, add_generation_prompt, tools)
         return self._compiled.render(
             messages=list(messages),
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **self._kwargs,
         )
 
 
-def _spans(render, tokenizer, messages: Sequence[Message]) -> tuple[str, list[tuple[int, int]]]:
-    text = render(messages)
+def _spans(render, tokenizer, messages: Sequence[Message], tools=None) -> tuple[str, list[tuple[int, int]]]:
+    text = render(messages, False, tools)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render(messages[:i], True)
-        turn = render(messages[: i + 1])
+        prompt = render(messages[:i], True, tools)
+        turn = render(messages[: i + 1], False, tools)
         if not (text.startswith(prompt) and text.startswith(turn) and len(prompt) < len(turn)):
             template = _template_id(tokenizer)
-            if turn in (prompt, render(messages[:i])):
+            if turn in (prompt, render(messages[:i], False, tools)):
                 raise TemplateError(
                     f"the chat template renders assistant message {i} without its reply (adding it adds nothing "
                     f"beyond the generation prompt), so there are no tokens to train on ({template}); allowed: a "
@@ -250,24 +382,32 @@ def encode_conversations(
     *,
     assistant_only_loss: bool,
     last_turn_only: bool = False,
+    tools: Iterable | None = None,
+    check: template_check.TurnCheck | None = None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(input_ids, labels) of each conversation, untruncated, int32, in input order.
 
     ``labels`` are the token ids on assistant replies and their end-of-turn tokens (every token but the first
     when not assistant_only_loss; only the last assistant turn with ``last_turn_only``, as for a preference
-    pair's reply) and IGNORE_INDEX elsewhere; they are not shifted. A conversation whose
-    template rendering fails raises TemplateError with ``conversation index N`` in its message. Batches
-    are encoded on a worker thread (the Rust tokenizer releases the GIL) while the next one is rendered.
+    pair's reply) and IGNORE_INDEX elsewhere; they are not shifted. ``tools``: each conversation's tools (JSON text
+    or a list; None without). Every row is checked (snaketune.data.template_check; ``check`` counts what was). A
+    conversation whose template rendering fails, or whose row fails the check, raises TemplateError with
+    ``conversation index N`` in its message. Batches are encoded on a worker thread (the Rust tokenizer releases
+    the GIL) while the next one is rendered.
     """
     render = ChatRenderer(tokenizer)
     backend = _backend(tokenizer)
+    end_id = end_of_turn(tokenizer)
+    tools = iter(tools) if tools is not None else None
 
     def rendered(batch):
         out = []
         for index, messages in batch:
+            conversation_tools = next(tools) if tools is not None else None
             try:
-                text, spans = _spans(render, tokenizer, messages)
-                out.append((text, spans[-1:] if last_turn_only else spans))
+                shown, shown_tools = template_inputs(tokenizer, messages, conversation_tools)
+                text, spans = _spans(render, tokenizer, shown, shown_tools)
+                out.append((index, text, spans[-1:] if last_turn_only else spans))
             except TemplateError as e:
                 raise TemplateError(f"conversation index {index}: {e}") from e
             # jinja2's errors, raise_exception() in the template ("System role not supported"), ...
@@ -278,22 +418,25 @@ def encode_conversations(
                     f"{_template_id(tokenizer)}): {type(e).__name__}: {e}; allowed: a template that renders these "
                     "roles, e.g. tokenize.chat_template: deepseek (system turns as text before the first user turn)"
                 ) from e
+            if check is not None:
+                check.conversations += 1
+                check.assistant_turns += len(out[-1][2])
+                check.conversations_with_tools += tool_calling.has_tool_parts(messages, conversation_tools)
         return out
 
     def encode(texts_spans):
-        encodings = backend.encode_batch([t for t, _ in texts_spans], add_special_tokens=False)
-        return [
-            (
-                np.asarray(enc.ids, dtype=np.int32),
-                _labels(
-                    np.asarray(enc.ids, dtype=np.int32),
-                    np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2),
-                    spans,
-                    assistant_only_loss,
-                ),
-            )
-            for enc, (_, spans) in zip(encodings, texts_spans, strict=True)
-        ]
+        encodings = backend.encode_batch([t for _, t, _ in texts_spans], add_special_tokens=False)
+        out = []
+        for enc, (index, text, spans) in zip(encodings, texts_spans, strict=True):
+            ids = np.asarray(enc.ids, dtype=np.int32)
+            offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+            labels = _labels(ids, offsets, spans, assistant_only_loss)
+            try:
+                template_check.check_row(text, ids, offsets, labels, spans, end_id, tokenizer)
+            except template_check.TurnError as e:
+                raise TemplateError(f"conversation index {index}: {e} ({_template_id(tokenizer)})") from e
+            out.append((ids, labels))
+        return out
 
     batch: list = []
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -310,6 +453,19 @@ def encode_conversations(
             yield from pending.result()
         if batch:
             yield from encode(rendered(batch))
+
+
+def turn_check(tokenizer) -> template_check.TurnCheck:
+    """An empty count of what encode_conversations checks, with the template's end-of-turn token, generation prompt
+    and tool rendering."""
+    end_id = end_of_turn(tokenizer)
+    one = _render(tokenizer, _PROBE[:1])
+    return template_check.TurnCheck(
+        end_of_turn=tokenizer.convert_ids_to_tokens(end_id),
+        end_of_turn_id=end_id,
+        tool_rendering="template" if handles_tools(tokenizer) else "project",
+        generation_prompt=_render(tokenizer, _PROBE[:1], True).removeprefix(one),
+    )
 
 
 def encode_conversation(

@@ -1,19 +1,20 @@
 """The common chat format (`dataset.format: chat`): one conversation per JSONL line or Parquet row, what TRL, Axolotl
 and LLaMA-Factory read.
 
-A record: `messages` (required), a list of {role, content} with roles `system`, `user` and `assistant`; optional
-`id` (a string or an integer, unique in the file: names the conversation and decides its split), `split` (`train` or
-`validation`, on every record or on none) and `lang` (a language code, for dataset.languages). Other fields, and
-other keys of a message, are not read.
+A record: `messages` (required), a list of {role, content} with roles `system`, `user`, `assistant` and `tool`;
+optional `tools` (the functions its assistant turns may call: snaketune.data.tools has the form, assistant
+`tool_calls` and `tool` turns included), `id` (a string or an integer, unique in the file: names the conversation
+and decides its split), `split` (`train` or `validation`, on every record or on none) and `lang` (a language code,
+for dataset.languages). Other fields, and other keys of a message, are not read.
 
 Reading (the download stage, `read_chats`) refuses what cannot be a conversation: each error names the file, the
 line (JSONL, 1-based) or row (Parquet, 0-based), the field (`messages[2].role`) and what is allowed. Cleaning (the
 conversations stage, `clean_chats`) drops what is a conversation but not one to train on, each counted in stats.json
-under the first reason that applies, in the order of DROP_REASONS: a tool turn (roles tool, function, ipython), an
-empty user or assistant turn, roles out of order (an optional system turn first, then user and assistant
-alternating from a user turn), no assistant turn, a language outside dataset.languages, a conversation already seen.
-An empty system turn is removed and a trailing user turn cut (both counted): what remains still teaches. The split is
-the records' own, else a hash of the id (a hash of the messages where a record has no id), as for oasst's trees.
+under the first reason that applies, in the order of DROP_REASONS: a legacy function-calling turn (roles function,
+ipython), an empty user turn or an empty assistant turn that calls no tool, roles out of order (ORDER), no assistant
+turn, a language outside dataset.languages, a conversation already seen. An empty system turn is removed and
+trailing user turns or tool results cut (all counted): what remains still teaches. The split is the records' own,
+else a hash of the id (a hash of the messages where a record has no id), as for oasst's trees.
 """
 
 from __future__ import annotations
@@ -28,17 +29,24 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from snaketune.data import tools as tool_calling
+from snaketune.data.cells import Cell, Source, bad_value, missing_key
 from snaketune.data.forest import both_splits, split_by_hash
 from snaketune.data.jsonl import json_lines
-from snaketune.data.messages import SPLITS, UNKNOWN_LANG, DataError, _bad_value, _Source, _where
+from snaketune.data.messages import SPLITS, UNKNOWN_LANG, DataError
 
-CHAT_ROLES = ("system", "user", "assistant")
-TOOL_ROLES = ("tool", "function", "ipython")
-"""Roles of tool calling in the common format: read, and their conversations dropped (`tool_use`)."""
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+LEGACY_TOOL_ROLES = ("function", "ipython")
+"""OpenAI's deprecated function calling and Llama 3's code interpreter: read, and their conversations dropped
+(`tool_use`); the common form's `tool` turns are trained on."""
 ROLES_ALLOWED = (
-    "system, user, assistant (a conversation with tool, function or ipython turns is dropped and counted)"
+    "system, user, assistant, tool (a conversation with function or ipython turns is dropped and counted)"
 )
-FIELDS = ("id", "split", "lang", "messages")
+ORDER = (
+    "an optional system turn first, then a user turn; a user turn answered by an assistant turn; an assistant turn "
+    "that calls tools answered by tool turns, and tool turns by an assistant turn"
+)
+FIELDS = ("id", "split", "lang", "tools", "messages")
 DROP_REASONS = (
     "tool_use",
     "empty_content",
@@ -47,9 +55,14 @@ DROP_REASONS = (
     "language",
     "duplicate",
 )
-_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 RAW_SCHEMA = pa.schema(
-    [("id", pa.string()), ("split", pa.string()), ("lang", pa.string()), ("messages", pa.list_(_MESSAGE))]
+    [
+        ("id", pa.string()),
+        ("split", pa.string()),
+        ("lang", pa.string()),
+        ("tools", pa.string()),
+        ("messages", pa.list_(tool_calling.MESSAGE)),
+    ]
 )
 """The download stage's messages.parquet for chat-format data: one checked conversation per row."""
 
@@ -62,72 +75,103 @@ def is_chat_table(path: str | Path) -> bool:
 # ---- reading and checking (download) --------------------------------------------------------------------------
 
 
-def _missing(src: _Source, row: int, key: str, name: str, allowed: str) -> DataError:
-    return DataError(f"{_where(src, key, row)}: missing key {name!r}; allowed: {allowed}")
-
-
-def parse_messages(value: Any, src: _Source, row: int, key: str) -> list[dict[str, str | None]]:
-    """A record's messages list as [{role, content}], every message checked (content null stays null: the cleaning
-    counts it as empty)."""
-    at = (src, row, None)
+def parse_messages(
+    value: Any, src: Source, row: int, key: str, tools: list[dict] | None = None
+) -> list[dict[str, Any]]:
+    """A record's messages list as [{role, content, tool_calls, tool_call_id}], every message checked, calls against
+    the record's `tools` (content null stays null: the cleaning counts it as empty)."""
+    at = Cell(src, row)
     if isinstance(value, np.ndarray):  # a list column that pandas holds
         value = value.tolist()
     if not isinstance(value, list):
-        raise _bad_value(at, key, value, "a list of {role, content} objects")
+        raise bad_value(at, key, value, "a list of {role, content} objects")
     out = []
     for i, message in enumerate(value):
         k = f"{key}[{i}]"
         if not isinstance(message, dict):
-            raise _bad_value(at, k, message, "an object with role and content")
+            raise bad_value(at, k, message, "an object with role and content")
         if "role" not in message:
-            raise _missing(src, row, k, "role", f"an object with role ({ROLES_ALLOWED}) and content")
+            raise missing_key(at, k, "role", f"an object with role ({ROLES_ALLOWED}) and content")
         role = message["role"]
-        if not isinstance(role, str) or role not in CHAT_ROLES + TOOL_ROLES:
-            raise _bad_value(at, f"{k}.role", role, ROLES_ALLOWED)
+        if not isinstance(role, str) or role not in CHAT_ROLES + LEGACY_TOOL_ROLES:
+            raise bad_value(at, f"{k}.role", role, ROLES_ALLOWED)
         # A tool result, or an assistant turn that only calls tools, may come without content.
-        if "content" not in message and role not in TOOL_ROLES and not message.get("tool_calls"):
-            raise _missing(src, row, k, "content", "an object with role and content (a string)")
+        calls = message.get("tool_calls")
+        if isinstance(calls, np.ndarray):
+            calls = calls.tolist()
+        tool_roles = ("tool", *LEGACY_TOOL_ROLES)
+        if "content" not in message and role not in tool_roles and not calls:
+            raise missing_key(at, k, "content", "an object with role and content (a string)")
         content = message.get("content")
         if content is not None and not isinstance(content, str):
-            raise _bad_value(
+            raise bad_value(
                 at, f"{k}.content", content, "a string or null (a list of content parts is not read)"
             )
-        out.append({"role": role, "content": content})
+        if (
+            calls and role != "assistant"
+        ):  # a Parquet struct column gives every message the key, null or empty
+            raise bad_value(at, f"{k}.tool_calls", calls, "null on a turn that is not the assistant's")
+        call_id = message.get("tool_call_id") if role == "tool" else None
+        if call_id is not None and not isinstance(call_id, str):
+            raise bad_value(
+                at, f"{k}.tool_call_id", call_id, "a string, the id of the call it answers, or null"
+            )
+        out.append(
+            {
+                "role": role,
+                "content": content,
+                "tool_calls": tool_calling.parse_tool_calls(calls, at, f"{k}.tool_calls", tools)
+                if calls
+                else None,
+                "tool_call_id": call_id,
+            }
+        )
+    tool_calling.check_call_ids(out, at, key)
     return out
 
 
-def message_hash(messages: Sequence[dict]) -> str:
-    """16 hex digits of sha256 over the messages: a record's id when it has none (stable across machines)."""
-    text = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+def message_hash(messages: Sequence[dict], tools: str | None = None) -> str:
+    """16 hex digits of sha256 over the messages (and tools): a record's id when it has none (stable across
+    machines; a conversation without tool parts hashes as it did before they were read)."""
+    return hashlib.sha256(conversation_key(messages, tools).encode("utf-8")).hexdigest()[:16]
 
 
-def parse_split(value: Any, src: _Source, row: int) -> str | None:
+def conversation_key(messages: Sequence[dict], tools: str | None = None) -> str:
+    """A conversation as one string: what duplicates share."""
+    if not tool_calling.has_tool_parts(messages, tools):
+        return json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+    turns = [[m["role"], m["content"], m.get("tool_calls"), m.get("tool_call_id")] for m in messages]
+    return json.dumps([turns, tools], ensure_ascii=False)
+
+
+def parse_split(value: Any, src: Source, row: int) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or value not in SPLITS:
-        raise _bad_value((src, row, None), "split", value, ", ".join(SPLITS) + " or null")
+        raise bad_value(Cell(src, row), "split", value, ", ".join(SPLITS) + " or null")
     return value
 
 
-def _parse_record(record: dict, src: _Source, row: int) -> dict[str, Any]:
-    at = (src, row, None)
-    messages = parse_messages(record["messages"], src, row, "messages")
+def _parse_record(record: dict, src: Source, row: int) -> dict[str, Any]:
+    at = Cell(src, row)
+    tools = tool_calling.parse_tools(record.get("tools"), at)
+    messages = parse_messages(record["messages"], src, row, "messages", tools)
     raw_id = record.get("id")
     if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, str | int) or raw_id == ""):
-        raise _bad_value(at, "id", raw_id, "a non-empty string or an integer, unique in the file (or null)")
+        raise bad_value(at, "id", raw_id, "a non-empty string or an integer, unique in the file (or null)")
     lang = record.get("lang")
     if lang is not None and not isinstance(lang, str):
-        raise _bad_value(at, "lang", lang, "a language code string (e.g. en, pt-BR) or null")
+        raise bad_value(at, "lang", lang, "a language code string (e.g. en, pt-BR) or null")
     return {
         "id": None if raw_id is None else str(raw_id),
         "split": parse_split(record.get("split"), src, row),
         "lang": lang,
+        "tools": None if tools is None else json.dumps(tools, ensure_ascii=False),
         "messages": messages,
     }
 
 
-def _records(path: Path) -> tuple[list[dict], _Source, list[str]]:
+def _records(path: Path) -> tuple[list[dict], Source, list[str]]:
     """The file's records (JSONL lines or Parquet rows), where they came from, and the fields the file has."""
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         records, lines, fields = [], [], set()
@@ -136,14 +180,14 @@ def _records(path: Path) -> tuple[list[dict], _Source, list[str]]:
                 raise DataError(
                     f"{path}: line {line_no}: missing required key 'messages' (the line has "
                     f"{', '.join(map(str, record)) or 'no keys'}); required on every line: messages (a list of "
-                    "{role, content}); optional: id, split, lang"
+                    "{role, content}); optional: id, split, lang, tools"
                 )
             records.append(record)
             lines.append(line_no)
             fields.update(map(str, record))
         if not records:
             raise DataError(f"{path}: no conversations (the file is empty or has only blank lines)")
-        return records, _Source(str(path), np.asarray(lines, dtype=np.int64)), sorted(fields)
+        return records, Source(str(path), np.asarray(lines, dtype=np.int64)), sorted(fields)
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
@@ -151,15 +195,15 @@ def _records(path: Path) -> tuple[list[dict], _Source, list[str]]:
     if "messages" not in table.column_names:
         raise DataError(
             f"{path}: missing required column messages (the file has {', '.join(table.column_names)}); required: "
-            "messages (a list of {role, content}); optional: id, split, lang"
+            "messages (a list of {role, content}); optional: id, split, lang, tools"
         )
     if table.num_rows == 0:
         raise DataError(f"{path}: no conversations (the table is empty)")
     read = table.select([c for c in FIELDS if c in table.column_names])
-    return read.to_pylist(), _Source(str(path)), sorted(table.column_names)
+    return read.to_pylist(), Source(str(path)), sorted(table.column_names)
 
 
-def check_chats(records: list[dict], src: _Source) -> list[dict[str, Any]]:
+def check_chats(records: list[dict], src: Source) -> list[dict[str, Any]]:
     """Every record checked and normalized ({id, split, lang, messages}); ids unique, splits on all or none."""
     rows = [_parse_record(record, src, i) for i, record in enumerate(records)]
     first: dict[str, int] = {}
@@ -168,7 +212,7 @@ def check_chats(records: list[dict], src: _Source) -> list[dict[str, Any]]:
             continue
         if row["id"] in first:
             raise DataError(
-                f"{_where(src, 'id', i)}: duplicate id {row['id']!r} (first in {src.at(first[row['id']])}); "
+                f"{src.where('id', i)}: duplicate id {row['id']!r} (first in {src.at(first[row['id']])}); "
                 "allowed: ids unique in the file (or no id: the messages' hash names the conversation)"
             )
         first[row["id"]] = i
@@ -176,12 +220,12 @@ def check_chats(records: list[dict], src: _Source) -> list[dict[str, Any]]:
     if with_split and len(with_split) < len(rows):
         i = next(i for i, row in enumerate(rows) if row["split"] is None)
         raise DataError(
-            f"{_where(src, 'split', i)}: no split while {src.at(with_split[0])} has one; allowed: "
+            f"{src.where('split', i)}: no split while {src.at(with_split[0])} has one; allowed: "
             f"{', '.join(SPLITS)} on every record, or on none (then a hash of the id splits them)"
         )
     for row in rows:
         if row["id"] is None:
-            row["id"] = message_hash(row["messages"])
+            row["id"] = message_hash(row["messages"], row["tools"])
     return rows
 
 
@@ -203,25 +247,42 @@ def read_chats(path: str | Path) -> tuple[pa.Table, dict[str, Any]]:
 # ---- cleaning (conversations) ---------------------------------------------------------------------------------
 
 
+def _next_roles(message: dict) -> tuple[str, ...]:
+    """The roles that may follow a turn (ORDER)."""
+    if message["role"] == "assistant":
+        return ("tool",) if message.get("tool_calls") else ("user",)
+    return {"system": ("user",), "user": ("assistant",), "tool": ("tool", "assistant")}[message["role"]]
+
+
 def roles_in_order(messages: Sequence[dict]) -> bool:
-    """An optional system turn first, then user and assistant alternating from a user turn."""
+    """An optional system turn first, then ORDER: user and assistant alternating from a user turn, an assistant turn
+    that calls tools followed by their results and those by an assistant turn."""
     body = messages[1:] if messages and messages[0]["role"] == "system" else messages
-    return all(m["role"] == ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(body))
+    allowed: tuple[str, ...] = ("user",)
+    for m in body:
+        if m["role"] not in allowed:
+            return False
+        allowed = _next_roles(m)
+    return True
 
 
 def is_empty(content: str | None) -> bool:
     return content is None or not content.strip()
 
 
+REPAIRS = ("empty_system_turns_removed", "trailing_user_turns_cut", "trailing_tool_results_cut")
+
+
 def clean_conversation(messages: list[dict]) -> tuple[list[dict] | None, str | None, dict[str, int]]:
     """The conversation to train on, or None and the first drop reason; with the repairs made (an empty system
-    turn removed, a trailing user turn cut)."""
-    repairs = {"empty_system_turns_removed": 0, "trailing_user_turns_cut": 0}
-    if any(m["role"] in TOOL_ROLES for m in messages):
+    turn removed, a trailing user turn or trailing tool results cut)."""
+    repairs = dict.fromkeys(REPAIRS, 0)
+    if any(m["role"] in LEGACY_TOOL_ROLES for m in messages):
         return None, "tool_use", repairs
     kept = []
     for m in messages:
-        if is_empty(m["content"]):
+        # A tool may return nothing, and an assistant turn may only call tools.
+        if is_empty(m["content"]) and m["role"] != "tool" and not m.get("tool_calls"):
             if m["role"] != "system":
                 return None, "empty_content", repairs
             repairs["empty_system_turns_removed"] += 1  # an empty instruction instructs nothing
@@ -232,6 +293,9 @@ def clean_conversation(messages: list[dict]) -> tuple[list[dict] | None, str | N
     if kept and kept[-1]["role"] == "user":
         kept = kept[:-1]  # an unanswered question teaches nothing; the exchanges before it still do
         repairs["trailing_user_turns_cut"] += 1
+    while kept and kept[-1]["role"] == "tool":  # results nobody answers: the calls before them still teach
+        kept = kept[:-1]
+        repairs["trailing_tool_results_cut"] += 1
     if not any(m["role"] == "assistant" for m in kept):
         return None, "no_assistant_turn", repairs
     return kept, None, repairs
@@ -259,7 +323,7 @@ def clean_chats(
     wanted = set(languages)
     _check_languages(wanted, rows, source)
     dropped = dict.fromkeys(DROP_REASONS, 0)
-    repairs = {"empty_system_turns_removed": 0, "trailing_user_turns_cut": 0}
+    repairs = dict.fromkeys(REPAIRS, 0)
     kept: list[dict] = []
     seen: set[str] = set()
     for row in rows:
@@ -268,7 +332,7 @@ def clean_chats(
         if reason is None and wanted and lang not in wanted:
             reason = "language"
         if reason is None:
-            content = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+            content = conversation_key(messages, row["tools"])
             reason = "duplicate" if content in seen else None
             seen.add(content)
         if reason is not None:
@@ -277,14 +341,19 @@ def clean_chats(
         for k, v in fixed.items():  # of the conversations kept
             repairs[k] += v
         kept.append(
-            {"conversation_id": row["id"], "message_tree_id": row["id"], "lang": lang, "messages": messages}
+            {
+                "conversation_id": row["id"],
+                "message_tree_id": row["id"],
+                "lang": lang,
+                "tools": row["tools"],
+                "messages": messages,
+            }
         )
     if not kept:
         raise DataError(
             f"{source}: no conversation is left to train on: {len(rows)} read, dropped: "
             f"{', '.join(f'{k} {v}' for k, v in dropped.items() if v) or 'none'}; allowed: conversations where a "
-            "user turn is answered by an assistant turn, roles in order (an optional system turn first, then user "
-            "and assistant alternating), no empty user or assistant turn"
+            f"user turn is answered by an assistant turn, roles in order ({ORDER}), no empty user or assistant turn"
         )
     use_source = any(row["split"] is not None for row in rows)
     if use_source:
@@ -310,6 +379,9 @@ def clean_chats(
         **repairs,
         "with_system_turn": {
             s: sum(r["messages"][0]["role"] == "system" for r in by_split[s]) for s in SPLITS
+        },
+        "with_tool_calls": {
+            s: sum(any(m["tool_calls"] for m in r["messages"]) for r in by_split[s]) for s in SPLITS
         },
         "split_source": "source" if use_source else "hash",
         "split_fallback": fallback,

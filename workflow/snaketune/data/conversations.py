@@ -24,7 +24,8 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
-from snaketune.data import chat_format, forest
+from snaketune.data import chat_format, forest, tools
+from snaketune.data.cells import Source
 from snaketune.data.forest import DEFAULT_TREE_STATES, MESSAGE_DROP_REASONS, split_hash
 from snaketune.data.messages import (
     REQUIRED_COLUMNS,
@@ -32,7 +33,6 @@ from snaketune.data.messages import (
     SPLITS,
     DataError,
     Message,
-    _Source,
     check_messages,
     tree_id,
     where,
@@ -64,7 +64,11 @@ OUTPUT_SCHEMA = pa.schema(
         ("conversation_id", pa.string()),
         ("message_tree_id", pa.string()),
         ("lang", pa.string()),
-        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        (
+            "tools",
+            pa.string(),
+        ),  # the functions a chat-format conversation may call, as JSON (snaketune.data.tools)
+        ("messages", pa.list_(tools.MESSAGE)),
     ]
 )
 OUTPUT_COLUMNS = tuple(OUTPUT_SCHEMA.names)
@@ -75,7 +79,7 @@ class Conversations:
     """The result of :func:`build_conversations`."""
 
     train: pd.DataFrame
-    """Columns conversation_id, message_tree_id, lang, messages; sorted by tree id, then conversation id."""
+    """Columns conversation_id, message_tree_id, lang, tools, messages; sorted by tree id, then conversation id."""
     validation: pd.DataFrame
     """Same columns as ``train``; trees here never appear in ``train``."""
     stats: dict[str, Any]
@@ -150,6 +154,7 @@ def _tree_rows(
                 "conversation_id": conversation_id,
                 "message_tree_id": tid,
                 "lang": root.lang,
+                "tools": None,
                 "messages": [{"role": ROLES[m.role], "content": m.text} for m in conversation],
             }
         )
@@ -178,7 +183,7 @@ def _counted(counts: dict[str, int]) -> str:
 
 
 def _nothing_left(
-    src: _Source, wanted: set[str], paths: str, cleaned: forest.Forest, counts: _Counts
+    src: Source, wanted: set[str], paths: str, cleaned: forest.Forest, counts: _Counts
 ) -> DataError:
     dropped = dict(cleaned.dropped)
     unreachable = {k: dropped.pop(k) for k in ("orphan", "loop")}

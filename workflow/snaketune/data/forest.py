@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from snaketune.data.messages import SPLITS, DataError, Message, _Source, _where, parse
+from snaketune.data.cells import Source
+from snaketune.data.messages import SPLITS, DataError, Message, parse
 
 # Reasons a message is dropped, in the order they are checked; stats list every one (0 included) so the
 # stats file has the same keys whatever the data.
@@ -45,7 +46,7 @@ DEFAULT_TREE_STATES = ("ready_for_export",)
 class Forest:
     """The surviving trees of a message table, with everything the filters dropped."""
 
-    src: _Source
+    src: Source
     messages: int
     """Rows read."""
     roots: list[Message]
@@ -153,7 +154,7 @@ def _children_map(parsed: list[Message], root_of: dict[str, str]) -> dict[str, l
     return children
 
 
-def _check_languages(wanted: set[str], roots: list[Message], src: _Source) -> None:
+def _check_languages(wanted: set[str], roots: list[Message], src: Source) -> None:
     """A wanted language that no tree has is a typo (pt for pt-BR) or the wrong file: say what there is."""
     have: dict[str, int] = {}
     for root in roots:
@@ -230,7 +231,7 @@ def split_hash(message_tree_id: str) -> float:
 
 
 def assign_splits(
-    tree_roots: dict[str, Message], validation_fraction: float, use_source: bool, src: _Source
+    tree_roots: dict[str, Message], validation_fraction: float, use_source: bool, src: Source
 ) -> tuple[dict[str, str], dict[str, str] | None]:
     """Split per tree id; return the assignment and the fallback move made (if any)."""
     if not use_source:
@@ -239,7 +240,7 @@ def assign_splits(
     for tree_id, root in sorted(tree_roots.items()):
         if root.split is None:
             raise DataError(
-                f"{_where(src, 'split', root.row, root.message_id)}: "
+                f"{src.where('split', root.row, root.message_id)}: "
                 f"the root of tree {tree_id!r} has no split while other rows have one; "
                 f"allowed: {', '.join(SPLITS)}"
             )

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from snaketune.data.cells import Cell, Source, bad_value, is_null
 from snaketune.data.jsonl import DataError
 
 REQUIRED_COLUMNS = ("message_id", "parent_id", "role", "text")
@@ -65,13 +66,6 @@ class Message:
 # ---- input checks -------------------------------------------------------------------------------------
 
 
-def _is_null(value: Any) -> bool:
-    # pd.isna is not used on purpose: on a list (a wrong-typed cell) it returns an array, not a bool.
-    return (
-        value is None or value is pd.NA or value is pd.NaT or (isinstance(value, float) and math.isnan(value))
-    )
-
-
 SOURCE_ATTR = "snaketune_source"
 """``DataFrame.attrs`` key under which :func:`read_messages` keeps the file name (the default source_name)."""
 LINES_ATTR = "snaketune_source_lines"
@@ -79,44 +73,16 @@ LINES_ATTR = "snaketune_source_lines"
 that errors found later (in :func:`check_messages`) name the line of the text file, not a row number."""
 
 
-@dataclass(frozen=True)
-class _Source:
-    """Where the rows came from: a file name and, for a text file, the line of each row."""
-
-    name: str
-    lines: np.ndarray | None = None
-
-    def at(self, row: int) -> str:
-        return f"line {self.lines[row]}" if self.lines is not None else f"row {row}"
-
-
-def _source(messages: pd.DataFrame, source_name: str) -> _Source:
+def _source(messages: pd.DataFrame, source_name: str) -> Source:
     lines = messages.attrs.get(LINES_ATTR)
     # Only trust the line numbers when the table is still the one read_messages made.
     ok = isinstance(lines, np.ndarray) and len(lines) == len(messages)
-    return _Source(source_name, lines if ok else None)
-
-
-def _where(src: _Source, column: str, row: int, message_id: Any = None) -> str:
-    who = "" if message_id is None else f" (message_id {message_id!r})"
-    if src.lines is not None:
-        return f"{src.name}: {src.at(row)}{who}, key {column!r}"
-    return f"{src.name}: column {column!r}, {src.at(row)}{who}"
+    return Source(source_name, lines if ok else None)
 
 
 def where(messages: pd.DataFrame, source_name: str, column: str, row: int) -> str:
-    """How an error names a cell: ``file: line N, key 'k'`` for JSONL, ``file: column 'k', row N`` else."""
-    return _where(_source(messages, source_name), column, row)
-
-
-# Where a cell sits: (source, row, message_id); message_id is None until it has been read.
-_At = tuple[_Source, int, Any]
-
-
-def _bad_value(at: _At, column: str, value: Any, allowed: str) -> DataError:
-    # One word for every kind of null: pandas shows a missing string as None, NaN or <NA> by dtype and version.
-    shown = "null" if _is_null(value) else f"{value!r} ({type(value).__name__})"
-    return DataError(f"{_where(at[0], column, at[1], at[2])}: {shown} is not allowed; allowed: {allowed}")
+    """How an error names a cell of the table (snaketune.data.cells.Source.where)."""
+    return _source(messages, source_name).where(column, row)
 
 
 def _column(messages: pd.DataFrame, name: str) -> list[Any]:
@@ -146,68 +112,68 @@ def _check_columns(messages: pd.DataFrame, source_name: str) -> None:
         raise DataError(f"{source_name}: column(s) {', '.join(map(str, duplicated))} appear more than once")
 
 
-def _as_str(value: Any, nullable: bool, at: _At, column: str) -> str | None:
-    if _is_null(value):
+def _as_str(value: Any, nullable: bool, at: Cell, column: str) -> str | None:
+    if is_null(value):
         if nullable:
             return None
-        raise _bad_value(at, column, value, "a non-null string")
+        raise bad_value(at, column, value, "a non-null string")
     if not isinstance(value, str):
-        raise _bad_value(at, column, value, "a string" + (" or null" if nullable else ""))
+        raise bad_value(at, column, value, "a string" + (" or null" if nullable else ""))
     return value
 
 
-def _as_bool(value: Any, default: bool, at: _At, column: str) -> bool:
-    if _is_null(value):
+def _as_bool(value: Any, default: bool, at: Cell, column: str) -> bool:
+    if is_null(value):
         return default
     # Strict on purpose: a 0/1 or "false" column means the export is not what we think it is.
     if not isinstance(value, (bool, np.bool_)):
-        raise _bad_value(at, column, value, "true, false or null")
+        raise bad_value(at, column, value, "true, false or null")
     return bool(value)
 
 
-def _as_rank(value: Any, at: _At) -> float | None:
-    if _is_null(value):
+def _as_rank(value: Any, at: Cell) -> float | None:
+    if is_null(value):
         return None  # unranked; oasst1 parquet stores this as NaN in a float column (JSON NaN reads the same)
     # Infinity would sort before (or after) every real rank: refused rather than silently best or worst.
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or math.isinf(value):
-        raise _bad_value(at, "rank", value, "a finite number or null")
+        raise bad_value(at, "rank", value, "a finite number or null")
     return float(value)
 
 
 _DATE_ALLOWED = "an ISO 8601 date string (e.g. 2023-02-05T14:23:50.983374+00:00), a timestamp or null"
 
 
-def _as_date(value: Any, at: _At) -> str:
+def _as_date(value: Any, at: Cell) -> str:
     """The date as UTC, ISO 8601 with microseconds (2023-02-05T14:23:50.983374+00:00; a date without an offset is
     taken as UTC), so that comparing two of these strings compares the instants: dates order siblings (rank ties),
     and exports mix offsets and forms ("...Z", "+05:00", whole seconds). Null: ""."""
-    if _is_null(value):
+    if is_null(value):
         return ""
     if isinstance(value, str):
         # A string that is no date would order siblings by its letters.
         try:
             parsed = datetime.fromisoformat(value)
         except ValueError:
-            raise _bad_value(at, "created_date", value, _DATE_ALLOWED) from None
+            raise bad_value(at, "created_date", value, _DATE_ALLOWED) from None
     elif isinstance(value, datetime):  # pd.Timestamp is one (nanoseconds dropped)
         parsed = value.to_pydatetime(warn=False) if hasattr(value, "to_pydatetime") else value
     else:
-        raise _bad_value(at, "created_date", value, _DATE_ALLOWED)
+        raise bad_value(at, "created_date", value, _DATE_ALLOWED)
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=UTC)
     return parsed.astimezone(UTC).isoformat(timespec="microseconds")
 
 
-def _parse_row(cols: dict[str, list[Any]], row: int, src: _Source, has_split: bool) -> Message:
+def _parse_row(cols: dict[str, list[Any]], row: int, src: Source, has_split: bool) -> Message:
     """One row, type-checked, with the defaults of absent optional columns filled in."""
-    message_id = _as_str(cols["message_id"][row], False, (src, row, None), "message_id")
-    at: _At = (src, row, message_id)
+    message_id = _as_str(cols["message_id"][row], False, Cell(src, row), "message_id")
+    at = Cell(src, row, message_id)
     role = cols["role"][row]
     if not isinstance(role, str) or role not in ROLES:
-        raise _bad_value(at, "role", role, ", ".join(ROLES))
+        raise bad_value(at, "role", role, ", ".join(ROLES))
     split = _as_str(cols["split"][row], True, at, "split") if has_split else None
     if split is not None and split not in SPLITS:
-        raise _bad_value(at, "split", split, ", ".join(SPLITS) + " or null")
+        raise bad_value(at, "split", split, ", ".join(SPLITS) + " or null")
     return Message(
         row=row,
         message_id=message_id,  # type: ignore[arg-type]
@@ -226,7 +192,7 @@ def _parse_row(cols: dict[str, list[Any]], row: int, src: _Source, has_split: bo
     )
 
 
-def _parse_messages(messages: pd.DataFrame, src: _Source) -> list[Message]:
+def _parse_messages(messages: pd.DataFrame, src: Source) -> list[Message]:
     """Check every cell once and return typed messages (row = 0-based position in the table)."""
     _check_columns(messages, src.name)
     has_split = "split" in messages.columns and bool(messages["split"].notna().any())
@@ -237,7 +203,7 @@ def _parse_messages(messages: pd.DataFrame, src: _Source) -> list[Message]:
         message = _parse_row(cols, row, src, has_split)
         if message.message_id in first_row:
             raise DataError(
-                f"{_where(src, 'message_id', row)}: duplicate message_id {message.message_id!r} "
+                f"{src.where('message_id', row)}: duplicate message_id {message.message_id!r} "
                 f"(first seen in {src.at(first_row[message.message_id])}); message ids must be unique"
             )
         first_row[message.message_id] = row
@@ -249,7 +215,7 @@ def tree_id(root: Message) -> str:
     return root.message_tree_id or root.message_id  # oasst1: the tree id is the root's message id
 
 
-def _check_tree_ids(parsed: list[Message], src: _Source) -> None:
+def _check_tree_ids(parsed: list[Message], src: Source) -> None:
     """A reply is in its parent's tree, and a tree has one root.
 
     Either break means the export's tree ids and its parent links disagree. Conversations carry their root's
@@ -263,7 +229,7 @@ def _check_tree_ids(parsed: list[Message], src: _Source) -> None:
             continue
         if m.message_tree_id != parent.message_tree_id:
             raise DataError(
-                f"{_where(src, 'message_tree_id', m.row, m.message_id)}: {m.message_tree_id!r} differs from "
+                f"{src.where('message_tree_id', m.row, m.message_id)}: {m.message_tree_id!r} differs from "
                 f"the tree of its parent {parent.message_id!r} ({src.at(parent.row)}: "
                 f"{parent.message_tree_id!r}); allowed: the parent's message_tree_id"
             )
@@ -275,13 +241,13 @@ def _check_tree_ids(parsed: list[Message], src: _Source) -> None:
         other = first_root.setdefault(tid, m)
         if other is not m:
             raise DataError(
-                f"{_where(src, 'message_tree_id', m.row, m.message_id)}: tree {tid!r} has a second root "
+                f"{src.where('message_tree_id', m.row, m.message_id)}: tree {tid!r} has a second root "
                 f"(parent_id null); its first root is {other.message_id!r} ({src.at(other.row)}); "
                 "allowed: one root per message_tree_id"
             )
 
 
-def parse(messages: pd.DataFrame, source_name: str | None) -> tuple[list[Message], _Source]:
+def parse(messages: pd.DataFrame, source_name: str | None) -> tuple[list[Message], Source]:
     """Every check on the messages' own data: cell types, unique ids, tree ids; the typed messages."""
     if not isinstance(messages, pd.DataFrame):
         _check_columns(messages, str(source_name or "<messages>"))

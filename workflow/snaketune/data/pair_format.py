@@ -3,14 +3,16 @@ them -> the preference stage's pairs (train / validation) with stats.
 
 A record (one per JSONL line or Parquet row): `chosen` and `rejected` (required), the better and the worse reply, each
 a string or a messages list whose last turn is the assistant's reply (earlier turns, where given, must be the
-prompt's); `prompt`, a string (one user turn) or a messages list ending in a user turn (an optional system turn
-first). Without a prompt, chosen and rejected must be messages lists that share every turn before the reply (TRL's
-implicit prompt). Optional: `id` (unique), `split` (`train` | `validation`, on every record or none), `lang`.
+prompt's); `prompt`, a string (one user turn) or a messages list ending in a user turn or in tool results (an
+optional system turn first). Without a prompt, chosen and rejected must be messages lists that share every turn before
+the reply (TRL's implicit prompt). Optional: `tools` (the functions the prompt's and the replies' calls may name, as
+for conversations: snaketune.data.tools), `id` (unique), `split` (`train` | `validation`, on every record or none),
+`lang`. A reply may call tools (its `tool_calls`): a pair then teaches which call to make.
 
 Errors name the file, the line (JSONL, 1-based) or row (Parquet, 0-based), the field and what is allowed. A pair that
 cannot teach a preference is dropped and counted under the first reason that applies (DROP_REASONS): a tool turn,
-an empty turn or reply, prompt roles out of order, chosen identical to rejected, a pair already seen; an empty system
-turn is removed. The split is the records' own, else a hash of the prompt, so the pairs of one prompt stay together.
+an empty turn or reply (one that calls tools may have no text), prompt roles out of order, chosen identical to
+rejected, a pair already seen; an empty system turn is removed. The split is the records' own, else a hash of the prompt, so the pairs of one prompt stay together.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from snaketune.data import tools as tool_calling
+from snaketune.data.cells import Cell, Source, bad_value
 from snaketune.data.chat_format import (
-    TOOL_ROLES,
+    LEGACY_TOOL_ROLES,
     clean_conversation,
+    conversation_key,
     is_empty,
     message_hash,
     parse_messages,
@@ -34,70 +39,73 @@ from snaketune.data.chat_format import (
 )
 from snaketune.data.forest import both_splits, split_by_hash
 from snaketune.data.jsonl import json_lines
-from snaketune.data.messages import SPLITS, UNKNOWN_LANG, DataError, _bad_value, _Source, _where
+from snaketune.data.messages import SPLITS, UNKNOWN_LANG, DataError
 from snaketune.data.preferences import Preferences, frame_pairs
 
 DROP_REASONS = ("tool_use", "empty_content", "roles_out_of_order", "identical", "duplicate")
-FIELDS = ("id", "split", "lang", "prompt", "chosen", "rejected")
+FIELDS = ("id", "split", "lang", "tools", "prompt", "chosen", "rejected")
 _REQUIRED = (
     "required: chosen and rejected (a string, or a messages list ending in the assistant's reply) and prompt (a "
-    "string, or a messages list ending in a user turn; optional where chosen and rejected are messages lists that "
-    "share the turns before the reply); optional: id, split, lang"
+    "string, or a messages list ending in a user turn or tool results; optional where chosen and rejected are "
+    "messages lists that share the turns before the reply); optional: id, split, lang, tools"
 )
 
-Turns = list[dict[str, str | None]]
+Turns = list[dict[str, Any]]
 
 
-def _reply(value: Any, src: _Source, row: int, key: str) -> tuple[Turns | None, str | None]:
-    """(the turns before the reply, or None for a string; the reply) of chosen or rejected."""
+def _user(content: str) -> dict[str, Any]:
+    return {"role": "user", "content": content, "tool_calls": None, "tool_call_id": None}
+
+
+def _reply(value: Any, src: Source, row: int, key: str, tools) -> tuple[Turns | None, dict]:
+    """(the turns before the reply, or None for a string; the reply: {content, tool_calls}) of chosen or rejected."""
     if isinstance(value, str):
-        return None, value
+        return None, {"content": value, "tool_calls": None}
     if not isinstance(value, list | np.ndarray) or len(value) == 0:
-        raise _bad_value(
-            (src, row, None), key, value, "a string, or a messages list ending in the assistant's reply"
+        raise bad_value(
+            Cell(src, row), key, value, "a string, or a messages list ending in the assistant's reply"
         )
-    turns = parse_messages(value, src, row, key)
+    turns = parse_messages(value, src, row, key, tools)
     if turns[-1]["role"] != "assistant":
-        raise _bad_value(
-            (src, row, None),
+        raise bad_value(
+            Cell(src, row),
             f"{key}[{len(turns) - 1}].role",
             turns[-1]["role"],
             "assistant (the reply is the last turn)",
         )
-    return turns[:-1], turns[-1]["content"]
+    return turns[:-1], {"content": turns[-1]["content"], "tool_calls": turns[-1]["tool_calls"]}
 
 
-def _prompt(value: Any, src: _Source, row: int) -> Turns:
+def _prompt(value: Any, src: Source, row: int, tools) -> Turns:
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return [_user(value)]
     if not isinstance(value, list | np.ndarray) or len(value) == 0:
-        raise _bad_value(
-            (src, row, None), "prompt", value, "a string, or a messages list ending in a user turn"
-        )
-    turns = parse_messages(value, src, row, "prompt")
-    if turns[-1]["role"] != "user":
-        raise _bad_value(
-            (src, row, None),
+        raise bad_value(Cell(src, row), "prompt", value, "a string, or a messages list ending in a user turn")
+    turns = parse_messages(value, src, row, "prompt", tools)
+    if turns[-1]["role"] not in ("user", "tool"):
+        raise bad_value(
+            Cell(src, row),
             f"prompt[{len(turns) - 1}].role",
             turns[-1]["role"],
-            "user (the prompt ends with the turn the replies answer)",
+            "user or tool (the prompt ends with the turn the replies answer)",
         )
     return turns
 
 
-def _parse_pair(record: dict, src: _Source, row: int) -> dict[str, Any]:
+def _parse_pair(record: dict, src: Source, row: int) -> dict[str, Any]:
     for key in ("chosen", "rejected"):
         if record.get(key) is None:
             what = "missing required key" if key not in record else "null in required key"
             raise DataError(f"{src.name}: {src.at(row)}: {what} {key!r}; {_REQUIRED}")
-    chosen_before, chosen = _reply(record["chosen"], src, row, "chosen")
-    rejected_before, rejected = _reply(record["rejected"], src, row, "rejected")
+    tools = tool_calling.parse_tools(record.get("tools"), Cell(src, row))
+    chosen_before, chosen = _reply(record["chosen"], src, row, "chosen", tools)
+    rejected_before, rejected = _reply(record["rejected"], src, row, "rejected", tools)
     if record.get("prompt") is not None:
-        prompt = _prompt(record["prompt"], src, row)
+        prompt = _prompt(record["prompt"], src, row, tools)
         for before, key in ((chosen_before, "chosen"), (rejected_before, "rejected")):
             if before and before != prompt:
                 raise DataError(
-                    f"{_where(src, key, row)}: its turns before the reply differ from the prompt's; allowed: the reply "
+                    f"{src.where(key, row)}: its turns before the reply differ from the prompt's; allowed: the reply "
                     "alone, or the prompt's turns followed by the reply"
                 )
     elif chosen_before and chosen_before == rejected_before:
@@ -114,29 +122,32 @@ def _parse_pair(record: dict, src: _Source, row: int) -> dict[str, Any]:
         )
     raw_id = record.get("id")
     if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, str | int) or raw_id == ""):
-        raise _bad_value(
-            (src, row, None), "id", raw_id, "a non-empty string or an integer, unique in the file (or null)"
+        raise bad_value(
+            Cell(src, row), "id", raw_id, "a non-empty string or an integer, unique in the file (or null)"
         )
     lang = record.get("lang")
     if lang is not None and not isinstance(lang, str):
-        raise _bad_value((src, row, None), "lang", lang, "a language code string (e.g. en, pt-BR) or null")
+        raise bad_value(Cell(src, row), "lang", lang, "a language code string (e.g. en, pt-BR) or null")
     return {
         "id": None if raw_id is None else str(raw_id),
         "split": parse_split(record.get("split"), src, row),
         "lang": lang or UNKNOWN_LANG,
+        "tools": None if tools is None else json.dumps(tools, ensure_ascii=False),
         "prompt": prompt,
-        "chosen": chosen,
-        "rejected": rejected,
+        "chosen": chosen["content"],
+        "chosen_tool_calls": chosen["tool_calls"],
+        "rejected": rejected["content"],
+        "rejected_tool_calls": rejected["tool_calls"],
     }
 
 
-def _records(path: Path) -> tuple[list[dict], _Source]:
+def _records(path: Path) -> tuple[list[dict], Source]:
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         lines, records = [], []
         for line_no, record in json_lines(path, "one pair"):
             lines.append(line_no)
             records.append(record)
-        src = _Source(str(path), np.asarray(lines, dtype=np.int64))
+        src = Source(str(path), np.asarray(lines, dtype=np.int64))
     elif path.suffix == ".parquet":
         try:
             table = pq.read_table(path)
@@ -144,7 +155,7 @@ def _records(path: Path) -> tuple[list[dict], _Source]:
             raise DataError(f"{path}: not a readable Parquet file ({e}); allowed: a Parquet file") from e
         records, src = (
             table.select([c for c in FIELDS if c in table.column_names]).to_pylist(),
-            _Source(str(path)),
+            Source(str(path)),
         )
     else:
         raise DataError(f"{path}: unsupported file type; allowed: .jsonl, .jsonl.gz, .parquet")
@@ -162,33 +173,51 @@ def read_pairs(path: str | Path) -> list[dict[str, Any]]:
     for i, row in enumerate(rows):
         if row["id"] is not None and first.setdefault(row["id"], i) != i:
             raise DataError(
-                f"{_where(src, 'id', i)}: duplicate id {row['id']!r} (first in {src.at(first[row['id']])}); allowed: "
+                f"{src.where('id', i)}: duplicate id {row['id']!r} (first in {src.at(first[row['id']])}); allowed: "
                 "ids unique in the file (or none)"
             )
     with_split = [i for i, row in enumerate(rows) if row["split"] is not None]
     if with_split and len(with_split) < len(rows):
         i = next(i for i, row in enumerate(rows) if row["split"] is None)
         raise DataError(
-            f"{_where(src, 'split', i)}: no split while {src.at(with_split[0])} has one; allowed: "
+            f"{src.where('split', i)}: no split while {src.at(with_split[0])} has one; allowed: "
             f"{', '.join(SPLITS)} on every record, or on none (then a hash of the prompt splits them)"
         )
     return rows
 
 
+def _reply_turn(row: dict, side: str) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": row[side],
+        "tool_calls": row[f"{side}_tool_calls"],
+        "tool_call_id": None,
+    }
+
+
 def _clean(row: dict) -> tuple[dict | None, str | None, int]:
     """The pair to train on (the prompt cleaned as a conversation is), or None and the drop reason; the empty system
     turns removed."""
-    turns = [*row["prompt"], {"role": "assistant", "content": row["chosen"]}]
-    if any(m["role"] in TOOL_ROLES for m in turns):
+    turns = [*row["prompt"], _reply_turn(row, "chosen")]
+    if any(m["role"] in LEGACY_TOOL_ROLES for m in turns):
         return None, "tool_use", 0
-    if is_empty(row["chosen"]) or is_empty(row["rejected"]):
+    replies = [_reply_turn(row, side) for side in ("chosen", "rejected")]
+    if any(is_empty(r["content"]) and not r["tool_calls"] for r in replies):
         return None, "empty_content", 0
     kept, reason, repairs = clean_conversation(turns)  # its last turn is the (non-empty) reply: none is cut
     if kept is None:
         return None, reason, repairs["empty_system_turns_removed"]
-    if row["chosen"] == row["rejected"]:
+    if replies[0] == replies[1]:
         return None, "identical", repairs["empty_system_turns_removed"]
     return {**row, "prompt": kept[:-1]}, None, repairs["empty_system_turns_removed"]
+
+
+def _pair_key(pair: dict) -> str:
+    """What duplicates share: the prompt (with its tools) and both replies (with their calls)."""
+    replies = [pair["chosen"], pair["rejected"]]
+    if pair["chosen_tool_calls"] or pair["rejected_tool_calls"]:
+        replies += [pair["chosen_tool_calls"], pair["rejected_tool_calls"]]
+    return json.dumps([conversation_key(pair["prompt"], pair["tools"]), *replies], ensure_ascii=False)
 
 
 def build_pair_preferences(path: str | Path, *, validation_fraction: float) -> Preferences:
@@ -202,19 +231,20 @@ def build_pair_preferences(path: str | Path, *, validation_fraction: float) -> P
     for row in rows:
         pair, reason, n = _clean(row)
         if pair is not None:
-            key = json.dumps(
-                [message_hash(pair["prompt"]), pair["chosen"], pair["rejected"]], ensure_ascii=False
-            )
+            key = _pair_key(pair)
             reason = "duplicate" if key in seen else None
             seen.add(key)
         if reason is not None:
             dropped[reason] += 1
             continue
         removed += n  # of the pairs kept
-        prompt_id = message_hash(pair["prompt"])
-        digest = hashlib.sha256(f"{prompt_id}\0{pair['chosen']}\0{pair['rejected']}".encode()).hexdigest()[
-            :16
-        ]
+        prompt_id = message_hash(pair["prompt"], pair["tools"])
+        replies = f"{pair['chosen']}\0{pair['rejected']}"
+        if pair["chosen_tool_calls"] or pair["rejected_tool_calls"]:  # a pair without calls keeps its old id
+            replies += "\0" + json.dumps(
+                [pair["chosen_tool_calls"], pair["rejected_tool_calls"]], ensure_ascii=False
+            )
+        digest = hashlib.sha256(f"{prompt_id}\0{replies}".encode()).hexdigest()[:16]
         pair_id = pair["id"] if pair["id"] is not None else digest
         kept.append({**pair, "pair_id": pair_id, "message_tree_id": prompt_id})
     if not kept:
@@ -244,9 +274,12 @@ def _split(
                 "pair_id": p["pair_id"],
                 "message_tree_id": p["message_tree_id"],
                 "lang": p["lang"],
+                "tools": p["tools"],
                 "prompt": p["prompt"],
                 "chosen": p["chosen"],
+                "chosen_tool_calls": p["chosen_tool_calls"],
                 "rejected": p["rejected"],
+                "rejected_tool_calls": p["rejected_tool_calls"],
                 "chosen_rank": None,
                 "rejected_rank": None,
             }
@@ -261,6 +294,10 @@ def _split(
         "dropped": dropped,
         "empty_system_turns_removed": removed,
         "with_system_turn": {s: sum(r["prompt"][0]["role"] == "system" for r in out[s]) for s in SPLITS},
+        "with_tool_calls": {
+            s: sum(bool(r["tools"]) or any(m["tool_calls"] for m in r["prompt"]) for r in out[s])
+            for s in SPLITS
+        },
         "split_source": "source" if use_source else "hash",
         "split_fallback": fallback,
         "pairs": {s: len(frames[s]) for s in SPLITS},

@@ -24,9 +24,13 @@ from snaketune.data.chat import (
     check_chat_template,
     encode_conversations,
     load_tokenizer,
+    turn_check,
 )
 from snaketune.data.tokenization import SPLITS, save_rows, tokenizer_hashes
 from snaketune.io import atomic_dir, sha256_file, sha256_text
+
+PAIR_COLUMNS = ("tools", "prompt", "chosen", "chosen_tool_calls", "rejected", "rejected_tool_calls")
+"""What a side is made of (the tool columns are a pairs file's: snaketune.data.preferences.OUTPUT_SCHEMA)."""
 
 
 def fit(ids: np.ndarray, labels: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray, str | None]:
@@ -45,6 +49,23 @@ def fit(ids: np.ndarray, labels: np.ndarray, max_length: int) -> tuple[np.ndarra
     return ids[idx], labels[idx], cut
 
 
+def _sides(path: Path) -> tuple[list[list[dict]], list]:
+    """Each pair's conversation with its chosen reply, then each with its rejected one, and their tools."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    column = {c: table.column(c).to_pylist() for c in PAIR_COLUMNS if c in table.column_names}
+    nothing = [None] * table.num_rows
+    sides = [
+        [*prompt, {"role": "assistant", "content": reply, "tool_calls": calls}]
+        for side in ("chosen", "rejected")
+        for prompt, reply, calls in zip(
+            column["prompt"], column[side], column.get(f"{side}_tool_calls", nothing), strict=True
+        )
+    ]
+    return sides, 2 * column.get("tools", nothing)
+
+
 def tokenize_pairs(
     pairs_dir: str | Path,
     tokenizer_dir: str | Path,
@@ -55,13 +76,13 @@ def tokenize_pairs(
     threads: int = 1,
 ) -> dict[str, Any]:
     """preferences/{train,validation}.parquet -> out_dir/{train,validation} (Arrow) + stats.json."""
-    import pyarrow.parquet as pq
 
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, threads)))
     pairs_dir, out_dir = Path(pairs_dir), Path(out_dir)
     tokenizer = load_tokenizer(tokenizer_dir, chat_template)
     check_chat_template(tokenizer)
     settings = {"max_length": max_length, "chat_template": chat_template}
+    check = turn_check(tokenizer)
     stats: dict[str, Any] = {
         "settings": settings,
         "pair_files_sha256": {s: sha256_file(pairs_dir / f"{s}.parquet") for s in SPLITS},
@@ -71,18 +92,18 @@ def tokenize_pairs(
     }
     with atomic_dir(out_dir) as tmp:
         for split in SPLITS:
-            table = pq.read_table(pairs_dir / f"{split}.parquet", columns=["prompt", "chosen", "rejected"])
-            prompts, chosen, rejected = (
-                table.column(c).to_pylist() for c in ("prompt", "chosen", "rejected")
-            )
-            sides = [[*p, {"role": "assistant", "content": r}] for p, r in zip(prompts, chosen, strict=True)]
-            sides += [
-                [*p, {"role": "assistant", "content": r}] for p, r in zip(prompts, rejected, strict=True)
-            ]
+            sides, tools = _sides(pairs_dir / f"{split}.parquet")
             encoded = list(
-                encode_conversations(tokenizer, sides, assistant_only_loss=True, last_turn_only=True)
+                encode_conversations(
+                    tokenizer,
+                    sides,
+                    assistant_only_loss=True,
+                    last_turn_only=True,
+                    tools=tools,
+                    check=check,
+                )
             )
-            n = len(prompts)
+            n = len(sides) // 2
             rows, cuts = [], {"prompt": 0, "reply": 0}
             lengths = []
             for i in range(n):
@@ -114,5 +135,6 @@ def tokenize_pairs(
                 "mean_side_tokens": round(float(np.mean(lengths)) if lengths else 0.0, 3),
                 "max_side_tokens": int(max(lengths, default=0)),
             }
+        stats["template_check"] = check.as_json()
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return stats

@@ -27,7 +27,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from snaketune.data import forest
+from snaketune.data import forest, tools
 from snaketune.data.forest import DEFAULT_TREE_STATES
 from snaketune.data.messages import ROLES, SPLITS, DataError, Message, tree_id
 from snaketune.io import write_json, write_parquet
@@ -42,15 +42,17 @@ GROUP_DROP_REASONS = (
 )
 """Why a prompter message with assistant replies gives no pair (every one counted in stats.json)."""
 
-_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 OUTPUT_SCHEMA = pa.schema(
     [
         ("pair_id", pa.string()),
         ("message_tree_id", pa.string()),
         ("lang", pa.string()),
-        ("prompt", pa.list_(_MESSAGE)),
+        ("tools", pa.string()),  # a pairs file's tools as JSON (snaketune.data.tools); null for oasst
+        ("prompt", pa.list_(tools.MESSAGE)),
         ("chosen", pa.string()),
+        ("chosen_tool_calls", pa.list_(tools.CALL)),  # the calls a reply makes (a pairs file's), else null
         ("rejected", pa.string()),
+        ("rejected_tool_calls", pa.list_(tools.CALL)),
         ("chosen_rank", pa.float64()),
         ("rejected_rank", pa.float64()),
     ]
@@ -191,7 +193,8 @@ def _drop_reason(
 
 def frame_pairs(rows: list[dict[str, Any]]) -> pd.DataFrame:
     rows = sorted(rows, key=lambda r: (r["message_tree_id"], r["pair_id"]))
-    return pd.DataFrame({c: pd.Series([r[c] for r in rows], dtype=object) for c in OUTPUT_COLUMNS})
+    # oasst's pairs have no tool columns: null there.
+    return pd.DataFrame({c: pd.Series([r.get(c) for r in rows], dtype=object) for c in OUTPUT_COLUMNS})
 
 
 def write_preferences(result: Preferences, out_dir: str | os.PathLike[str]) -> None:

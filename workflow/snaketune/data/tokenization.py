@@ -33,7 +33,9 @@ from snaketune.data.chat import (
     encode_conversation,
     encode_conversations,
     load_tokenizer,
+    turn_check,
 )
+from snaketune.data.template_check import TurnCheck
 from snaketune.data.tokenizer import read_conversations_file
 from snaketune.io import atomic_dir, sha256_file, sha256_text
 
@@ -190,19 +192,33 @@ def _split_stats(
 
 
 def tokenize_split(
-    tokenizer, parquet_path: Path, *, max_length: int, assistant_only_loss: bool, desc: str
+    tokenizer,
+    parquet_path: Path,
+    *,
+    max_length: int,
+    assistant_only_loss: bool,
+    desc: str,
+    check: TurnCheck | None = None,
 ) -> tuple[list[int], list[Example], tuple[int, str] | None, int]:
     """Untruncated lengths of all conversations of one file, the examples that keep a loss token, the
     fewest tokens any conversation needs to keep one (with its conversation_id; None when none has one),
-    and the loss tokens of the kept examples.
+    and the loss tokens of the kept examples. Every row passes the template's checks (`check` counts them).
     """
-    columns = read_conversations_file(parquet_path, ["conversation_id", "messages"])
+    columns = read_conversations_file(
+        parquet_path, ["conversation_id", "messages", "tools"], optional=("tools",)
+    )
     ids_by_row = columns["conversation_id"]
     lengths: list[int] = []
     kept: list[Example] = []
     shortest: tuple[int, str] | None = None
     loss_tokens = 0
-    encoded = encode_conversations(tokenizer, columns["messages"], assistant_only_loss=assistant_only_loss)
+    encoded = encode_conversations(
+        tokenizer,
+        columns["messages"],
+        assistant_only_loss=assistant_only_loss,
+        tools=columns["tools"],
+        check=check,
+    )
     progress = tqdm(encoded, total=len(ids_by_row), desc=desc, unit="conv", file=sys.stderr, mininterval=2.0)
     try:
         for row, (input_ids, labels) in enumerate(progress):
@@ -265,7 +281,8 @@ def tokenize_conversations(
     loss_tokens, packed_blocks, pad_fraction_unpadded_to_max = 1 - tokens / (kept conversations x
     max_length), pad_fraction_packed = 1 - tokens / (packed_blocks x max_length) (reported with packing
     off too), mean/max untruncated conversation tokens; and the sha256 of the conversation files, the
-    tokenizer files and the chat template, the settings and library versions.
+    tokenizer files and the chat template, the settings and library versions; and `template_check`, what every row
+    was checked for (snaketune.data.template_check): the end-of-turn token, the generation prompt, the turns.
     """
     # The Rust tokenizer's thread pool starts at its first batch and reads this then; the output does not
     # depend on it (bench/tokenize_throughput.py compares the bytes across thread counts).
@@ -295,6 +312,7 @@ def tokenize_conversations(
         },
         "splits": {},
     }
+    check = turn_check(tokenizer)
     with atomic_dir(out_dir) as tmp:
         for split in SPLITS:
             lengths, kept, shortest, loss_tokens = tokenize_split(
@@ -303,6 +321,7 @@ def tokenize_conversations(
                 max_length=max_length,
                 assistant_only_loss=assistant_only_loss,
                 desc=f"tokenize {split}",
+                check=check,
             )
             # Packed anyway so stats can say what packing saves when it is off.
             blocks = pack(kept, max_length)
@@ -315,5 +334,6 @@ def tokenize_conversations(
             fingerprint = sha256_text(json.dumps(identity, sort_keys=True))[:16]
             save_rows(rows, tmp / split, split=split, fingerprint=fingerprint)
             stats["splits"][split] = split_stats
+        stats["template_check"] = check.as_json()
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return stats

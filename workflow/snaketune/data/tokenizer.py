@@ -20,6 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from snaketune.data.tools import plain_turns
 from snaketune.io import atomic_dir, atomic_path
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -53,8 +54,11 @@ class TokenizerError(ValueError):
     """A tokenizer directory is missing, incomplete or unreadable; the message names it and what is allowed."""
 
 
-def read_conversations_file(parquet_path: str | Path, columns: list[str]) -> dict[str, list]:
-    """The named columns of a conversations file (from the conversations stage) as Python lists.
+def read_conversations_file(
+    parquet_path: str | Path, columns: list[str], optional: tuple[str, ...] = ()
+) -> dict[str, list]:
+    """The named columns of a conversations file (from the conversations stage) as Python lists; an `optional`
+    column the file lacks comes back as nulls.
 
     Raises ValueError naming the file when it is no such file: another Parquet file put in its place, or a
     split left with no conversations.
@@ -63,28 +67,37 @@ def read_conversations_file(parquet_path: str | Path, columns: list[str]) -> dic
         table = pq.read_table(parquet_path)
     except Exception as e:
         raise ValueError(f"{parquet_path}: not a readable conversations file ({e})") from e
-    missing = [c for c in columns if c not in table.column_names]
+    missing = [c for c in columns if c not in table.column_names and c not in optional]
     if missing:
         raise ValueError(
             f"{parquet_path}: no column(s) {', '.join(missing)}; allowed: a file the conversations stage "
-            f"wrote (columns conversation_id, message_tree_id, lang, messages), found: {', '.join(table.column_names)}"
+            f"wrote (columns conversation_id, message_tree_id, lang, tools, messages), found: "
+            f"{', '.join(table.column_names)}"
         )
     if table.num_rows == 0:
         raise ValueError(
             f"{parquet_path}: no conversations; every split needs at least one, so the data must keep "
             "conversations in at least 2 trees (see trees_by_split in the conversations stage's stats.json)"
         )
-    return {c: table.column(c).to_pylist() for c in columns}
+    return {
+        c: table.column(c).to_pylist() if c in table.column_names else [None] * table.num_rows
+        for c in columns
+    }
 
 
 def conversation_texts(parquet_path: str | Path) -> Iterator[str]:
-    """Every message of a conversations parquet file as the chat template renders it, without specials.
+    """Every message of a conversations parquet file as the chat template renders it, without specials (tool parts
+    as the project writes them: snaketune.data.tools.plain_turns).
 
     The file is read (and checked) at the call, not at the first iteration, so an empty or foreign file fails
     here rather than inside the Rust trainer that consumes the texts.
     """
-    conversations = read_conversations_file(parquet_path, ["messages"])["messages"]
-    return (_TURN_FORMAT[m["role"]].format(m["content"]) for messages in conversations for m in messages)
+    columns = read_conversations_file(parquet_path, ["messages", "tools"], optional=("tools",))
+    return (
+        _TURN_FORMAT[m["role"]].format(m["content"])
+        for messages, tools in zip(columns["messages"], columns["tools"], strict=True)
+        for m in plain_turns(messages, tools)
+    )
 
 
 def build_bpe_trainer(vocab_size: int) -> trainers.BpeTrainer:

@@ -60,7 +60,7 @@ from snaketune.model.inference import (  # noqa: F401 - the stage's public names
     render_prompt,
     validation_loss,
 )
-from snaketune.plan import memory
+from snaketune.plan import evaluation as eval_memory
 from snaketune.plan.arch import arch_from_hf_config
 from snaketune.preference.logprobs import split_logprobs
 from snaketune.provenance import package_versions
@@ -97,7 +97,7 @@ class _Inputs:
 
 @dataclass(frozen=True)
 class EvalJob:
-    """What the evaluate stage is asked to do: the eval rule's params and inputs (`evaluate` takes them as keywords)."""
+    """What the evaluate stage is asked to do: the eval rule's params and inputs."""
 
     model: dict
     """The experiment's `model` settings (snaketune.config.schema.ModelConfig as a dict)."""
@@ -150,13 +150,12 @@ class EvalJob:
         return ["base", "tuned"] + (["dpo"] if self.dpo_dir is not None else [])
 
 
-def evaluate(**fields) -> dict[str, Any]:
+def evaluate(job: EvalJob) -> dict[str, Any]:
     """Evaluate base, fine-tuned and (with `dpo_dir`) DPO model; write metrics.json and generations.jsonl; return
-    metrics.json's content. The keywords are EvalJob's fields.
+    metrics.json's content.
 
     generations.jsonl has one row per prompt: {"prompt", "base", "tuned", ["dpo",] "expected"}; expected is the
     builtin dataset's exact answer, or the data's own reply for auto prompts (None otherwise)."""
-    job = EvalJob(**fields)
     t0 = time.perf_counter()
     model_cfg: ModelConfig = from_dict(ModelConfig, job.model, "model.")
     summary = json.loads(Path(job.train_summary).read_text())
@@ -391,7 +390,7 @@ def _memory_record(
     """Measured peak per phase (CUDA) beside the memory model's estimate for these lengths."""
     if arch is None:
         return {}
-    setup = memory.EvalSetup(
+    setup = eval_memory.EvalSetup(
         batch=min(job.batch_size, len(data.split)),
         seq_len=int(data.split.lengths.max(initial=0)),
         prompt_len=longest_prompt(data.tokenizer, data.texts),
@@ -400,7 +399,7 @@ def _memory_record(
         varlen=dev.type == "cuda",
         quantized=job.quantize != "none",
     )
-    est = memory.estimate_eval(arch, setup)
+    est = eval_memory.estimate_eval(arch, setup)
     return {
         "batch_size": job.batch_size,
         "validation_row_tokens": setup.seq_len,

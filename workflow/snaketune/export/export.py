@@ -6,7 +6,9 @@ agreement against transformers, greedy replies beside transformers', prompt and 
 
 A file is marked failing (in metrics.json and the report; the stage itself succeeds) when its mean KL per token
 exceeds export.max_kl for its type, when a reply runs past eval.max_new_tokens where transformers' ended, or when
-the file lost what a runtime needs to chat: the chat template, bos, eos, or eos as an end-of-generation token.
+the file lost what a runtime needs to chat: the chat template, bos, eos, or eos as an end-of-generation token. A
+file that renders held-out conversations to other tokens than training, or stops elsewhere, or a Modelfile without a
+stop token, fails the stage (snaketune.export.parity).
 """
 
 from __future__ import annotations
@@ -19,12 +21,45 @@ from pathlib import Path
 
 import torch
 
-from snaketune.export import llama_cpp, measure, modelfile
+from snaketune.export import llama_cpp, measure, modelfile, parity
+from snaketune.export.runtime import GGUFRuntime
 from snaketune.io import atomic_dir, write_json
 from snaketune.model import batching
 from snaketune.model.inference import render_prompt
 
 log = logging.getLogger("snaketune.export")
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """What the export stage is asked to do: the export rule's params and inputs."""
+
+    model_dir: str | Path
+    """The fine-tuned model (hub format), as its stage saved it."""
+    name: str
+    """The files' stem: `<name>-<type>.gguf`."""
+    out_dir: str | Path
+    data_dir: str | Path
+    """The tokenized SFT data: its validation split is what the files are scored on."""
+    conversations: str | Path
+    """The validation conversations (parquet): what the parity check renders through each file."""
+    prompts: list[str]
+    """Prompts whose greedy replies each file gives beside transformers'."""
+    outtype: str
+    """export.outtype: the unquantized file's type, or `auto` (the type the model was saved in)."""
+    quants: list[str]
+    """export.quants: llama.cpp quant types made from the unquantized file."""
+    max_kl: dict[str, float]
+    """Mean KL per token above which a file is marked failing, by type (export.max_kl with its defaults)."""
+    eval_tokens: int
+    """export.eval_tokens: held-out assistant tokens scored per file."""
+    max_new_tokens: int
+    max_prompt_tokens: int
+    """Longer prompts are cut, keeping their end (tokenize.max_length)."""
+    threads: int
+    trust_remote_code: bool
+    log_file: str | Path
+    """Where llama.cpp's converter and quantizer write their output."""
 
 
 @dataclass
@@ -48,67 +83,37 @@ class _Reference:
         return _exp(self.nll, self.targets)
 
 
-def _reference(
-    model_dir: Path,
-    trust_remote_code: bool,
-    data_dir,
-    prompts: list[str],
-    *,
-    eval_tokens: int,
-    max_new: int,
-    max_prompt: int,
-) -> tuple[object, _Reference]:
+def _reference(job: ExportJob) -> tuple[object, _Reference]:
     """The exported directory's tokenizer, and transformers' figures of its model in fp32 (freed afterwards)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    model_dir, trust_remote_code = Path(job.model_dir), job.trust_remote_code
+    max_new, max_prompt = job.max_new_tokens, job.max_prompt_tokens
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     net = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, use_safetensors=True, trust_remote_code=trust_remote_code
     ).eval()
-    split = batching.load_split(Path(data_dir) / "validation")
-    segments = measure.validation_segments(split, eval_tokens, max_prompt + max_new)
+    split = batching.load_split(Path(job.data_dir) / "validation")
+    segments = measure.validation_segments(split, job.eval_tokens, max_prompt + max_new)
     logprobs = measure.reference_logprobs(net, segments)
     nll = sum(
         -float(r[range(len(s.targets)), s.ids[s.targets + 1]].sum())
         for s, r in zip(segments, logprobs, strict=True)
     )
-    prompt_ids = [render_prompt(tokenizer, p, max_prompt) for p in prompts]
+    prompt_ids = [render_prompt(tokenizer, p, max_prompt) for p in job.prompts]
     replies = measure.reference_replies(net, prompt_ids, max_new, tokenizer.eos_token_id)
     targets = sum(len(s.targets) for s in segments)
     return tokenizer, _Reference(segments, logprobs, nll, targets, prompt_ids, replies)
 
 
-def export(
-    *,
-    model_dir: str | Path,
-    name: str,
-    out_dir: str | Path,
-    data_dir: str | Path,
-    prompts: list[str],
-    outtype: str,
-    quants: list[str],
-    max_kl: dict[str, float],
-    eval_tokens: int,
-    max_new_tokens: int,
-    max_prompt_tokens: int,
-    threads: int,
-    trust_remote_code: bool,
-    log_file: str | Path,
-) -> dict:
+def export(job: ExportJob) -> dict:
     """Write `<name>-<type>.gguf` for the unquantized type and each quant, metrics.json and replies.jsonl into
-    `out_dir` (atomically); returns metrics.json's content."""
+    `out_dir` (atomically); returns metrics.json's content. ParityError (snaketune.export.parity): nothing written."""
     tools = llama_cpp.check_toolchain()
     t0 = time.perf_counter()
-    model_dir = Path(model_dir)
-    tokenizer, ref = _reference(
-        model_dir,
-        trust_remote_code,
-        data_dir,
-        prompts,
-        eval_tokens=eval_tokens,
-        max_new=max_new_tokens,
-        max_prompt=max_prompt_tokens,
-    )
+    model_dir, name, prompts, threads = Path(job.model_dir), job.name, job.prompts, job.threads
+    max_new_tokens, max_kl = job.max_new_tokens, job.max_kl
+    tokenizer, ref = _reference(job)
     log.info(
         "reference (transformers, fp32): %d held-out conversations, %d target tokens, perplexity %s; %d prompts",
         len(ref.segments),
@@ -118,11 +123,10 @@ def export(
     )
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
     lengths = [len(s.ids) for s in ref.segments] + [len(p) + max_new_tokens for p in ref.prompt_ids]
-    n_ctx = max([max_prompt_tokens + max_new_tokens, *lengths])
-    if outtype == "auto":
-        outtype = llama_cpp.saved_type(model_dir)
-    with atomic_dir(out_dir) as tmp:
-        made = _make_files(model_dir, tmp, name, outtype, quants, threads, log_file)
+    n_ctx = max([job.max_prompt_tokens + max_new_tokens, *lengths])
+    outtype = llama_cpp.saved_type(model_dir) if job.outtype == "auto" else job.outtype
+    with atomic_dir(job.out_dir) as tmp:
+        made = _make_files(model_dir, tmp, name, outtype, job.quants, threads, job.log_file)
         meta = llama_cpp.gguf_metadata(made[outtype][0])
         files, replies = _measure(
             made, ref, prompts, tokenizer, n_ctx=n_ctx, threads=threads, max_new=max_new_tokens
@@ -144,12 +148,15 @@ def export(
             "files": files,
             "time_s": time.perf_counter() - t0,
         }
-        write_json(tmp / "metrics.json", metrics)
-        (tmp / "replies.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in replies))
         # Ollama Modelfiles, serve.sh and README.md: how to serve each file and talk to it (snaketune.export.modelfile).
-        modelfile.write_serving_files(
+        served = modelfile.write_serving_files(
             tmp, name, list(made), tokenizer, model_dir=model_dir, version=tools["llama_cpp_python"]
         )
+        metrics["parity"] = parity.check_export(
+            [p for p, _ in made.values()], model_dir, job.conversations, served
+        )
+        write_json(tmp / "metrics.json", metrics)
+        (tmp / "replies.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in replies))
     for row in files:
         _log_file(row)
     return metrics
@@ -183,25 +190,26 @@ def _measure(
     """metrics.json's row of each file (its size, quality and speed) and replies.jsonl's rows (its replies)."""
     files, replies = [], []
     for kind, (path, made_s) in made.items():
-        llm = measure.open_gguf(path, n_ctx, threads)
         row = {"type": kind, "file": path.name, "bytes": path.stat().st_size, "make_time_s": made_s}
-        row |= measure.score_gguf(llm, ref.segments, ref.logprobs)
-        row |= _replies(llm, kind, prompts, ref, tokenizer, max_new, replies)
-        del llm  # llama.cpp's context and weights, before the next file's
+        with GGUFRuntime(path, n_ctx=n_ctx, threads=threads) as runtime:
+            row |= measure.score_gguf(runtime, ref.segments, ref.logprobs)
+            row |= _replies(runtime, kind, prompts, ref, tokenizer, max_new, replies)
         files.append(row)
     return files, replies
 
 
-def _replies(llm, kind: str, prompts: list[str], ref: _Reference, tokenizer, max_new: int, out: list) -> dict:
+def _replies(
+    runtime: GGUFRuntime, kind: str, prompts: list[str], ref: _Reference, tokenizer, max_new: int, out: list
+) -> dict:
     """llama.cpp's greedy replies to the prompts beside transformers' (one row each appended to `out`), and what
     the file's metrics.json row says of them."""
     gen_tokens, gen_s, agree, ended, ended_hf = 0, 0.0, 0, 0, 0
     for prompt, ids, (want, gaps) in zip(prompts, ref.prompt_ids, ref.replies, strict=True):
-        got, ended_here, secs = measure.greedy_gguf(llm, ids, max_new)
+        got, ended_here, secs = measure.greedy_gguf(runtime, ids, max_new)
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-        own = llm.tokenize(text.encode(), add_bos=False, special=True)
+        own = runtime.tokenize(text, add_bos=False)
         theirs = tokenizer(text, add_special_tokens=False)["input_ids"]  # before any prompt truncation
         part = measure.parted_at(got[: measure.AGREE_TOKENS], want[: measure.AGREE_TOKENS])
         gen_tokens += len(got)
@@ -229,7 +237,7 @@ def _replies(llm, kind: str, prompts: list[str], ref: _Reference, tokenizer, max
         "replies_agreeing": agree,
         "replies_ended": ended,
         "replies_ended_transformers": ended_hf,
-        "eos_is_end_of_generation": measure.is_eog(llm, tokenizer.eos_token_id),
+        "eos_is_end_of_generation": runtime.is_eog(tokenizer.eos_token_id),
     }
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from snaketune.export.runtime import GGUFRuntime, log_softmax
 from snaketune.model import batching
 
 AGREE_TOKENS = 16
@@ -51,11 +52,6 @@ def validation_segments(split: batching.TokenizedSplit, max_targets: int, max_le
             if total >= max_targets:
                 return out
     return out
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    return x - np.logaddexp.reduce(x, axis=-1, keepdims=True)
 
 
 @torch.no_grad()
@@ -101,33 +97,20 @@ def reference_replies(
     return out
 
 
-def open_gguf(path, n_ctx: int, threads: int):
-    from llama_cpp import Llama
-
-    return Llama(
-        model_path=str(path),
-        n_ctx=n_ctx,
-        n_batch=min(n_ctx, 512),
-        n_threads=threads,
-        n_threads_batch=threads,
-        logits_all=True,
-        verbose=False,
-    )
-
-
-def score_gguf(llm, segments: Sequence[Segment], reference: Sequence[np.ndarray]) -> dict:
-    """Perplexity, KL and top-1 agreement of a loaded file over the segments, and its prompt throughput."""
+def score_gguf(runtime: GGUFRuntime, segments: Sequence[Segment], reference: Sequence[np.ndarray]) -> dict:
+    """Perplexity, KL and top-1 agreement of a loaded file over the segments, and its prompt throughput (each
+    segment decoded in one pass from an empty cache, the logits taken at its target positions)."""
     nll = kl = agree = 0.0
     n = tokens = 0
     kls = []
     t_eval = 0.0
     for seg, ref in zip(segments, reference, strict=True):
-        llm.reset()
+        runtime.reset()
         t0 = time.perf_counter()
-        llm.eval(seg.ids.tolist())
+        logits = runtime.logits(seg.ids.tolist(), seg.targets.tolist())
         t_eval += time.perf_counter() - t0
-        tokens += len(seg.ids)
-        lp = _log_softmax(np.asarray(llm.scores[: len(seg.ids)])[seg.targets])
+        tokens += int(seg.targets[-1]) + 1
+        lp = log_softmax(logits)
         nll -= float(lp[np.arange(len(seg.targets)), seg.ids[seg.targets + 1]].sum())
         per_token = (np.exp(ref) * (ref - lp)).sum(-1)
         kls.append(per_token)
@@ -145,30 +128,16 @@ def score_gguf(llm, segments: Sequence[Segment], reference: Sequence[np.ndarray]
     }
 
 
-def greedy_gguf(llm, prompt: list[int], max_new_tokens: int) -> tuple[list[int], bool, float]:
+def greedy_gguf(
+    runtime: GGUFRuntime, prompt: list[int], max_new_tokens: int
+) -> tuple[list[int], bool, float]:
     """llama.cpp's greedy reply to the prompt tokens: (tokens, whether it ended at an end-of-generation token,
     seconds spent generating after the prompt)."""
-    import llama_cpp
-
-    vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    llm.reset()
-    llm.eval(prompt)
-    out: list[int] = []
+    runtime.reset()
+    runtime.logits(prompt, [len(prompt) - 1])  # the prompt, outside the generation's time
     t0 = time.perf_counter()
-    for _ in range(max_new_tokens):
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        if llama_cpp.llama_vocab_is_eog(vocab, tok):
-            return out, True, time.perf_counter() - t0
-        out.append(tok)
-        if len(out) < max_new_tokens:
-            llm.eval([tok])
-    return out, False, time.perf_counter() - t0
-
-
-def is_eog(llm, token: int) -> bool:
-    import llama_cpp
-
-    return bool(llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(llm.model), token))
+    out, ended = runtime.greedy(prompt, max_new_tokens)
+    return out, ended, time.perf_counter() - t0
 
 
 def parted_at(a: Sequence[int], b: Sequence[int]) -> int | None:

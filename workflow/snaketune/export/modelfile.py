@@ -14,11 +14,16 @@ the chat template stored in the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
 import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from snaketune.data.chat import TemplateError, end_of_turn
 
 MARK = "\u241e{}\u241e"  # ␞ (symbol for record separator): no template writes it
 ROLES = ("system", "user", "assistant")
@@ -157,11 +162,15 @@ def go_template(fmt: TurnFormat) -> str:
 
 
 def stop_strings(tokenizer, fmt: TurnFormat | None) -> list[str]:
-    """Where a reply ends: the end-of-turn token's text, and the opening of the next user turn (in case the model
-    writes it instead)."""
+    """Where a reply ends: the end-of-turn token the template writes (Gemma's `<end_of_turn>` is not its eos) and
+    eos, and the opening of the next user turn (in case the model writes it instead). snaketune.export.parity
+    checks that every Modelfile has the first two."""
     stops = [tokenizer.eos_token] if tokenizer.eos_token else []
+    # Without an end-of-turn token the tokenize stage refused the template (parity does too).
+    with contextlib.suppress(TemplateError):
+        stops.insert(0, tokenizer.convert_ids_to_tokens(end_of_turn(tokenizer)))
     opening = fmt.around["user"][0].strip() if fmt else ""
-    return stops + ([opening] if opening and opening not in stops else [])
+    return list(dict.fromkeys(stops + ([opening] if opening else [])))
 
 
 def modelfile(gguf_name: str, tokenizer, num_ctx: int) -> str:
@@ -188,15 +197,36 @@ def modelfile(gguf_name: str, tokenizer, num_ctx: int) -> str:
 
 SERVE_SH = """#!/bin/sh
 # Serve one of this directory's GGUF files with llama.cpp's OpenAI-compatible server (llama-cpp-python {version}, the
-# runtime the export stage measured the files with; `pip install 'llama-cpp-python[server]=={version}'`):
+# runtime the export stage measured the files with):
 #   ./serve.sh [type] [port]     e.g. ./serve.sh {default} 8000
 # Its /v1/chat/completions applies the chat template stored in the file; README.md shows a client.
+# The Python it runs: $PYTHON when set, else the one the export stage ran (recorded below, so no environment has to
+# be active), else python3 from PATH; it needs `pip install 'llama-cpp-python[server]=={version}'`.
 set -eu
 type=${{1:-{default}}}
 port=${{2:-8000}}
 dir=$(cd "$(dirname "$0")" && pwd)
-exec "${{PYTHON:-python3}}" -m llama_cpp.server --model "$dir/{name}-$type.gguf" --host "${{HOST:-127.0.0.1}}" \\
-  --port "$port" --n_ctx {num_ctx}
+recorded={python}
+model="$dir/{name}-$type.gguf"
+if [ ! -f "$model" ]; then
+  echo "serve.sh: no file {name}-$type.gguf in $dir; types here: {types}" >&2
+  exit 2
+fi
+python=${{PYTHON:-}}
+if [ -z "$python" ]; then
+  if [ -x "$recorded" ]; then python=$recorded; else python=$(command -v python3 || true); fi
+fi
+if [ -z "$python" ]; then
+  echo "serve.sh: no Python: the export stage's ($recorded) is gone and python3 is not on PATH." >&2
+elif ! "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llama_cpp") is None)' 2>/dev/null; then
+  echo "serve.sh: $python has no llama-cpp-python (the export stage ran $recorded)." >&2
+  python=
+fi
+if [ -z "$python" ]; then
+  echo "Set PYTHON=/path/to/python, or install the server: pip install 'llama-cpp-python[server]=={version}'" >&2
+  exit 2
+fi
+exec "$python" -m llama_cpp.server --model "$model" --host "${{HOST:-127.0.0.1}}" --port "$port" --n_ctx {num_ctx}
 """
 
 README = """# {name}: GGUF files
@@ -226,11 +256,19 @@ has its Modelfile: the chat template as Ollama's TEMPLATE, the stop strings, gre
 
 
 def write_serving_files(
-    out_dir: str | Path, name: str, types: list[str], tokenizer, *, model_dir: str | Path, version: str
+    out_dir: str | Path,
+    name: str,
+    types: list[str],
+    tokenizer,
+    *,
+    model_dir: str | Path,
+    version: str,
+    python: str | None = None,
 ) -> list[Path]:
     """`<name>-<type>.Modelfile` for each type, serve.sh and README.md in `out_dir`; the default type served is the
     last (the smallest quant). The context is the model's (config.json's max_position_embeddings), up to
-    MAX_NUM_CTX."""
+    MAX_NUM_CTX. serve.sh runs `python` (default: this process's interpreter, which has llama-cpp-python: the export
+    measured the files with it) by its absolute path, so it serves from a plain shell."""
     out_dir = Path(out_dir)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     num_ctx = min(int(config.get("max_position_embeddings") or MAX_NUM_CTX), MAX_NUM_CTX)
@@ -241,7 +279,8 @@ def write_serving_files(
         written.append(path)
     fields = {"name": name, "default": types[-1], "version": version, "num_ctx": num_ctx}
     serve = out_dir / "serve.sh"
-    serve.write_text(SERVE_SH.format(**fields), encoding="utf-8")
+    interpreter = shlex.quote(str(Path(python or sys.executable).absolute()))
+    serve.write_text(SERVE_SH.format(**fields, python=interpreter, types=" ".join(types)), encoding="utf-8")
     serve.chmod(serve.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     files = "\n".join(f"- `{name}-{k}.gguf` (Ollama: `{name}-{k}.Modelfile`)" for k in types)
     (out_dir / "README.md").write_text(README.format(files=files, **fields), encoding="utf-8")

@@ -383,11 +383,12 @@ def compile_layers(net: torch.nn.Module, backend: str = "inductor") -> int:
     return len(layers)
 
 
-def checkpoint_layers(net: torch.nn.Module, setting: bool | int) -> int:
+def checkpoint_layers(net: torch.nn.Module, setting: bool | int, *, offload: bool = False) -> int:
     """Gradient checkpointing (train.gradient_checkpointing) on the first N decoder layers, N from the setting
     (true: every layer); the other layers keep their activations for backward, which then recomputes only N
     layers' forward passes. Non-reentrant torch.utils.checkpoint, as transformers enables it; its per-layer
     switch is the `gradient_checkpointing` flag of each decoder layer (transformers' GradientCheckpointingLayer).
+    `offload` (train.offload_activations): the N layers' inputs wait in host memory (snaketune.model.offload).
     Returns N."""
     layers = causal_lm(net).model.layers
     n = checkpointed_layers(setting, len(layers))
@@ -397,4 +398,8 @@ def checkpoint_layers(net: torch.nn.Module, setting: bool | int) -> int:
     net.config.use_cache = False
     for index, layer in enumerate(layers):
         layer.gradient_checkpointing = index < n
+    if offload:
+        from snaketune.model.offload import offload_inputs
+
+        offload_inputs(layers)
     return n

@@ -7,7 +7,7 @@ training computes it, greedy replies, and peak memory per phase. Used by the eva
   Hub and local models load straight onto the device (``device_map``), shard by shard.
 - The validation loss goes through ``snaketune.model.build.LossModel`` with the fused loss (no [tokens, vocabulary]
   logits) and, on CUDA, varlen attention over the packed rows: the training stage's masking and weighting,
-  and memory that fits where training fits (snaketune.plan.memory.estimate_eval).
+  and memory that fits where training fits (snaketune.plan.evaluation.estimate_eval).
 """
 
 from __future__ import annotations

@@ -21,12 +21,14 @@ def apply_plan(run_spec: dict, plan: dict) -> dict:
     states = chosen.get("optimizer_states", current.get("optimizer_states", "fp32"))
     step = chosen.get("optimizer_step", current.get("optimizer_step", "after_backward"))
     micro = chosen.get("micro_batch_size", current["micro_batch_size"])
-    same = (chosen["deepspeed_config"], chosen["gradient_checkpointing"], states, step, micro) == (
+    offload = chosen.get("offload_activations", current.get("offload_activations", False))
+    same = (chosen["deepspeed_config"], chosen["gradient_checkpointing"], states, step, micro, offload) == (
         run_spec["deepspeed_config"],
         current["gradient_checkpointing"],
         current.get("optimizer_states", "fp32"),
         current.get("optimizer_step", "after_backward"),
         current["micro_batch_size"],
+        current.get("offload_activations", False),
     )
     if plan.get("strategy") != "auto" or same:
         return run_spec
@@ -36,6 +38,7 @@ def apply_plan(run_spec: dict, plan: dict) -> dict:
         "optimizer_states": states,
         "optimizer_step": step,
         "micro_batch_size": micro,
+        "offload_activations": offload,
     }
     named = [run_spec["run_key"], chosen["name"], sha256_file(chosen["deepspeed_config"])]
     run_key = sha256_text(stable_json(named))[:16]

@@ -37,7 +37,8 @@ class Budget:
     def fits(self, est: Estimate) -> bool | None:
         if self.gpu_gib is None:
             return None
-        host_ok = not est.offload or self.host_gib is None or est.host_gib <= HOST_USABLE * self.host_gib
+        host_checked = est.offload or est.activations_host_gib > 0
+        host_ok = not host_checked or self.host_gib is None or est.host_gib <= HOST_USABLE * self.host_gib
         return est.gpu_gib <= self.gpu_gib and host_ok
 
 

@@ -8,8 +8,8 @@ P parameters, T of them trained (P, or the LoRA adapters), N ranks, w bytes per 
 training keeps an fp32 master copy (4 B) and Adam's m and v (8 B) per trained parameter: 16 B/param for
 mixed-precision Adam (docs/facts.md). The peak is the larger of forward/backward and the optimizer step; it is what
 torch's max_memory_allocated reports (summary.json peak_memory_gib_per_rank). A GPU must hold that plus
-FRAGMENTATION of it (none for the step in backward: expandable segments) and CUDA_OVERHEAD_GIB (CUDA context, NCCL
-and cuBLAS workspaces outside the allocator). Host memory: HOST_PER_RANK_GIB per rank (a CUDA PyTorch + DeepSpeed
+FRAGMENTATION of it (none for the step in backward and for counted LoRA under a cap: expandable segments) and
+CUDA_OVERHEAD_GIB (CUDA context, NCCL and cuBLAS workspaces outside the allocator). Host memory: HOST_PER_RANK_GIB per rank (a CUDA PyTorch + DeepSpeed
 process), plus with optimizer offload HOST_OFFLOAD_BYTES per trained parameter; it must stay within HOST_USABLE of
 the machine's RAM.
 
@@ -18,7 +18,8 @@ matter (LoRA 30 layers 8 x 512: 45.4 GiB; torch AdamW 24 and 30 layers 4 x 512: 
 model then gives 116.8 GiB for ZeRO-2 24 layers (measured 116.8, docs/facts.md and bench/RESULTS.md) and 11.1 GiB
 GPU / 66.6 GiB host for ZeRO-3 offload 14 layers (measured 10.6 / 69). With snaketune's masters, varlen
 attention and the plain loss it gives 101.2 / 119.5 / 36.9 GiB for 24 layers, 30 layers and 30-layer LoRA
-(measured 96.2 / 116.2 / 37.6, bench/RESULTS.md issue #7).
+(measured 96.2 / 116.2 / 37.6, bench/RESULTS.md issue #7). LoRA in bf16 with Liger's kernels and varlen attention
+is counted tensor by tensor instead (`counted`): within 0.5% of ten measured peaks (tests/test_plan.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from snaketune.config.deepspeed import offloads, zero_stage
 from snaketune.device_memory import LAZY_MODULES_GIB
 from snaketune.model.sizes import MASTER_CHUNK_ELEMENTS, STATE_BYTES, chunk_tokens
 from snaketune.plan.arch import Arch
@@ -42,10 +42,23 @@ LORA_ACTIVATION_FACTOR = 0.88
 """The same with LoRA, fitted to this project's trainer's 37.6 GiB for LoRA r16 on all linear layers, 30 layers,
 8 x 512, ZeRO-2, on one H200 (bench/RESULTS.md), where ACTIVATION_FACTOR predicts 45.6: frozen weights need no
 saved inputs for weight gradients, and peft's adapters save only their rank-r products."""
+COMPILED_SAVED_H = 2.0
+"""torch.compile's layers keep about one more bf16 copy of the hidden state per token than eager ones (2h bytes per
+token and layer whose activations are kept): +0.78 GiB for the 24-layer full fine-tune at 8 x 512 (88.83 against
+88.05 GiB) and +0.91 GiB for LoRA of 30 layers with FP8 (30.25 against 29.34) on one H200 (bench/RESULTS.md,
+issue #26). Fitted to those two points, nothing held out: what the compiler saves is its partitioner's choice."""
+COUNTED_REST_GIB = 0.1
+"""What the count of `_counted_activations` misses (the libraries' workspaces that PyTorch's allocator holds, cuBLAS's
+among them, and small temporaries): fitted to the runs at 8 x 512 with 0, 16, 18 and 30 of 30 layers checkpointed
+(0.03-0.13 GiB short without it, mean 0.10; bench/RESULTS.md, issue #16); the QLoRA example's three runs at 4,096
+tokens per row (0.08-0.19 GiB short without it) are held out (tests/test_plan.py)."""
 LOGIT_BYTES = 12
 """Per token and vocabulary entry: bf16 logits 2 + contiguous copy 2 + fp32 upcast 4 + log-softmax 4."""
-FUSED_LOGIT_BYTES = 8
-"""The same for one chunk of the fused loss (snaketune.model.losses): bf16 product 2 + fp32 copy 4 + bf16 gradient 2."""
+FUSED_LOGIT_BYTES = 12
+"""The same for one chunk of the fused loss (snaketune.model.losses) and of DPO's log-probabilities: the fp32 logits
+4, and torch.logsumexp's two fp32 temporaries (logits - max, then its exp: 4 + 4). Counted; the QLoRA example at
+2 x 4,096 tokens measured 3.1 GiB above its saved inputs (bench/RESULTS.md, issue #16), 12 B x 2,560 x 102,400 =
+3.0 GiB (8 B, the bf16 product, fp32 copy and bf16 gradient, gave 2.0)."""
 CUDA_OVERHEAD_GIB = 1.25 + LAZY_MODULES_GIB
 """What a rank holds outside PyTorch's allocator (snaketune.device_memory): the CUDA context, cuBLAS's and NCCL's
 buffers and a training step's kernels (1.2-1.3 GiB measured, docs/facts.md "Device memory"), and the room the ranks
@@ -125,6 +138,14 @@ class Setup:
     (snaketune.preference.logprobs), chunked like the fused loss, or the whole fp32 logits under ZeRO-3."""
     liger: bool = False
     """Liger's RMSNorm, RoPE and SwiGLU (snaketune.model.kernels): less saved for backward (`saved_less` in estimate)."""
+    expandable_segments: bool = False
+    """The ranks' caching allocator maps its segments page by page (snaketune.device_memory.allocator_settings: the
+    step in backward, and every training under gpu_memory_gib): no FRAGMENTATION where the model counts every
+    tensor (`_fragmentation`)."""
+    offload_activations: bool = False
+    """train.offload_activations: checkpointed layers' inputs in host memory (snaketune.model.offload)."""
+    compiled: bool = False
+    """train.compile: each decoder layer compiled (COMPILED_SAVED_BYTES more saved per token and layer kept)."""
     reduce_bucket: float = 5e8
     prefetch_bucket: float = 5e7
     sub_group: float = 1e9
@@ -133,23 +154,6 @@ class Setup:
 
     def replace(self, **changes) -> Setup:
         return dataclasses.replace(self, **changes)
-
-
-def setup_from_deepspeed(ds: dict, **fields) -> Setup:
-    """A Setup with the ZeRO stage, offload and buckets of a DeepSpeed JSON (DeepSpeed's defaults where absent)."""
-    zero = ds.get("zero_optimization") or {}
-    stage = zero_stage(ds)
-    return Setup(
-        zero_stage=stage,
-        offload_optimizer=stage > 0 and offloads(ds),
-        offload_params=stage == 3 and offloads(ds, "offload_param"),
-        reduce_bucket=float(zero.get("reduce_bucket_size", 5e8)),
-        prefetch_bucket=float(zero.get("stage3_prefetch_bucket_size", 5e7)),
-        sub_group=float(zero.get("sub_group_size", 1e9)),
-        overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
-        contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
-        **fields,
-    )
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,9 @@ class Estimate:
     """Host memory of the whole node (all ranks)."""
     offload: bool = False
     """Optimizer or weights in host memory: only then is the host memory checked (it is the point)."""
+    activations_host_gib: float = 0.0
+    """Checkpointed layers' inputs in pinned host memory (train.offload_activations), all ranks of the node: the host
+    memory is checked where there are any."""
 
     def as_dict(self) -> dict[str, Any]:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
@@ -320,31 +327,88 @@ def _activations(arch: Arch, s: Setup, c: _Counts) -> float:
     # weight trains, the normalized output); its SwiGLU recomputes SiLU(gate) in backward instead of saving it.
     # Counted, not fitted: 5.02 / 4.39 GiB less for b24 / lora30, measured 5.08 / 4.39 (bench/RESULTS.md, #16).
     saved_less = (2 * (4 * h if not s.lora_rank else (4 - a) * h) + a * i) if s.liger else 0
+    layer = per_layer * factor - saved_less + (COMPILED_SAVED_H * h if s.compiled else 0)
     if s.gradient_checkpointing:
         # k layers keep only their input; the others all their activations until backward reaches them, and
         # while a checkpointed layer is recomputed (the uncheckpointed ones are done by then) one layer's worth.
-        k = arch.layers if s.checkpoint_layers is None else min(s.checkpoint_layers, arch.layers)
-        acts = tokens * k * residual * h + tokens * max(arch.layers - k, 1) * (
-            per_layer * factor - saved_less
-        )
+        k = _checkpointed(arch, s)
+        kept = 1 if s.offload_activations else k  # offloaded: the one on its way back for its recompute
+        acts = tokens * kept * residual * h + tokens * max(arch.layers - k, 1) * layer
     else:
-        acts = tokens * arch.layers * (per_layer * factor - saved_less)
+        acts = tokens * arch.layers * layer
     return acts + tokens * norm  # the final norm
+
+
+def counted(s: Setup) -> bool:
+    """Whether `_activations` counts every saved tensor (`_lora_layer`) instead of scaling a count by a fitted
+    factor: LoRA in bf16 with Liger's kernels and varlen attention, the 24 GB cards' training, where every tensor a
+    decoder layer saves is known (frozen weights need no saved inputs of their own, Liger's kernels save their inputs
+    only, FlashAttention q, k, v, the output and a logsumexp)."""
+    return bool(s.lora_rank and s.liger and s.varlen and s.precision == "bf16")
+
+
+def _lora_layer(arch: Arch, s: Setup, c: _Counts) -> tuple[float, float]:
+    """Bytes per token of one decoder layer under `counted`: (what it saves for backward, what its backward adds
+    while it runs). Saved: the layer's input and the attention block's residual sum (Liger's RMSNorm saves its input
+    and an fp32 rstd per row), both norms' outputs (the adapted projections' input), q, k and v after RoPE and the
+    attention output (FlashAttention, with an fp32 logsumexp per head), the gate and up projections (Liger's SwiGLU
+    recomputes SiLU) and their product (down_proj's input), each adapter's rank-r intermediate: a*(4h + 2q + 2kv)
+    + 3a*i + a*r per target. Backward adds, for the layer it is in, the output's and the residual's gradients (2a*h),
+    the MLP product's (a*i: Liger's SwiGLU writes the gate's and up's over their saved values), FlashAttention's
+    dq, dk, dv (a*(q + 2kv)) and its fp32 dq accumulator (4q). 0.503 GiB saved per layer at 8 x 512 for the 7B,
+    measured 0.497-0.503 between the runs with 0, 16 and 18 of 30 layers checkpointed (bench/RESULTS.md, issue #16);
+    with torch.compile COMPILED_SAVED_H more."""
+    h, i, a = arch.hidden, arch.intermediate, c.a
+    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    saved = a * (4 * h + 2 * q + 2 * kv) + 3 * a * i + a * s.lora_rank * len(c.targets) + 8 + 4 * arch.heads
+    if s.compiled:
+        saved += COMPILED_SAVED_H * h
+    backward = 2 * a * h + a * i + a * (q + 2 * kv) + 4 * q
+    return saved, backward
+
+
+def _counted_activations(arch: Arch, s: Setup, c: _Counts) -> tuple[float, float]:
+    """`counted` setups: (what stays saved until backward, what backward adds at its largest). Saved: each
+    checkpointed layer's input (a*h per token; none with train.offload_activations, which keeps it on the host, but
+    one layer's, whose copy to the GPU backward waits for), every other layer's saved tensors (`_lora_layer`) and the
+    final norm's input and output. Backward adds, where every layer is checkpointed, one of them recomputed with its
+    backward's temporaries; else the last layer's temporaries. The loss's logits are gone by then: `estimate` takes
+    the larger of this and `_logits`, not their sum (the QLoRA example's rows: the loss's 3.1 GiB at 2 x 4,096
+    tokens, a layer's backward 3.2 at 4 x 4,096; measured 3.1 and 3.3 above the saved inputs)."""
+    h, a = arch.hidden, c.a
+    tokens = s.micro_batch * s.seq_len
+    k = _checkpointed(arch, s)
+    saved, backward = _lora_layer(arch, s, c)
+    kept = 1 if s.offload_activations and k else k  # offloaded: the one on its way back for recompute
+    acts = tokens * (kept * a * h + (arch.layers - k) * saved + 2 * a * h) + COUNTED_REST_GIB * GIB
+    extra = tokens * (backward + (saved if k == arch.layers else 0))
+    return acts, extra
+
+
+def _checkpointed(arch: Arch, s: Setup) -> int:
+    """The decoder layers that recompute in backward (train.gradient_checkpointing)."""
+    if not s.gradient_checkpointing:
+        return 0
+    return arch.layers if s.checkpoint_layers is None else min(s.checkpoint_layers, arch.layers)
+
+
+def _offloaded_activations(arch: Arch, s: Setup, c: _Counts) -> float:
+    """Host bytes per rank of train.offload_activations: every checkpointed layer's input (a*h per token)."""
+    if not s.offload_activations:
+        return 0.0
+    return float(s.micro_batch * s.seq_len * _checkpointed(arch, s) * c.a * arch.hidden)
 
 
 def _logits(arch: Arch, s: Setup, c: _Counts) -> float:
     """The loss's logits: 12 B per token and vocabulary entry (LOGIT_BYTES: the bf16 logits, the contiguous copy the
     loss slices, the fp32 upcast and log-softmax output of snaketune.model.batching.token_loss_sum); with the Triton
     loss (train.loss_kernel, snaketune.model.losses.logits_cross_entropy) 2 B, the logits that become their own
-    gradient, and 8 B per token (its loss and logsumexp in fp32); with the fused loss (snaketune.model.losses) 8 B per
-    entry of one chunk of tokens, the hidden states' gradient and, with several chunks, an fp32 sum of the lm_head
-    weight's gradient. And, unless attention is varlen, the packed block-diagonal mask, micro_batch x seq^2 x (w + 1)."""
+    gradient, and 8 B per token (its loss and logsumexp in fp32); with the fused loss (snaketune.model.losses)
+    FUSED_LOGIT_BYTES per entry of one chunk of tokens, the hidden states' gradient and, with several chunks, an fp32
+    sum of the lm_head weight's gradient (its w-byte result becomes the .grad that the gradients count). And, unless
+    attention is varlen, the packed block-diagonal mask, micro_batch x seq^2 x (w + 1)."""
     tokens = s.micro_batch * s.seq_len
     if s.fused_cross_entropy:
-        # At the end of the forward pass, on top of every layer's saved activations: one chunk of logits (bf16
-        # product, fp32 copy turned into the gradient in place, its bf16 cast), the hidden states' gradient, and
-        # with several chunks the fp32 sum of the lm_head weight's gradient (its w-byte result becomes the .grad
-        # that the gradients count).
         chunk = min(tokens, chunk_tokens(arch.vocab))
         logits = FUSED_LOGIT_BYTES * chunk * arch.vocab + c.a * tokens * arch.hidden
         if not s.lora_rank and chunk < tokens:
@@ -358,6 +422,13 @@ def _logits(arch: Arch, s: Setup, c: _Counts) -> float:
     return logits
 
 
+def _fragmentation(s: Setup) -> float:
+    """FRAGMENTATION, or none: for the step in backward, and for counted setups (`counted`) on ranks with expandable
+    segments. Elsewhere it also covers the fitted factors' under-estimates (tests/test_plan.py allows them 5%), so
+    expandable segments alone do not drop it."""
+    return 0.0 if s.in_backward or (s.expandable_segments and counted(s)) else FRAGMENTATION
+
+
 def estimate(arch: Arch, s: Setup) -> Estimate:
     """Peak memory per GPU and on the host (see the module docstring for the model)."""
     c = _counts(arch, s)
@@ -366,15 +437,24 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
     buffers = _buffers(arch, s, c)
     transient_grad = (0.0 if c.torch_engine else c.w * c.largest) + dequantized
     step_extra = _step_extra(s, c)
-    acts, logits = _activations(arch, s, c), _logits(arch, s, c)
+    logits = _logits(arch, s, c)
+    if counted(s):
+        acts, backward = _counted_activations(arch, s, c)
+        weights += c.w * c.trained  # the adapters themselves (bf16 beside their fp32 masters)
+        after_forward = max(
+            logits, backward
+        )  # the loss's logits, then a layer's backward: one after the other
+    else:
+        acts = _activations(arch, s, c)
+        after_forward = logits
     states = weights + grads + optim
-    forward_backward = states + buffers + transient_grad + acts + logits
+    forward_backward = states + buffers + transient_grad + acts + after_forward
     if s.in_backward:
         # No step after backward; while backward runs, the gradient being applied (the largest: the embedding,
         # in the weights' dtype) beside the activations not yet freed. The update's fp32 temporaries (one row chunk of
         # 2^25 elements at a time, snaketune.train.backward_step) are not counted: 21.48 GiB measured against 21.75
         # planned for the 30-layer 7B at 1 x 2,048 on one H200 (bench/RESULTS.md, issue #26).
-        forward_backward = weights + optim + transient_grad + acts + logits
+        forward_backward = weights + optim + transient_grad + acts + after_forward
     elif c.stage == 3 and s.offload_optimizer:
         # The largest gradient's partition on its way to the host (DeepSpeed 0.19, stage3.py: partition_grads,
         # _offload_grad_partition_at_boundary): its GPU copy read back from the pinned host buffer (w bytes) and its
@@ -390,7 +470,7 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
         # The gradients are freed after every step (DeepSpeed's zero_grad) and, with one micro-batch per step,
         # grow during backward while the activations are freed: the peak is at the start of backward, with
         # all activations and (nearly) no gradients. Measured: 95.5 GiB for 24 layers at 8 x 512 (bench/RESULTS.md).
-        forward_backward = weights + optim + max(transient_grad + acts + logits, grads)
+        forward_backward = weights + optim + max(transient_grad + acts + after_forward, grads)
     step = states + step_extra
     peak = max(forward_backward, step)
     host = HOST_PER_RANK_GIB * GIB * s.world
@@ -398,6 +478,8 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
         host += HOST_OFFLOAD_BYTES * c.trained
     if s.offload_params:
         host += c.w * c.total
+    on_host = _offloaded_activations(arch, s, c) * s.world
+    host += on_host
     return Estimate(
         params=c.total,
         trainable=c.trained,
@@ -410,88 +492,8 @@ def estimate(arch: Arch, s: Setup) -> Estimate:
         step_extra_gib=step_extra / GIB,
         peak_allocated_gib=peak / GIB,
         peak_phase="optimizer step" if step > forward_backward else "forward/backward",
-        gpu_gib=peak / GIB * (1 + (0.0 if s.in_backward else FRAGMENTATION)) + CUDA_OVERHEAD_GIB,
+        gpu_gib=peak / GIB * (1 + _fragmentation(s)) + CUDA_OVERHEAD_GIB,
         host_gib=host / GIB,
         offload=s.offload_optimizer or s.offload_params,
-    )
-
-
-# ---- evaluation ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EvalSetup:
-    """What the memory of the evaluate stage depends on besides the architecture: one model at a time, in
-    bf16, no gradients (snaketune.evaluation.evaluate)."""
-
-    batch: int
-    """Rows per forward pass of the validation loss, prompts per generate() call (eval.batch_size)."""
-    seq_len: int
-    """Positions of a validation row (packed rows fill tokenize.max_length)."""
-    prompt_len: int
-    """Tokens of the longest prompt of a generate() call (at most tokenize.max_length)."""
-    new_tokens: int
-    """eval.max_new_tokens."""
-    precision: str = "bf16"
-    varlen: bool = True
-    """FlashAttention varlen for the validation rows (CUDA): no (batch, 1, L, L) mask."""
-    quantized: bool = False
-    """The models load in 4 bits (a QLoRA training's train.lora.quantize: nf4)."""
-
-
-@dataclass(frozen=True)
-class EvalEstimate:
-    weights_gib: float
-    validation_gib: float
-    """Peak allocated while the validation loss runs (weights included)."""
-    generation_gib: float
-    """Peak allocated while generate() runs (weights and KV cache included)."""
-    peak_allocated_gib: float
-    gpu_gib: float
-    """The peak with FRAGMENTATION and CUDA_OVERHEAD_GIB, as a GPU must have it."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: round(v, 3) for k, v in dataclasses.asdict(self).items()}
-
-
-def estimate_eval(arch: Arch, e: EvalSetup) -> EvalEstimate:
-    """Peak memory of the evaluate stage. Without gradients nothing is saved for backward: a forward pass holds
-    the residual stream, one layer's intermediates at a time and the loss; generation adds the KV cache.
-
-    - validation loss (snaketune.model.build.LossModel with the fused loss), the larger of two phases that do not
-      overlap: a decoder layer, per token the residual stream and the layer's input (2 x a*h), the RMSNorm's fp32
-      upcast (4h), q, k, v and the attention output (a*(2q+2kv)), the SwiGLU MLP's gate, up and their product
-      (3*a*i), and without varlen the packed rows' additive mask (batch x L^2 x (a + 1)); then the loss, the final
-      hidden states (a*h per token) and one chunk of the fused loss's logits (bf16 product, fp32 copy,
-      logsumexp's fp32 temporary: 10 B per entry). Measured on an H200 (bench/RESULTS.md, issues #13/#15): 15.41
-      and 15.44 GiB at 4 and 8 rows of 2,047 tokens, where this gives 15.38 and 15.44 (their sum gave 16.38 and
-      17.44: the peak barely moves with the batch, so the phases do not add up).
-    - generation (transformers' generate, logits of the last position only): the KV cache for the prompt and
-      the new tokens (2 x layers x kv_dim x a per token), the prefill's per-layer intermediates as above over
-      the prompt, its causal mask (batch x L^2 x a), and the last position's logits (fp32, 6 B per entry).
-    """
-    a = 4 if e.precision == "fp32" else 2
-    h, i = arch.hidden, arch.intermediate
-    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-    weights = a * arch.params()
-    if e.quantized:  # the decoder layers' linear weights in NF4, one dequantized at a time (see `estimate`)
-        sizes = [fan_in * fan_out for fan_in, fan_out in arch.linear_shapes().values()]
-        linear = arch.layers * sum(sizes)
-        weights = a * (arch.params() - linear) + NF4_BYTES * linear + a * max(sizes)
-    per_token = 2 * a * h + 4 * h + a * (2 * q + 2 * kv) + 3 * a * i
-    tokens = e.batch * e.seq_len
-    chunk = min(tokens, chunk_tokens(arch.vocab))
-    layer_phase = tokens * per_token + (0 if e.varlen else e.batch * e.seq_len**2 * (a + 1))
-    validation = weights + max(layer_phase, tokens * a * h + 10 * chunk * arch.vocab)
-    total_len = e.prompt_len + e.new_tokens
-    kv_cache = 2 * arch.layers * e.batch * total_len * kv * a
-    prefill = e.batch * e.prompt_len * per_token + e.batch * e.prompt_len**2 * a
-    generation = weights + kv_cache + prefill + 6 * e.batch * arch.vocab
-    peak = max(validation, generation)
-    return EvalEstimate(
-        weights_gib=weights / GIB,
-        validation_gib=validation / GIB,
-        generation_gib=generation / GIB,
-        peak_allocated_gib=peak / GIB,
-        gpu_gib=peak / GIB * (1 + FRAGMENTATION) + CUDA_OVERHEAD_GIB,
+        activations_host_gib=on_host / GIB,
     )

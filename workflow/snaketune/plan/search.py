@@ -20,21 +20,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from snaketune.config.deepspeed import zero_stage
 from snaketune.config.schema import checkpointed_layers
 from snaketune.plan.advice import not_fitting_message
 from snaketune.plan.arch import Arch, resolve_arch
 from snaketune.plan.budget import Budget, detect_budget
-from snaketune.plan.memory import (
-    EvalEstimate,
-    EvalSetup,
-    Setup,
-    estimate,
-    estimate_eval,
-)
-from snaketune.plan.setups import plan_entry, setup_for
+from snaketune.plan.candidates import weigh
+from snaketune.plan.evaluation import plan_evaluation
 from snaketune.plan.strategies import (  # noqa: F401 - the plan's public names include the strategies'
     MICRO_SPEED,
     MICRO_SPEED_LORA,
+    PICK_MARGIN_GIB,
     SPEED_8BIT,
     SPEED_IN_BACKWARD,
     STRATEGIES,
@@ -99,7 +95,10 @@ def make_plan(
         plan.update(evaluate=ev, fits=ev["fits"], message=ev.get("message"), status=status)
         plan["model"].update(params=arch.params())
         return plan
-    stage = plan_training(arch, train, max_length, deepspeed_config, budget, candidate_files, objective)
+    capped = gpu_memory_gib is not None
+    stage = plan_training(
+        arch, train, max_length, deepspeed_config, budget, candidate_files, objective, capped
+    )
     plan.update(stage)
     plan["model"].update(
         params=stage["configured"]["estimate"]["params"],
@@ -156,28 +155,23 @@ def plan_training(
     budget: Budget,
     candidate_files: dict[str, str] | None,
     objective: str = "sft",
+    capped: bool = False,
 ) -> dict:
     """One training stage's plan: the configured strategy, the candidates, the one chosen (train.strategy),
-    whether it fits and, if not, what would."""
+    whether it fits and, if not, what would; against a GPU budget also the longest row that fits (`longest_row`:
+    a tokenize.max_length beyond it is refused naming it). `capped`: gpu_memory_gib is set (the ranks then use
+    expandable segments, snaketune.device_memory)."""
     strategy = train.get("strategy", "as_configured")
     precision = train.get("precision", "auto")
     if precision == "auto":
         precision = "fp32" if budget.gpu_gib is None else "bf16"
     world = int(train["gpus"]) * int(train.get("nodes", 1))  # train.gpus is per node
-    common = dict(world=world, seq_len=max_length, precision=precision, objective=objective)
+    common = dict(world=world, seq_len=max_length, precision=precision, objective=objective, capped=capped)
     # A ConfigError where train.gradient_checkpointing names more layers than the model has.
     checkpointed_layers(train.get("gradient_checkpointing"), arch.layers)
     ds = json.loads(Path(deepspeed_config).read_text())
-    setup = setup_for(train, ds, **common)
-    configured = plan_entry(
-        strategy_name(setup), deepspeed_config, setup, estimate(arch, setup), budget, configured=True
-    )
-    candidates = _candidates(arch, train, setup, budget, candidate_files, common)
-    if strategy == "auto" and budget.gpu_gib is not None:
-        pick = next((c for c in candidates if c["fits"]), None)
-    else:
-        pick = configured
-    chosen = _chosen(pick, train, deepspeed_config)
+    configured, candidates, pick = weigh(arch, train, ds, deepspeed_config, budget, candidate_files, common)
+    chosen = _chosen(pick, train, deepspeed_config, budget)
     stage = {
         "strategy": strategy,
         "train_precision": train.get("precision", "auto"),
@@ -189,8 +183,13 @@ def plan_training(
         "message": None,
     }
     fits = None if budget.gpu_gib is None else bool(pick and pick["fits"])
+    if budget.gpu_gib is not None and objective == "sft":
+        stage["longest_row"] = longest_row(arch, train, ds, deepspeed_config, budget, candidate_files, common)
     if fits is False:
         stage["message"] = not_fitting_message(stage, arch, train, ds, common, budget, candidate_files)
+        if stage.get("longest_row") and max_length > stage["longest_row"]["max_length"]:
+            too_long = _too_long(stage, arch, train, ds, deepspeed_config, budget, candidate_files, common)
+            stage["message"] = f"{stage['message']} {too_long}".rstrip()
         stage["status"] = "does not fit"
     elif fits:
         stage["status"] = f"fits: {chosen['name']} on {world} x {budget.gpu_gib:.1f} GiB"
@@ -200,39 +199,100 @@ def plan_training(
     return stage
 
 
-def _candidates(
+ROW_STEP = 256
+"""The longest row is searched in steps of this many tokens (snaketune.model.sizes.CHUNK_ALIGN)."""
+MAX_ROW = 2**20
+"""Rows are not searched beyond this (a million tokens)."""
+
+
+def longest_row(
     arch: Arch,
     train: dict,
-    setup: Setup,
+    ds: dict,
+    deepspeed_config: str,
     budget: Budget,
     candidate_files: dict[str, str] | None,
     common: dict,
-) -> list[dict]:
-    """The strategies of `candidate_files` for this training, fastest first (with `train.strategy: auto` each at its
-    largest fitting micro-batch, and a full fine-tune's with 8-bit states and with the step in backward too)."""
-    strategy = train.get("strategy", "as_configured")
-    lora = bool((train.get("lora") or {}).get("enabled"))
-    candidates = []
-    for strat in candidate_strategies(lora, setup.states_8bit) if candidate_files else []:
-        path = candidate_files.get(strat.deepspeed_file)
-        if path is None:
-            continue
-        ds = json.loads(Path(path).read_text())
-        s = setup_for(train, ds, gradient_checkpointing=strat.gradient_checkpointing, **common)
-        speed = strat.relative_speed
-        if strategy == "auto":
-            s, speed = _largest_fitting_micro(arch, s, budget, speed)
-        name = strategy_name(s, micro=setup.micro_batch)
-        candidates.append(plan_entry(name, path, s, estimate(arch, s), budget, relative_speed=speed))
-    if strategy == "auto" and not lora and not setup.states_8bit and not setup.in_backward:
-        candidates = _with_8bit_states(candidates, arch, budget)
-        candidates += _with_backward_step(candidates, arch, budget, setup)
-    return _by_speed(candidates)
+) -> dict:
+    """The longest tokenize.max_length (a multiple of ROW_STEP) at which this training fits the budget, as it would
+    run there: with train.strategy auto whatever the plan would pick at that length (fewer micro-batches,
+    checkpointing, activation offload, 8-bit states...), else as configured. A binary search over the memory model,
+    whose peak grows with the row. {"max_length": 0, ...} where not even ROW_STEP tokens fit."""
+
+    def pick_at(rows: int) -> dict | None:
+        pick = weigh(arch, train, ds, deepspeed_config, budget, candidate_files, {**common, "seq_len": rows})[
+            2
+        ]
+        return pick if pick and pick["fits"] else None
+
+    lo, hi, best = 0, MAX_ROW // ROW_STEP, None
+    while lo < hi:  # the largest m with pick_at(m * ROW_STEP); lo always fits (0: nothing)
+        mid = (lo + hi + 1) // 2
+        found = pick_at(mid * ROW_STEP)
+        if found:
+            lo, best = mid, found
+        else:
+            hi = mid - 1
+    if best is None:
+        return {"max_length": 0, "strategy": None, "gpu_gib": None}
+    return {
+        "max_length": lo * ROW_STEP,
+        "strategy": best["name"],
+        "gradient_checkpointing": best["gradient_checkpointing"],
+        "micro_batch_size": best["setup"]["micro_batch"],
+        "offload_activations": best["setup"]["offload_activations"],
+        "gpu_gib": best["estimate"]["gpu_gib"],
+    }
 
 
-def _chosen(pick: dict | None, train: dict, deepspeed_config: str) -> dict:
+def _too_long(
+    stage: dict,
+    arch: Arch,
+    train: dict,
+    ds: dict,
+    deepspeed_config: str,
+    budget: Budget,
+    candidate_files: dict[str, str] | None,
+    common: dict,
+) -> str:
+    """What the refusal of a tokenize.max_length beyond the longest row that fits adds: that row and how it would
+    run; where train.strategy is as configured, what `auto` (fewer micro-batches, checkpointing, activation offload)
+    would reach; where the loss is not the chunked one, what train.fused_cross_entropy would reach. "" where no row
+    length fits as configured (the message before it says what would)."""
+    longest = stage["longest_row"]
+    if not longest["max_length"]:
+        return ""  # no row length fits as configured: the row is not what to change
+    parts = []
+    if longest["max_length"]:
+        parts.append(
+            f"{longest['max_length']:,} tokens as configured ({longest['strategy']}, {longest['gpu_gib']:.1f} GiB "
+            "per GPU)"
+        )
+    if train.get("strategy", "as_configured") != "auto":
+        auto = longest_row(
+            arch, {**train, "strategy": "auto"}, ds, deepspeed_config, budget, candidate_files, common
+        )
+        if auto["max_length"] > longest["max_length"]:
+            parts.append(f"{auto['max_length']:,} with train.strategy: auto ({auto['strategy']})")
+    if not train.get("fused_cross_entropy") and zero_stage(ds) != 3:
+        chunked = {**train, "fused_cross_entropy": True}
+        fused = longest_row(arch, chunked, ds, deepspeed_config, budget, candidate_files, common)
+        if fused["max_length"] > longest["max_length"]:
+            parts.append(
+                f"{fused['max_length']:,} with train.fused_cross_entropy: true (the loss chunk by chunk)"
+            )
+    if not parts:
+        return ""
+    return (
+        f"tokenize.max_length {common['seq_len']:,} is longer than the longest row that fits: "
+        + "; ".join(parts)
+        + "."
+    )
+
+
+def _chosen(pick: dict | None, train: dict, deepspeed_config: str, budget: Budget | None = None) -> dict:
     """What the train rule runs: the picked candidate's strategy, micro-batch and optimizer, or the configuration
-    as it is where nothing was picked."""
+    as it is where nothing was picked; `why` says so in a line, with the predicted device peak."""
     if pick is None:
         return {
             "name": "as configured",
@@ -245,140 +305,20 @@ def _chosen(pick: dict | None, train: dict, deepspeed_config: str) -> dict:
         "4bit" if pick["setup"]["states_4bit"] else "8bit" if pick["setup"]["states_8bit"] else "fp32"
     )
     chosen["optimizer_step"] = "in_backward" if pick["setup"]["in_backward"] else "after_backward"
+    chosen["offload_activations"] = pick["setup"]["offload_activations"]
     chosen["estimate"] = pick["estimate"]
+    if budget is not None and budget.gpu_gib is not None:
+        est = pick["estimate"]
+        chosen["why"] = (
+            f"{pick['name']}: {est['gpu_gib']:.2f} GiB per GPU predicted ({est['peak_allocated_gib']:.2f} allocated)"
+            f" of {budget.gpu_gib:.2f}"
+            + (
+                f", the fastest that fits (relative speed {pick['relative_speed']:.3f})"
+                if "relative_speed" in pick
+                else ""
+            )
+        )
     return chosen
-
-
-def _with_8bit_states(candidates: list[dict], arch: Arch, budget: Budget) -> list[dict]:
-    """`train.strategy: auto` of a full fine-tune with fp32 states: each strategy without offload again with
-    8-bit states (snaketune.train.adam8bit), ranked after every fp32 one without offload and before offload: exact
-    fp32 states wherever they fit, 8-bit ones (SPEED_8BIT, slightly different arithmetic) before CPU offload
-    (10x slower, docs/facts.md)."""
-    exact = [c for c in candidates if not c["estimate"]["offload"]]
-    offloaded = [c for c in candidates if c["estimate"]["offload"]]
-    quantized = []
-    for c in exact:
-        s = Setup(**{**c["setup"], "lora_targets": tuple(c["setup"]["lora_targets"]), "states_8bit": True})
-        quantized.append(
-            plan_entry(
-                c["name"] + "+8bit",
-                c["deepspeed_config"],
-                s,
-                estimate(arch, s),
-                budget,
-                relative_speed=round(c["relative_speed"] * SPEED_8BIT, 3),
-            )
-        )
-    return exact + quantized + offloaded
-
-
-def _with_backward_step(candidates: list[dict], arch: Arch, budget: Budget, configured: Setup) -> list[dict]:
-    """`train.strategy: auto` of a full fine-tune: ZeRO-0 without and with checkpointing again with the optimizer
-    step in backward and 4-bit states (snaketune.train.backward_step), at the micro-batch that makes one per rank and
-    step (it cannot accumulate), ranked after the 8-bit ones and before offload (SPEED_IN_BACKWARD)."""
-    global_batch = configured.micro_batch * configured.world * configured.accumulation
-    if global_batch % configured.world:
-        return []
-    out = []
-    for c in candidates:
-        if c["estimate"]["offload"] or c["setup"]["zero_stage"] != 0 or c["setup"]["states_8bit"]:
-            continue
-        fields = {**c["setup"], "lora_targets": tuple(c["setup"]["lora_targets"])}
-        fields.update(
-            in_backward=True,
-            states_4bit=True,
-            master_weights=False,
-            accumulation=1,
-            micro_batch=global_batch // configured.world,
-        )
-        s = Setup(**fields)
-        out.append(
-            plan_entry(
-                strategy_name(s, micro=configured.micro_batch),
-                c["deepspeed_config"],
-                s,
-                estimate(arch, s),
-                budget,
-                relative_speed=round(c["relative_speed"] * SPEED_IN_BACKWARD, 3),
-            )
-        )
-    return out
-
-
-def _largest_fitting_micro(arch: Arch, s: Setup, budget: Budget, speed: float) -> tuple[Setup, float]:
-    """`train.strategy: auto`: a setup that does not fit at its micro-batch size, at the largest halving that fits
-    with the same global batch (micro_batch x ranks x accumulation), and its relative speed (MICRO_SPEED or
-    MICRO_SPEED_LORA per halving); unchanged where the configured size fits or none does."""
-    if budget.gpu_gib is None or budget.fits(estimate(arch, s)):
-        return s, speed
-    global_batch = s.micro_batch * s.world * s.accumulation
-    micro, halvings = s.micro_batch, 0
-    while micro > 1 and micro % 2 == 0:
-        micro, halvings = micro // 2, halvings + 1
-        per_step = micro * s.world
-        if global_batch % per_step:
-            break
-        smaller = s.replace(micro_batch=micro, accumulation=global_batch // per_step)
-        if budget.fits(estimate(arch, smaller)):
-            per_halving = MICRO_SPEED_LORA if s.lora_rank else MICRO_SPEED
-            return smaller, round(speed * per_halving**halvings, 3)
-    return s, speed
-
-
-def _by_speed(candidates: list[dict]) -> list[dict]:
-    """Fastest first within each group, the groups in _with_8bit_states' order (fp32 states, 8-bit states,
-    offload): the micro-batch halvings of `_largest_fitting_micro` run slower than their strategy's figure."""
-
-    def group(c: dict) -> int:
-        if c["estimate"]["offload"]:
-            return 3
-        return 2 if c["setup"].get("in_backward") else int(bool(c["setup"]["states_8bit"]))
-
-    return sorted(candidates, key=lambda c: (group(c), -c["relative_speed"]))
-
-
-def plan_evaluation(arch: Arch, evaluation: dict, *, max_length: int, precision: str, budget: Budget) -> dict:
-    """The evaluate stage's memory at eval.batch_size and, where that does not fit, the largest batch size that
-    does (halving): the stage then runs with it (`batch_size`), so a recipe that fits training never dies in
-    evaluation. Planned for the longest inputs there can be: validation rows and prompts of tokenize.max_length
-    (the stage records its own estimate for the lengths it meets beside the measured peak)."""
-    requested = int(evaluation["batch_size"])
-    new_tokens = int(evaluation["max_new_tokens"])
-
-    def at(batch: int) -> EvalEstimate:
-        setup = EvalSetup(
-            batch=batch,
-            seq_len=max_length,
-            prompt_len=max_length,
-            new_tokens=new_tokens,
-            precision="fp32" if precision == "fp32" else "bf16",
-            varlen=precision == "bf16",
-            quantized=evaluation.get("quantize", "none") != "none",
-        )
-        return estimate_eval(arch, setup)
-
-    batch, est = requested, at(requested)
-    if budget.gpu_gib is not None:
-        while est.gpu_gib > budget.gpu_gib and batch > 1:
-            batch //= 2
-            est = at(batch)
-    fits = None if budget.gpu_gib is None else est.gpu_gib <= budget.gpu_gib
-    out = {"requested_batch_size": requested, "batch_size": batch, "estimate": est.as_dict(), "fits": fits}
-    if fits is False:
-        out["message"] = (
-            f"evaluation does not fit {budget.gpu_gib:.1f} GiB ({budget.source}): one {arch.params():,}-parameter "
-            f"model in {precision} needs {est.gpu_gib:.1f} GiB per GPU at eval.batch_size 1 with "
-            f"{max_length} tokens (weights {est.weights_gib:.1f} GiB); use larger GPUs or a shorter "
-            "tokenize.max_length"
-        )
-    elif batch < requested:
-        log.info(
-            "evaluation: eval.batch_size %d needs more than %.1f GiB; the evaluate stage uses %d",
-            requested,
-            budget.gpu_gib,
-            batch,
-        )
-    return out
 
 
 def format_table(plan: dict) -> str:
@@ -406,6 +346,13 @@ def format_table(plan: dict) -> str:
             f"batch {ev['batch_size']} (eval.batch_size {ev['requested_batch_size']}) / {ev['fits']}"
         )
     lines.append(f"chosen: {plan['chosen']['name']} ({plan['chosen']['deepspeed_config']}); {plan['status']}")
+    if plan["chosen"].get("why"):
+        lines.append(f"why: {plan['chosen']['why']}")
+    if plan.get("longest_row", {}).get("max_length"):
+        longest = plan["longest_row"]
+        lines.append(
+            f"longest row that fits: tokenize.max_length {longest['max_length']:,} ({longest['strategy']})"
+        )
     return "\n".join(lines)
 
 

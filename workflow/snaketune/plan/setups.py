@@ -9,15 +9,40 @@ from snaketune.config.deepspeed import offloads, uses_master_weights, zero_stage
 from snaketune.config.schema import LoraConfig
 from snaketune.model import kernels
 from snaketune.plan.budget import Budget
-from snaketune.plan.memory import Estimate, Setup, setup_from_deepspeed
+from snaketune.plan.memory import Estimate, Setup
 from snaketune.plan.strategies import checkpointing_setting
 
 LORA_TARGETS = LoraConfig().targets
 """LoRA's default targets: every linear layer of a decoder layer."""
 
 
+def setup_from_deepspeed(ds: dict, **fields) -> Setup:
+    """A Setup with the ZeRO stage, offload and buckets of a DeepSpeed JSON (DeepSpeed's defaults where absent)."""
+    zero = ds.get("zero_optimization") or {}
+    stage = zero_stage(ds)
+    return Setup(
+        zero_stage=stage,
+        offload_optimizer=stage > 0 and offloads(ds),
+        offload_params=stage == 3 and offloads(ds, "offload_param"),
+        reduce_bucket=float(zero.get("reduce_bucket_size", 5e8)),
+        prefetch_bucket=float(zero.get("stage3_prefetch_bucket_size", 5e7)),
+        sub_group=float(zero.get("sub_group_size", 1e9)),
+        overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
+        contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+        **fields,
+    )
+
+
 def setup_for(
-    train: dict, ds: dict, *, world: int, seq_len: int, precision: str, objective: str = "sft", **changes
+    train: dict,
+    ds: dict,
+    *,
+    world: int,
+    seq_len: int,
+    precision: str,
+    objective: str = "sft",
+    capped: bool = False,
+    **changes,
 ) -> Setup:
     """The Setup a training with these train settings and this DeepSpeed file runs (snaketune.train.trainer decides
     the same way: MasterWeightAdamW at ZeRO-0 in bf16 without offload unless train.bf16_optimizer says
@@ -25,7 +50,9 @@ def setup_for(
     kernels in bf16 and the Triton loss where snaketune.model.kernels.planned / triton_planned say the ranks run them).
     The preference objective (snaketune.preference.dpo) ignores train.loss_kernel and train.fused_cross_entropy: its
     per-token log-probabilities are chunked over the tokens like the fused loss, except under ZeRO-3, where they
-    come from the whole logits in fp32 (snaketune.preference.logprobs)."""
+    come from the whole logits in fp32 (snaketune.preference.logprobs). `capped`: the ranks run under gpu_memory_gib,
+    where they turn on the allocator's expandable segments (snaketune.device_memory.allocator_settings), as the step
+    in backward does everywhere."""
     lora = train.get("lora") or {}
     stage = zero_stage(ds)
     # The step in backward runs at ZeRO-0 without offload only (snaketune.config.deepspeed.check_in_backward): another
@@ -63,6 +90,9 @@ def setup_for(
         states_8bit=states == "8bit",
         states_4bit=states == "4bit",
         in_backward=in_backward,
+        expandable_segments=in_backward or capped,
+        offload_activations=bool(train.get("offload_activations", False)) and bool(checkpointing),
+        compiled=bool(train.get("compile", False)),
     )
     if "gradient_checkpointing" in changes:
         fields["checkpoint_layers"] = None  # a candidate strategy (snaketune.plan.strategies): every layer

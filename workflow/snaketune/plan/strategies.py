@@ -9,18 +9,19 @@ compute: RECOMPUTE); ZeRO-3 + CPU optimizer offload 0.09 (docs/facts.md: 928 tok
 8,632 for 5.70B under ZeRO-2). Full fine-tuning or LoRA stays as configured; LoRA is
 never planned with ZeRO-3 (the trainer refuses that combination). A full fine-tune with fp32 Adam states also
 gets each strategy without offload with 8-bit states (train.optimizer_states), ranked after the fp32 ones and
-before offload (snaketune.plan.search._with_8bit_states); after those, ZeRO-0 with and without checkpointing with the
+before offload (snaketune.plan.candidates._with_8bit_states); after those, ZeRO-0 with and without checkpointing with the
 optimizer step in backward and 4-bit states (train.optimizer_step: in_backward), at one micro-batch per step, still
-before offload (snaketune.plan.search._with_backward_step). A strategy that does not fit at the configured micro-batch is
+before offload (snaketune.plan.candidates._with_backward_step). A strategy that does not fit at the configured micro-batch is
 tried at its halvings (the same global batch, more accumulation steps; MICRO_SPEED, MICRO_SPEED_LORA per halving)
-and the candidates of each group are then ordered by speed (snaketune.plan.search._by_speed).
+and the candidates of each group are then ordered by speed (snaketune.plan.candidates._by_speed).
 
-Checkpointing only the first N layers (train.gradient_checkpointing: N) is the user's to set, not the plan's: on
-one H200 the LoRA 7B at 8 x 512 under 24 GiB ran at 10,787 tokens/s with 24 of 30 layers checkpointed (peak 21.9
-GiB, planned 21.7) against 8,645, 9,779 and 10,888 with all 30 in three other runs, inside their spread; and the
-QLoRA example narrowed to 25 of 30 layers under 16 GiB (planned 13.7 GiB allocated, 15.4 with the margins) ran out
-of memory asking for 1,000 MiB with 13.6 GiB allocated and 1.4 GiB reserved but unallocated: a pick sized to the
-plan's margin has none left for what the model does not count (bench/RESULTS.md, issue #16).
+Checkpointing only the first N layers (train.gradient_checkpointing: N): `train.strategy: auto` picks N (and the
+micro-batch) where the memory model counts every saved tensor (snaketune.plan.memory: LoRA in bf16 with Liger's
+kernels and varlen attention, within 0.7% of the runs with 0, 16, 18 and 30 of 30 layers checkpointed), under
+gpu_memory_gib (whose ranks use expandable segments: no reserved-but-unallocated blocks), keeping PICK_MARGIN_GIB of
+the budget free; elsewhere every layer, as before. Why not before: the QLoRA example narrowed to 25 of 30 layers under
+16 GiB (planned 13.7 GiB allocated) ran out of memory asking for 1,000 MiB with 13.6 GiB allocated and 1.4 GiB
+reserved but unallocated by fixed segments (bench/RESULTS.md, issue #16). Speed of N layers: `checkpointed_speed`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,28 @@ RECOMPUTE = 1 / 3
 """Gradient checkpointing's extra compute against a step without it, full fine-tuning: a second forward pass of
 every checkpointed layer (forward is a third of forward + backward): 1 / (1 + 1/3) = 0.75 of the speed without it."""
 CHECKPOINTED = 1 / (1 + RECOMPUTE)
+RECOMPUTE_LORA = 0.55
+"""The same for LoRA, whose backward computes no gradients for the frozen weights, so that a second forward weighs
+more: LoRA r16 of the 7B at 8 x 512 on one H200, every layer checkpointed 0.382 s per step against 0.247 without
+(bench/RESULTS.md, issue #16, the Triton loss's calls 2-3): 0.382 / 0.247 - 1 = 0.55. Predicts the runs it was not
+fitted to: 16 and 18 of 30 layers 0.319 and 0.328 s (measured 0.303, 0.331), 24 of 30 against 30 of 30 on an H100
+1.076x (measured 12,207 against 11,392 tokens/s: 1.072x)."""
+PICK_MARGIN_GIB = 0.25
+"""What the plan's own pick of fewer checkpointed layers (`train.strategy: auto`) leaves of the budget beyond its
+estimate: the counted model's largest under-estimate of a measured allocator peak (0.13 GiB, 0.7%: the runs with
+16, 18 and 30 of 30 layers checkpointed, bench/RESULTS.md issue #16) twice. With the 2.0 GiB the plan counts outside
+the allocator (1.72 measured with the kernels loaded later) a pick then leaves 0.5-1.0 GiB of the card unused."""
+OFFLOAD_ACTIVATIONS_SPEED = 0.8
+"""Relative speed of train.offload_activations (each checkpointed layer's input to host memory and back, one copy
+each way per layer and step, not overlapped with the layer's compute): an assumption, not measured; the plan offers
+it only where no setup without it fits (long rows), so it orders nothing that fits without it."""
+
+
+def checkpointed_speed(lora: bool, layers: int, checkpointed: int) -> float:
+    """Speed of a step with `checkpointed` of `layers` decoder layers recomputed, against none: each one adds its
+    share of RECOMPUTE (RECOMPUTE_LORA for LoRA). Every layer: CHECKPOINTED for full fine-tuning."""
+    return 1 / (1 + (RECOMPUTE_LORA if lora else RECOMPUTE) * checkpointed / layers)
+
 
 STRATEGIES = (
     Strategy("zero0", "zero0.json", False, 1.00),
@@ -71,13 +94,15 @@ micro-batch only where checkpointing alone does not fit."""
 
 
 def strategy_name(s: Setup, micro: int | None = None) -> str:
-    """zero2, zero0+ckpt (every layer), zero0+ckpt12 (the first 12), and with `micro` (the configured
-    micro-batch size) "+micro2" where the setup's micro-batch is smaller."""
+    """zero2, zero0+ckpt (every layer), zero0+ckpt12 (the first 12), "+offload_activations" (their inputs in host
+    memory), and with `micro` (the configured micro-batch size) "+micro2" where the setup's micro-batch differs."""
     name = f"zero{s.zero_stage}" + ("_offload" if s.offload_optimizer or s.offload_params else "")
     if s.gradient_checkpointing and s.checkpoint_layers is not None:
         name += f"+ckpt{s.checkpoint_layers}"  # the first N layers (train.gradient_checkpointing: N)
     elif s.gradient_checkpointing:
         name += "+ckpt"
+    if s.offload_activations:
+        name += "+offload_activations"
     if micro is not None and s.micro_batch != micro:
         name += f"+micro{s.micro_batch}"
     if s.in_backward:

@@ -35,8 +35,9 @@ import torch.distributed as dist
 
 from snaketune.model import batching
 from snaketune.preference.logprobs import START_TOLERANCE, PreferenceModel, read_reference, start_check
-from snaketune.train.engine import LossSetup
+from snaketune.train.engine import Built, LossSetup
 from snaketune.train.ranks import run
+from snaketune.train.summary import TrainResult
 from snaketune.train.trainer import ForwardResult, Trainer
 
 log = logging.getLogger("snaketune.train")
@@ -66,9 +67,8 @@ class PairTrainer(Trainer):
             sft_weight=pref.get("sft_weight", 0.0),
         )
 
-    @property
-    def loss_summary(self) -> str:
-        if self.stage == 3:
+    def describe_loss(self, built: Built) -> str:
+        if built.stage == 3:
             return "log-probabilities: the whole logits in fp32 (ZeRO-3: the lm_head weight is partitioned)"
         return "log-probabilities: chunked over the tokens from the hidden states (snaketune.preference.logprobs)"
 
@@ -108,8 +108,8 @@ class DPOTrainer(PairTrainer):
     def before_training(self) -> None:
         """At the start of a run from the SFT model: the policy must be the reference (module docstring)."""
         pref = self.spec.preference
-        if self.start_step > 0 or pref.get("reference", "sft") != "sft":
-            if self.rank == 0 and self.start_step == 0:
+        if self.run.start_step > 0 or pref.get("reference", "sft") != "sft":
+            if self.rank == 0 and self.run.start_step == 0:
                 log.info(
                     "start check: skipped (preference.reference: %s, not the policy)", pref.get("reference")
                 )
@@ -161,12 +161,13 @@ class DPOTrainer(PairTrainer):
     def checkpoint_meta(self) -> dict:
         return {"start_check": getattr(self, "start", None)}
 
-    def summary(self, last: dict, wall: float) -> dict:
-        out = super().summary(last, wall)
+    def summary(self, result: TrainResult, wall: float) -> dict:
+        out = super().summary(result, wall)
+        last = result.last
         # What this stage computes instead of the SFT loss (train.loss_kernel and fused_cross_entropy do not apply).
         del out["fused_cross_entropy"], out["loss_kernel"]
         out.update(
-            logprobs=self.loss_summary.removeprefix("log-probabilities: "),
+            logprobs=self.run.loss_summary.removeprefix("log-probabilities: "),
             reference=self.spec.preference.get("reference", "sft"),
             # A run resumed from a checkpoint reports the check its first attempt made (checkpoint_meta).
             start_check=getattr(self, "start", None) or self.resumed_meta.get("start_check"),

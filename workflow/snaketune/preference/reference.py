@@ -94,7 +94,7 @@ class ReferencePass(PairTrainer):
         dist.all_gather_object(peaks, peak_memory_gib(self.device))
         devices = [None] * self.world
         dist.all_gather_object(
-            devices, device_memory.record(self.device_peak, self.device, self.device_budget)
+            devices, device_memory.record(self.placed.peak, self.device, self.placed.budget)
         )
         if self.rank != 0:
             return
@@ -128,11 +128,11 @@ class ReferencePass(PairTrainer):
             "device": device_name(self.device),
             "world_size": self.world,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "zero_stage": self.stage,
+            "zero_stage": self.run.stage,
             "lora": self.cfg.lora.enabled,
             "lora_quantize": self.cfg.lora.quantize,
-            "kernels": self.built.kernels,
-            "attention": self.attention_summary,
+            "kernels": self.run.built.kernels,
+            "attention": self.run.attention_summary,
             "micro_batch_size": self.cfg.micro_batch_size,
         }
 

@@ -9,6 +9,15 @@
 Changes pair the two models' scores on the same examples (both ran the same task spec: the same examples in the same
 order): the mean of the per-example differences, ± 1.96 of its standard error. Where a task has no per-example
 scores (a group of tasks), the standard errors combine as if the two were independent (wider).
+
+A drop beyond benchmark.max_drop (`drops`: the first screen says so first, and rule benchmark_gate fails the run on
+it under benchmark.fail_on_drop) is a change against the base whose whole 95% interval lies below -max_drop
+percentage points: a loss larger than max_drop that the noise of this many examples does not explain (an interval
+that reaches above -max_drop may be a smaller loss, or none). Judged are the changes that matter to a user: those
+of each experiment's final scored model (DPO where the benchmark scored it, else SFT: the SFT model of a DPO
+experiment is a step on the way, and what it lost and DPO kept shows in DPO) and of its GGUF files (what is
+deployed), on the metrics that are shares where higher is better (acc, acc_norm, exact_match, ifeval's
+accuracies), whose changes are percentage points; other metrics (perplexities, BLEU) are shown, not judged.
 """
 
 from __future__ import annotations
@@ -60,7 +69,22 @@ def change(before: dict, after: dict, key: str) -> dict | None:
     low, high = mean - half, mean + half
     higher = a.get("higher_is_better")
     worse = None if higher is None else (high < 0 if higher else low > 0)
-    return {"delta": mean, "ci95": [low, high], "n": len(docs), "paired": paired, "worse": worse}
+    # A share where higher is better: its change, in percentage points, is what benchmark.max_drop limits.
+    share = higher is True and all(0 <= m["value"] <= 1 for m in (a, b))
+    return {
+        "delta": mean,
+        "ci95": [low, high],
+        "n": len(docs),
+        "paired": paired,
+        "worse": worse,
+        "share": share,
+    }
+
+
+def beyond_max_drop(c: dict | None, max_drop: float) -> bool:
+    """Whether a change is a drop beyond benchmark.max_drop: a share's, whose whole 95% interval lies below
+    -max_drop percentage points (with max_drop 0, exactly `worse`)."""
+    return bool(c and c["share"] and c["ci95"][1] < -max_drop / 100)
 
 
 def _chain(exp: str, results: dict, bases: dict[str, str]) -> list[tuple[str, str]]:
@@ -68,14 +92,20 @@ def _chain(exp: str, results: dict, bases: dict[str, str]) -> list[tuple[str, st
     labels = {label for owner, label, _ in results if owner == exp}
     chain = [(f"base/{bases[exp]}", "base")] if exp in bases else []
     chain += [(exp, m) for m in ("sft", "dpo") if m in labels]
-    last = "dpo" if "dpo" in labels else "sft"
+    last = _last(labels)
     chain += [(exp, label) for label in sorted(labels) if label.startswith(f"{last}-")]
     return chain
 
 
-def benchmark_summary(paths: list[Path], bases: dict[str, str]) -> dict:
+def _last(labels) -> str:
+    """The experiment's final scored model: dpo where the benchmark scored it, else sft."""
+    return "dpo" if "dpo" in labels else "sft"
+
+
+def benchmark_summary(paths: list[Path], bases: dict[str, str], max_drop: float) -> dict:
     """What the section shows, for summary.json: per experiment, task and metric each model's score and its change
-    against the base; per GGUF file and task, the difference against its transformers model."""
+    against the base (the final model's and its files' marked `beyond_max_drop`, true or false); per GGUF file and
+    task, the difference against its transformers model; `drops`, the changes beyond max_drop."""
     results = load_results(paths)
     tasks = list(dict.fromkeys(task for _, _, task in results))
     experiments = sorted({owner for owner, _, _ in results if not owner.startswith("base/")} | set(bases))
@@ -108,6 +138,8 @@ def benchmark_summary(paths: list[Path], bases: dict[str, str]) -> dict:
                 },
             }
         out["experiments"][exp] = per_task
+    out["max_drop"] = max_drop
+    out["drops"] = _judge(out["experiments"], max_drop)
     for (owner, label, task), r in results.items():
         if r["model"]["kind"] == "gguf" and (owner, label.split("-")[0], task) in results:
             model = results[(owner, label.split("-")[0], task)]
@@ -128,6 +160,41 @@ def benchmark_summary(paths: list[Path], bases: dict[str, str]) -> dict:
                 }
             )
     return out
+
+
+def _judge(experiments: dict, max_drop: float) -> list[dict]:
+    """Mark each change of a final model (and its files) against the base `beyond_max_drop`; return those that are:
+    experiment, model label, task, metric key, n and the change with its interval (the metric's units)."""
+    drops = []
+    for exp, per_task in experiments.items():
+        labels = {lab for t in per_task.values() for m in t["metrics"].values() for lab in m["scores"]}
+        last = _last(labels)
+        for task, t in per_task.items():
+            for key, m in t["metrics"].items():
+                for lab, c in m["change_vs_base"].items():
+                    if c is None or (lab != last and not lab.startswith(f"{last}-")):
+                        continue
+                    c["beyond_max_drop"] = beyond_max_drop(c, max_drop)
+                    if c["beyond_max_drop"]:
+                        drops.append(
+                            {"experiment": exp, "model": lab, "task": task, "metric": key, "n": t["n"]}
+                            | {k: c[k] for k in ("delta", "ci95")}
+                        )
+    return drops
+
+
+def points(x: float) -> str:
+    """benchmark.max_drop as written: 2, 0.5."""
+    return f"{x:g}"
+
+
+def drop_text(d: dict) -> str:
+    """One drop in words: `default DPO q4_k_m: builtin_choice acc −25.0 points [−38.4, −11.6] (40 examples)`."""
+    delta, low, high = (f"{100 * x:+.1f}".replace("-", MINUS) for x in (d["delta"], *d["ci95"]))
+    return (
+        f"{d['experiment']} {_name(d['model'])}: {d['task']} {_metric_name(d['metric'])} {delta} points "
+        f"[{low}, {high}] ({fmt(d['n'])} examples)"
+    )
 
 
 def _score(result: dict, key: str) -> dict | None:
@@ -163,6 +230,41 @@ def _delta(c: dict | None) -> str:
     return text.replace("-", MINUS) + (" worse" if c["worse"] else "")
 
 
+def _forgetting_table(per_task: dict) -> Table:
+    """One experiment's tasks and metrics: each model's score, each change against the base, which are worse."""
+    labels = list(
+        dict.fromkeys(lab for t in per_task.values() for m in t["metrics"].values() for lab in m["scores"])
+    )
+    changed = [lab for lab in labels if lab != "base"]
+    rows = []
+    for task, t in per_task.items():
+        for key, m in t["metrics"].items():
+            worse = [
+                _name(lab) + (" (beyond max_drop)" if c.get("beyond_max_drop") else "")
+                for lab, c in m["change_vs_base"].items()
+                if c and c["worse"]
+            ]
+            rows.append(
+                [
+                    task,
+                    _metric_name(key),
+                    fmt(t["n"]),
+                    *(_cell(m["scores"].get(lab)) for lab in labels),
+                    *(_delta(m["change_vs_base"].get(lab)) for lab in changed),
+                    ", ".join(worse) or "—",
+                ]
+            )
+    header = [
+        "task",
+        "metric",
+        "n",
+        *(_name(lab) for lab in labels),
+        *(f"{_name(lab)} − base" for lab in changed),
+        "worse than base",
+    ]
+    return Table(header, rows, numeric=[False, False, *[True] * (len(header) - 3), False])
+
+
 def benchmark_section(summary: dict | None) -> list[Block]:
     if not summary or not any(summary["experiments"].values()):
         return []
@@ -173,45 +275,16 @@ def benchmark_section(summary: dict | None) -> list[Block]:
             "chat template (few-shot examples as earlier turns). Scores ± their standard error; changes against the "
             "base model, and the GGUF files against the model they came from, are means of per-example differences "
             "with their 95% interval; “worse” marks an interval wholly below zero (above, for a metric where lower "
-            "is better): lost beyond the noise of this many examples.",
+            "is better): lost beyond the noise of this many examples; “beyond max_drop” an interval of the final "
+            f"model or its files wholly below −{points(summary['max_drop'])} points (benchmark.max_drop).",
             muted=True,
         ),
     ]
+    if summary.get("tasks_reason"):
+        blocks.append(Para(f"Why these tasks: {summary['tasks_reason']}."))
     for exp, per_task in summary["experiments"].items():
-        if not per_task:
-            continue
-        labels = list(
-            dict.fromkeys(
-                lab for t in per_task.values() for m in t["metrics"].values() for lab in m["scores"]
-            )
-        )
-        changed = [lab for lab in labels if lab != "base"]
-        rows = []
-        for task, t in per_task.items():
-            for key, m in t["metrics"].items():
-                worse = [_name(lab) for lab, c in m["change_vs_base"].items() if c and c["worse"]]
-                rows.append(
-                    [
-                        task,
-                        _metric_name(key),
-                        fmt(t["n"]),
-                        *(_cell(m["scores"].get(lab)) for lab in labels),
-                        *(_delta(m["change_vs_base"].get(lab)) for lab in changed),
-                        ", ".join(worse) or "—",
-                    ]
-                )
-        header = [
-            "task",
-            "metric",
-            "n",
-            *(_name(lab) for lab in labels),
-            *(f"{_name(lab)} − base" for lab in changed),
-            "worse than base",
-        ]
-        blocks += [
-            Heading(3, f"{exp}: forgetting"),
-            Table(header, rows, numeric=[False, False, *[True] * (len(header) - 3), False]),
-        ]
+        if per_task:
+            blocks += [Heading(3, f"{exp}: forgetting"), _forgetting_table(per_task)]
     if summary["deployed"]:
         rows = []
         for d in summary["deployed"]:
@@ -230,8 +303,8 @@ def benchmark_section(summary: dict | None) -> list[Block]:
         blocks += [
             Heading(3, "The deployed files"),
             Para(
-                "Each exported GGUF file served by llama.cpp's OpenAI-compatible server (llama-cpp-python) and scored "
-                "by the harness over HTTP, beside the transformers model it was exported from, on the same examples.",
+                "Each exported GGUF file run by llama.cpp (llama-cpp-python, in the job's process) and scored by the "
+                "harness, beside the transformers model it was exported from, on the same examples.",
                 muted=True,
             ),
             Table(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune import provenance as provenance_module
+from snaketune.config.benchmark import BenchmarkConfig
 from snaketune.io import atomic_files, write_json
 from snaketune.report import plots
 from snaketune.report.benchmark import benchmark_section, benchmark_summary
@@ -45,7 +46,9 @@ from snaketune.report.reproducibility import (
     remote_code_allowed,
     reproduce_blocks,
     reproduce_command,
+    run_inputs,
     short_commit,
+    stage_wall_times,
 )
 from snaketune.report.sections import comparison_section, data_section, evaluation_section, training_section
 
@@ -285,6 +288,7 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
         "git_dirty": git["dirty"],
         "git_commits": git["commits"],
         "config_sha256": config_sha256(inputs.config),
+        "inputs": run_inputs(manifest, inputs.invocation, Path(workdir)),
     }
     provenance = {
         "git_commit": git_commit(report_git),
@@ -297,6 +301,7 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
         },
         "seeds": seeds,
         "wall_time_s": {b["job"]: b["wall_s"] for b in benchmarks},
+        "stage_wall_time_s": {k: v["wall_s"] for k, v in stage_wall_times(benchmarks).items()},
         "manifest": str(inputs.manifest) if inputs.manifest else None,
         "jobs": jobs,
         "jobs_without_record": manifest.get("missing", []),
@@ -306,7 +311,14 @@ def build_report(inputs: ReportInputs, out_dir: str | Path, *, workdir: str | Pa
         "job_software": {k: v for k, v in summary_of_jobs.get("software", {}).items() if len(v) > 1},
     }
     summary = make_summary(data, experiments, provenance, run)
-    summary["benchmark"] = benchmark_summary(inputs.benchmark_results, inputs.benchmark_bases)
+    bench = inputs.config.get("benchmark", {})
+    summary["benchmark"] = benchmark_summary(
+        inputs.benchmark_results,
+        inputs.benchmark_bases,
+        bench.get("max_drop", BenchmarkConfig.max_drop),
+    )
+    summary["benchmark"]["fail_on_drop"] = bench.get("fail_on_drop", False)
+    summary["benchmark"]["tasks_reason"] = bench.get("tasks_reason")
     # Every file of the report, or none: all are written into a staging directory (the plots under their own
     # names, which report.md links to) and renamed into place together.
     with atomic_files(*(out_dir / name for name in OUTPUTS.values())) as staged:

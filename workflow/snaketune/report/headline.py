@@ -1,7 +1,8 @@
-"""The report's first screen: did fine-tuning help? For each experiment, its final model (DPO where the preference
-stage ran, else SFT) against the models before it, base -> SFT -> DPO, on every headline figure with its 95%
-interval; the verdict in words, computed from those figures (a change whose interval holds zero is called
-within the noise); and what the whole run cost in time and GPU-hours."""
+"""The report's first screen: did fine-tuning help? First any benchmark score the final models lost beyond
+benchmark.max_drop; then for each experiment, its final model (DPO where the preference stage ran, else SFT) against
+the models before it, base -> SFT -> DPO, on every headline figure with its 95% interval; the verdict in words,
+computed from those figures (a change whose interval holds zero is called within the noise); and what the whole
+run cost in time and GPU-hours."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from snaketune.evaluation.intervals import wilson_interval
+from snaketune.report.benchmark import drop_text, points
 from snaketune.report.intervals import difference_interval, within_noise
 from snaketune.report.render import MINUS, Block, Bullets, Heading, Para, Table, fmt, fmt_duration
 
@@ -312,8 +314,32 @@ def describe(exp: Experiment, e: dict) -> str:
     )
 
 
+def drop_blocks(bench: dict | None) -> list[Block]:
+    """The drops beyond benchmark.max_drop (snaketune.report.benchmark), first on the screen: a model that lost
+    what it knew answers "did it help?" before any gain does."""
+    if not bench or not bench.get("drops"):
+        return []
+    limit = points(bench["max_drop"])
+    outcome = (
+        "**The run fails on it** (`benchmark.fail_on_drop`)."
+        if bench.get("fail_on_drop")
+        else "`benchmark.fail_on_drop: true` fails the run on it."
+    )
+    return [
+        Para(
+            f"**Forgetting beyond `benchmark.max_drop` ({limit} points)**: a final model (or a GGUF file of it) lost "
+            f"more than {limit} points of a benchmark score against the base model on the same examples, beyond the "
+            f"noise (the whole 95% interval below {MINUS}{limit}). {outcome}"
+        ),
+        Bullets([drop_text(d) for d in bench["drops"]]),
+    ]
+
+
 def headline_section(experiments: list[Experiment], summary: dict, reproduce: list[Block]) -> list[Block]:
-    blocks: list[Block] = [Heading(2, "Did it help?", anchor="summary")]
+    blocks: list[Block] = [
+        Heading(2, "Did it help?", anchor="summary"),
+        *drop_blocks(summary.get("benchmark")),
+    ]
     for exp in experiments:
         final, figures = final_model(exp), measures(exp)
         models = [m for m in MODEL_NAMES if any(m in f.values for f in figures)]

@@ -35,19 +35,23 @@ SIZE = (5.4, 3.3)
 """Inches: 518 x 317 CSS pixels, half the report's 1,056-pixel column, so two plots sit side by side."""
 
 
-def _series(rows: Sequence[dict], x: str, y: str) -> tuple[list[float], list[float]]:
+def series(rows: Sequence[dict], x: str, y: str) -> tuple[list[float], list[float]]:
+    """(xs, ys) of the metrics rows (metrics.csv) that have both `x` and `y`: a metric logged at some steps only
+    (validation) plots at those."""
     pairs = [(r[x], r[y]) for r in rows if r.get(x) is not None and r.get(y) is not None]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def _save(fig, path: Path) -> None:
+def save_png(fig, path: Path) -> None:
+    """The figure as `path` (a PNG whose bytes depend only on the data), closed."""
     fig.tight_layout()
     # No "Software" text chunk: the bytes then depend on the data, not on the matplotlib build.
     fig.savefig(path, format="png", metadata={"Software": None})
     plt.close(fig)
 
 
-def _empty(ax, text: str) -> None:
+def mark_empty(ax, text: str) -> None:
+    """An axes without data: `text` in its middle, no ticks."""
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#59636e")
     ax.set_xticks([])
     ax.set_yticks([])
@@ -62,9 +66,9 @@ def loss_plot(
         fig, ax = plt.subplots(figsize=SIZE)
         for i, (name, rows) in enumerate(runs.items()):
             color = COLORS[i % len(COLORS)]
-            xs, ys = _series(rows, x, "train/loss")
+            xs, ys = series(rows, x, "train/loss")
             ax.plot(xs, ys, color=color, lw=1.6, label=f"{name}: train")
-            vx, vy = _series(rows, x, "val/loss")
+            vx, vy = series(rows, x, "val/loss")
             if base_loss.get(name) is not None:
                 ax.plot([0], [base_loss[name]], "o", mfc="white", mec=color, ms=6)
                 vx, vy = [0.0, *vx], [base_loss[name], *vy]
@@ -83,7 +87,7 @@ def loss_plot(
             ax.xaxis.set_major_formatter(EngFormatter(sep=""))
         ax.set_title(f"Loss vs {xlabel.split(' (')[0]}")
         ax.legend()
-        _save(fig, path)
+        save_png(fig, path)
 
 
 def optimizer_plot(runs: dict[str, list[dict]], path: Path) -> None:
@@ -92,8 +96,8 @@ def optimizer_plot(runs: dict[str, list[dict]], path: Path) -> None:
         fig, (ax_lr, ax_gn) = plt.subplots(1, 2, figsize=(SIZE[0], SIZE[1]))
         for i, (name, rows) in enumerate(runs.items()):
             color = COLORS[i % len(COLORS)]
-            ax_lr.plot(*_series(rows, "step", "train/lr"), color=color, lw=1.6, label=name)
-            ax_gn.plot(*_series(rows, "step", "train/grad_norm"), color=color, lw=1.4, label=name)
+            ax_lr.plot(*series(rows, "step", "train/lr"), color=color, lw=1.6, label=name)
+            ax_gn.plot(*series(rows, "step", "train/grad_norm"), color=color, lw=1.4, label=name)
         ax_lr.set_title("Learning rate")
         ax_lr.set_ylabel("learning rate")
         ax_lr.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 0.003, not EngFormatter's 3m
@@ -103,7 +107,7 @@ def optimizer_plot(runs: dict[str, list[dict]], path: Path) -> None:
             ax.set_xlabel("optimizer step")
         if len(runs) > 1:
             ax_lr.legend()
-        _save(fig, path)
+        save_png(fig, path)
 
 
 def throughput_plot(runs: dict[str, list[dict]], path: Path) -> None:
@@ -117,20 +121,20 @@ def throughput_plot(runs: dict[str, list[dict]], path: Path) -> None:
         for i, (name, rows) in enumerate(runs.items()):
             color = COLORS[i % len(COLORS)]
             ax.plot(
-                *_series(rows, "step", "perf/tokens_per_s_per_gpu"),
+                *series(rows, "step", "perf/tokens_per_s_per_gpu"),
                 color=color,
                 lw=1.6,
                 label=f"{name}: all tokens",
             )
             ax.plot(
-                *_series(rows, "step", "perf/loss_tokens_per_s_per_gpu"),
+                *series(rows, "step", "perf/loss_tokens_per_s_per_gpu"),
                 "--",
                 color=color,
                 lw=1.2,
                 label=f"{name}: loss tokens",
             )
             if has_mfu:
-                ax_mfu.plot(*_series(rows, "step", "perf/mfu"), color=color, lw=1.6, label=name)
+                ax_mfu.plot(*series(rows, "step", "perf/mfu"), color=color, lw=1.6, label=name)
         ax.set_title("Throughput per rank")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("tokens/s")
@@ -142,7 +146,7 @@ def throughput_plot(runs: dict[str, list[dict]], path: Path) -> None:
             ax_mfu.set_xlabel("optimizer step")
             ax_mfu.set_ylabel("MFU (share of peak)")
             ax_mfu.set_ylim(bottom=0)
-        _save(fig, path)
+        save_png(fig, path)
 
 
 def memory_plot(per_rank: dict[str, list[float]], devices: dict[str, str], path: Path) -> None:
@@ -150,7 +154,7 @@ def memory_plot(per_rank: dict[str, list[float]], devices: dict[str, str], path:
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=SIZE)
         if not any(per_rank.values()):
-            _empty(ax, "no memory figures recorded")
+            mark_empty(ax, "no memory figures recorded")
         else:
             n = len(per_rank)
             width = 0.8 / n
@@ -168,4 +172,4 @@ def memory_plot(per_rank: dict[str, list[float]], devices: dict[str, str], path:
             if n > 1:
                 ax.legend(loc="upper right", ncols=n)
         ax.set_title("Peak memory per rank")
-        _save(fig, path)
+        save_png(fig, path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from snaketune.report.plots import COLORS, SIZE, STYLE, _empty, _save, _series
+from snaketune.report.plots import COLORS, SIZE, STYLE, mark_empty, save_png, series
 from snaketune.report.render import Block, Columns, Figure, Heading, Para, Table, fmt, fmt_duration, fmt_pct
 
 if TYPE_CHECKING:
@@ -53,16 +53,16 @@ def preference_plot(runs: dict[str, list[dict]], path: Path) -> None:
     with plt.rc_context(STYLE):
         fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=SIZE)
         if not runs:
-            _empty(ax_loss, "no preference stage (preference.enabled: false)")
-            _empty(ax_acc, "")
+            mark_empty(ax_loss, "no preference stage (preference.enabled: false)")
+            mark_empty(ax_acc, "")
         for i, (name, rows) in enumerate(runs.items()):
             color = COLORS[i % len(COLORS)]
-            ax_loss.plot(*_series(rows, "step", "dpo/loss"), color=color, lw=1.6, label=f"{name}: train")
+            ax_loss.plot(*series(rows, "step", "dpo/loss"), color=color, lw=1.6, label=f"{name}: train")
             ax_loss.plot(
-                *_series(rows, "step", "val/dpo_loss"), "--o", color=color, ms=4, label=f"{name}: validation"
+                *series(rows, "step", "val/dpo_loss"), "--o", color=color, ms=4, label=f"{name}: validation"
             )
-            ax_acc.plot(*_series(rows, "step", "dpo/reward_accuracy"), color=color, lw=1.6)
-            ax_acc.plot(*_series(rows, "step", "val/reward_accuracy"), "--o", color=color, ms=4)
+            ax_acc.plot(*series(rows, "step", "dpo/reward_accuracy"), color=color, lw=1.6)
+            ax_acc.plot(*series(rows, "step", "val/reward_accuracy"), "--o", color=color, ms=4)
         ax_loss.set_title("Preference loss")
         ax_loss.set_ylabel("loss per pair")
         ax_acc.set_title("Reward accuracy")
@@ -72,7 +72,7 @@ def preference_plot(runs: dict[str, list[dict]], path: Path) -> None:
             ax.set_xlabel("optimizer step")
         if runs:
             ax_loss.legend()
-        _save(fig, path)
+        save_png(fig, path)
 
 
 def preference_section(experiments: list[Experiment], plot: Path) -> list[Block]:

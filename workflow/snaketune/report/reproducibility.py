@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 from typing import Any
 
+from snaketune import provenance
 from snaketune.io import sha256_text, stable_json
 from snaketune.report.inputs import Experiment
 from snaketune.report.render import Block, Box, Code, Heading, Para, Table, fmt, fmt_duration
@@ -43,6 +45,20 @@ def reproduce_command(experiments: list[Experiment], invocation: dict | None) ->
     return shlex.join(args)
 
 
+def run_inputs(manifest: dict, invocation: dict | None, workdir: Path) -> list[dict[str, Any]]:
+    """The config files the run was given and the files its jobs read from outside results/ (the data, a local
+    model, the DeepSpeed files: the manifest's sources), each with its sha256 and, under `outside`, why a checkout
+    of the commit would not bring it back (provenance.outside_commit; None where it would)."""
+    files = {f: ("config file", h) for f, h in ((invocation or {}).get("configfile_sha256") or {}).items()}
+    for path, source in manifest.get("sources", {}).items():
+        files.setdefault(path, ("input", source.get("sha256")))
+    outside = provenance.outside_commit(files, workdir)
+    return [
+        {"path": path, "kind": kind, "sha256": digest, "outside": outside.get(path)}
+        for path, (kind, digest) in sorted(files.items())
+    ]
+
+
 def code_state(manifest: dict, report_time: dict | None) -> dict[str, Any]:
     """The commit the jobs behind the results ran at (the newest job's when they differ), and whether tracked
     files had uncommitted changes; the report's own checkout when no job recorded one."""
@@ -61,29 +77,43 @@ def reproduce_blocks(run: dict) -> list[Block]:
     lines = [run["command"]]
     if run["git_commit"]:
         lines.insert(0, f"git checkout {run['git_commit']}")
+    inputs = run.get("inputs") or []
+    outside = [i for i in inputs if i["outside"]]
     if run["git_commit"] is None:
         state = "not a git checkout: no commit to return to"
     elif run["git_dirty"]:
         state = "**dirty**: tracked files had uncommitted changes, which the commit alone does not bring back"
+    elif outside:
+        state = (
+            f"tracked files unchanged, but **{len(outside)} of the inputs below are not in the commit**: keep them "
+            "(the sha256 says whether a file is the same)"
+        )
     else:
-        state = "clean (no uncommitted changes)"
+        state = "clean (no uncommitted changes; every input below is in the commit)"
     if run["git_commits"] > 1:
         state += (
             f"; the jobs ran at {run['git_commits']} commits (see Provenance, Jobs), this is the newest job's"
         )
-    return [
-        Box(
-            "Reproduce",
-            [
-                Code("\n".join(lines), "sh"),
-                Para(
-                    f"Commit `{run['git_commit'] or '–'}`, {state}. Config sha256 `{run['config_sha256'][:16]}` "
-                    "(stable JSON of the resolved config under Provenance).",
-                    muted=True,
-                ),
-            ],
-        )
+    blocks: list[Block] = [
+        Code("\n".join(lines), "sh"),
+        Para(
+            f"Commit `{run['git_commit'] or '–'}`, {state}. Config sha256 `{run['config_sha256'][:16]}` "
+            "(stable JSON of the resolved config under Provenance).",
+            muted=True,
+        ),
     ]
+    if inputs:
+        blocks.append(
+            Table(
+                ["input", "sha256", "in the commit"],
+                [
+                    [f"`{i['path']}` ({i['kind']})", f"`{(i['sha256'] or '–')[:16]}`", i["outside"] or "yes"]
+                    for i in inputs
+                ],
+                numeric=[False, False, False],
+            )
+        )
+    return [Box("Reproduce", blocks)]
 
 
 def provenance_section(
@@ -136,6 +166,7 @@ def provenance_section(
         )
     )
     blocks += jobs_blocks(prov)
+    blocks += stage_time_blocks(benchmarks)
     blocks.append(Heading(3, "Wall time per job"))
     if benchmarks:
         total = sum(b["wall_s"] or 0 for b in benchmarks)
@@ -157,6 +188,39 @@ def provenance_section(
         )
     )
     return blocks
+
+
+def stage_time_blocks(benchmarks: list[dict]) -> list[Block]:
+    """The wall time per stage, each stage's share of the jobs' summed time."""
+    if not benchmarks:
+        return []
+    stages = stage_wall_times(benchmarks)
+    total = sum(s["wall_s"] for s in stages.values())
+    rows = [
+        [
+            f"`{name}`",
+            str(s["jobs"]),
+            fmt_duration(s["wall_s"]),
+            f"{s['wall_s'] / total:.0%}" if total else "–",
+        ]
+        for name, s in stages.items()
+    ]
+    return [
+        Heading(3, "Wall time per stage"),
+        Table(["stage", "jobs", "wall time (jobs summed)", "share"], rows),
+    ]
+
+
+def stage_wall_times(benchmarks: list[dict]) -> dict[str, dict]:
+    """Per stage, in the order the jobs ran: its jobs and their wall times summed (Snakemake's benchmark files,
+    benchmarks/<stage>/...; jobs that ran side by side count each)."""
+    out: dict[str, dict] = {}
+    for b in benchmarks:
+        stage = b["job"].split("/", 1)[0]
+        row = out.setdefault(stage, {"jobs": 0, "wall_s": 0.0})
+        row["jobs"] += 1
+        row["wall_s"] += b["wall_s"] or 0.0
+    return out
 
 
 def remote_code_allowed(exp: Experiment) -> bool:
@@ -218,7 +282,8 @@ def jobs_blocks(prov: dict) -> list[Block]:
         )
     if any(j["status"] != "ok" for j in prov["jobs"]):
         notes.append(
-            "**changed**: the job's outputs no longer have the files and sizes its record describes."
+            "**changed**: the job's outputs no longer hold what its record describes (content checked where a file "
+            "was written since; `snakemake --cores all verify` hashes every file); **missing**: an output is gone."
         )
     if prov.get("jobs_without_record"):
         notes.append(

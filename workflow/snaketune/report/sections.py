@@ -158,10 +158,28 @@ def _tokenized_blocks(key: str, names: list[str], stats: dict) -> list[Block]:
             f"Cache `{key}` (experiments: {', '.join(names)}): max_length {st.get('max_length')}, "
             f"packing {'on' if st.get('packing') else 'off'}, "
             f"{'assistant-only' if st.get('assistant_only_loss') else 'all-token'} loss, "
-            f"chat template `{st.get('chat_template')}`."
+            f"chat template `{st.get('chat_template')}`." + _template_check(stats.get("template_check"))
         ),
         Table(TOKENIZED_COLUMNS, rows),
     ]
+
+
+def _template_check(check: dict | None) -> str:
+    """What the tokenize stage proved of the chat template on every row (snaketune.data.template_check)."""
+    if not check:
+        return ""
+
+    def code(text: str | None) -> str:  # on one line: a newline the template writes shows as \n
+        return "`" + _visible(text or "").replace("\n", "\\n") + "`"
+
+    tools = check.get("conversations_with_tools") or 0
+    by = "the model's template" if check.get("tool_rendering") == "template" else "the project's format"
+    return (
+        f" Template check, before training: each of the {fmt(check.get('assistant_turns_checked'))} assistant turns "
+        f"ends in a trained {code(check.get('end_of_turn'))}, and each reply starts on a token boundary "
+        f"after the generation prompt {code(check.get('generation_prompt'))}, what inference appends"
+        + (f"; {fmt(tools)} conversations call tools, rendered in {by}." if tools else ".")
+    )
 
 
 def training_section(

@@ -24,6 +24,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
@@ -39,8 +40,9 @@ from snaketune.model.build import (
     is_quantized,
     load_model,
 )
+from snaketune.train import adam8bit
 from snaketune.train.backward_step import BackwardAdamW
-from snaketune.train.optim import MasterWeightAdamW, build_optimizer, check_placement, decays, resolve_triton
+from snaketune.train.optim import MasterWeightAdamW, check_placement, decays, param_groups, resolve_triton
 
 log = logging.getLogger("snaketune.train")
 
@@ -145,17 +147,55 @@ def check_same_start(net: torch.nn.Module, device: torch.device) -> None:
         )
 
 
+class OptimizerKind(StrEnum):
+    """Which optimizer does a run's arithmetic: resolved once from the settings (`optimizer_kind`), so that what
+    builds it (`build_optimizer`) and what reports or checks it read one value."""
+
+    IN_BACKWARD = "in_backward"
+    """snaketune.train.backward_step.BackwardAdamW: each tensor updated as backward produces its gradient."""
+    MASTER_WEIGHTS = "master_weights"
+    """MasterWeightAdamW: fp32 masters of bf16 weights outside DeepSpeed's bf16 path (its states fp32 or 8-bit)."""
+    BITSANDBYTES_8BIT = "bitsandbytes_8bit"
+    """bitsandbytes' AdamW8bit as DeepSpeed's client optimizer (snaketune.train.adam8bit)."""
+    DEEPSPEED_CPU_ADAM = "deepspeed_cpu_adam"
+    """DeepSpeed's CPU Adam: the optimizer offloaded to the host of a GPU rank."""
+    TORCH_ADAMW = "torch_adamw"
+    """torch.optim.AdamW (fused on a GPU)."""
+
+
+def optimizer_kind(
+    cfg: TrainConfig, *, master_weights: bool, offload: bool, device: torch.device
+) -> OptimizerKind:
+    """The optimizer of a run: the step in backward where train.optimizer_step asks for it, else fp32 masters where
+    the DeepSpeed config leaves bf16 to us (snaketune.config.deepspeed.uses_master_weights), else 8-bit states,
+    else the host's Adam under optimizer offload from a GPU, else torch's AdamW."""
+    if cfg.optimizer_step == "in_backward":
+        return OptimizerKind.IN_BACKWARD
+    if master_weights:
+        return OptimizerKind.MASTER_WEIGHTS
+    if cfg.optimizer_states == "8bit":
+        return OptimizerKind.BITSANDBYTES_8BIT
+    if offload and device.type == "cuda":
+        return OptimizerKind.DEEPSPEED_CPU_ADAM
+    return OptimizerKind.TORCH_ADAMW
+
+
 @dataclass(frozen=True)
 class _Choices:
     """What `build` decides from the settings before it loads anything."""
 
     ds_config: dict
     stage: int
-    master: bool
-    in_backward: bool
+    optimizer: OptimizerKind
+    """The optimizer this configuration trains with (also for a pass that builds none: the model is built as for it)."""
     accumulate_fp32: bool
     loss: LossSetup
     attention: str
+
+    @property
+    def master(self) -> bool:
+        """fp32 masters in the optimizer: the model's trainable weights (LoRA's adapters too) stay bf16."""
+        return self.optimizer is OptimizerKind.MASTER_WEIGHTS
 
 
 def _choose(
@@ -188,8 +228,9 @@ def _choose(
             f"train.optimizer_states '8bit' with optimizer offload ({source}): DeepSpeed's CPU Adam keeps fp32 "
             "states; allowed with offload: fp32"
         )
+    kind = optimizer_kind(cfg, master_weights=master, offload=offloads(ds_config), device=device)
     accumulate_fp32 = master and cfg.accumulation_steps(world) > 1
-    return _Choices(ds_config, stage, master, in_backward, accumulate_fp32, loss, attn)
+    return _Choices(ds_config, stage, kind, accumulate_fp32, loss, attn)
 
 
 def _load(
@@ -221,7 +262,7 @@ def _adapt(
     """Liger's kernels, gradient checkpointing and LoRA's adapters on `net`; returns it and the kernels used."""
     fused = kernels.resolve(cfg.kernels, device, getattr(net.config, "model_type", ""))
     kernels.apply(net, fused)
-    checkpointed = checkpoint_layers(net, cfg.gradient_checkpointing)
+    checkpointed = checkpoint_layers(net, cfg.gradient_checkpointing, offload=cfg.offload_activations)
     if not cfg.lora.enabled:
         return net, fused
     if checkpointed:
@@ -304,6 +345,35 @@ def build(
     return built
 
 
+def build_optimizer(
+    net: torch.nn.Module,
+    kind: OptimizerKind,
+    cfg: TrainConfig,
+    *,
+    device: torch.device,
+    accumulate_fp32: bool = False,
+) -> torch.optim.Optimizer:
+    """The optimizer the trainer hands to deepspeed.initialize, with train's AdamW settings (learning rate, betas,
+    weight decay, clipping, states and kernel), built from parameters that already live where they train
+    (check_placement says so after DeepSpeed has wrapped it). `accumulate_fp32`: MasterWeightAdamW sums the
+    micro-batches' gradients in fp32."""
+    groups = param_groups(net, cfg.weight_decay)
+    lr, betas = cfg.learning_rate, cfg.adam_betas
+    ours = {"lr": lr, "betas": betas, "eps": 1e-8, "grad_clip": cfg.grad_clip, "states": cfg.optimizer_states}
+    if kind is OptimizerKind.IN_BACKWARD:
+        kernel = resolve_triton("train.optimizer_kernel", cfg.optimizer_kernel, device)
+        return BackwardAdamW(groups, **ours, kernel=kernel)
+    if kind is OptimizerKind.MASTER_WEIGHTS:
+        return MasterWeightAdamW(groups, **ours, kernel=cfg.optimizer_kernel, accumulate_fp32=accumulate_fp32)
+    if kind is OptimizerKind.BITSANDBYTES_8BIT:
+        return adam8bit.client_optimizer(groups, lr=lr, betas=betas, eps=1e-8)
+    if kind is OptimizerKind.DEEPSPEED_CPU_ADAM:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=device.type == "cuda")
+
+
 def _training_engine(
     module: torch.nn.Module, cfg: TrainConfig, c: _Choices, device: torch.device, world: int, total_steps: int
 ) -> tuple[object, dict]:
@@ -312,20 +382,7 @@ def _training_engine(
 
     trained = [p for p in module.parameters() if p.requires_grad]
     decayed = [p for p in trained if decays(p)]
-    optimizer = build_optimizer(
-        module,
-        lr=cfg.learning_rate,
-        betas=cfg.adam_betas,
-        weight_decay=cfg.weight_decay,
-        device=device,
-        master_weights=c.master,
-        grad_clip=cfg.grad_clip,
-        kernel=cfg.optimizer_kernel,
-        offload=offloads(c.ds_config),
-        accumulate_fp32=c.accumulate_fp32,
-        states=cfg.optimizer_states,
-        in_backward=c.in_backward,
-    )
+    optimizer = build_optimizer(module, c.optimizer, cfg, device=device, accumulate_fp32=c.accumulate_fp32)
     schedule = lr_lambda(cfg, total_steps)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
@@ -333,7 +390,8 @@ def _training_engine(
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
         config=c.ds_config,
     )
-    if c.accumulate_fp32 or c.in_backward or (world == 1 and c.stage == 0):
+    in_backward = c.optimizer is OptimizerKind.IN_BACKWARD
+    if c.accumulate_fp32 or in_backward or (world == 1 and c.stage == 0):
         # The fp32 buffer is all-reduced by the optimizer itself, and the in-backward step's hooks all-reduce each
         # gradient before they apply and free it. And one rank has nothing to all-reduce; DeepSpeed would still
         # flatten every gradient into buckets and copy it back (two passes per step).

@@ -390,40 +390,6 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 torch._foreach_copy_(params, group["params"])
 
 
-def build_optimizer(
-    net: torch.nn.Module,
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    weight_decay: float,
-    device: torch.device,
-    master_weights: bool,
-    grad_clip: float,
-    offload: bool,
-    kernel: str = "auto",
-    accumulate_fp32: bool = False,
-    states: str = "fp32",
-    in_backward: bool = False,
-) -> torch.optim.Optimizer:
-    """The optimizer the trainer hands to deepspeed.initialize, built from parameters that already live where
-    they train (check_placement says so after DeepSpeed has wrapped it)."""
-    groups = param_groups(net, weight_decay)
-    ours = {"lr": lr, "betas": betas, "eps": 1e-8, "grad_clip": grad_clip, "states": states}
-    if in_backward:
-        from snaketune.train.backward_step import BackwardAdamW
-
-        return BackwardAdamW(groups, **ours, kernel=resolve_triton("train.optimizer_kernel", kernel, device))
-    if master_weights:
-        return MasterWeightAdamW(groups, **ours, kernel=kernel, accumulate_fp32=accumulate_fp32)
-    if states == "8bit":
-        return adam8bit.client_optimizer(groups, lr=lr, betas=betas, eps=1e-8)
-    if offload and device.type == "cuda":
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=device.type == "cuda")
-
-
 def _tensors(optimizer: torch.optim.Optimizer):
     """(what, tensor) of every parameter and state tensor an optimizer holds."""
     for g, group in enumerate(optimizer.param_groups):

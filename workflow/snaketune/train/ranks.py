@@ -110,16 +110,22 @@ def rank_device(local_rank: int, *, in_backward: bool, verbose: bool) -> RankDev
         return RankDevice(torch.device("cpu"), {}, device_memory.PeakSampler(None))
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
-    settings = device_memory.allocator_settings(in_backward)
+    card = device_memory.card_from_env()
+    settings = device_memory.allocator_settings(in_backward or card is not None)
     device_memory.set_allocator(device, settings)
     nvml = device_memory.device_memory(device)
     # NCCL's buffers come with the first collective (also with one rank: the metrics are all-reduced).
     device_memory.warm_up(device, distributed=True)
-    capped, budget = device_memory.cap_allocator(device, device_memory.card_from_env(), nvml)
+    capped, budget = device_memory.cap_allocator(device, card, nvml)
     if settings:
         budget["allocator_settings"] = settings
         if verbose:
-            log.info("caching allocator: %s (the step in backward frees each gradient as it goes)", settings)
+            why = (
+                "the step in backward frees each gradient as it goes"
+                if in_backward
+                else "under gpu_memory_gib"
+            )
+            log.info("caching allocator: %s (%s)", settings, why)
     if capped and verbose:
         log.info("%s", capped)
     return RankDevice(device, budget, device_memory.PeakSampler(nvml))

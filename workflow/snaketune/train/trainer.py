@@ -8,8 +8,10 @@ optimizer and engine come from snaketune.train.engine. What a subclass changes i
 methods and nothing else: the data it reads (`load_data`), the loss module (`wrap`, told how the loss computes and
 the ZeRO stage: engine.LossSetup), what one optimizer step's loss is normalized by (`step_normalizer`), the forward of
 a micro-batch (`forward`, which returns a `ForwardResult`: the loss, the metrics' sums and the positions computed),
-the metrics of a window and of the validation split (`window_metrics`, `eval_count`, `validation_metrics`), and
-whether it trains at all (`trains`: a pass without steps builds no optimizer and writes no checkpoint).
+the metrics of a window and of the validation split (`window_metrics`, `eval_count`, `validation_metrics`), how the
+log names its loss (`describe_loss`), and whether it trains at all (`trains`: a pass without steps builds no optimizer
+and writes no checkpoint). What the rank logs and writes to summary.json (snaketune.train.summary) comes from two
+values: the run as set up (`Trainer.run`, a RunSetup) and what `train` returns (a TrainResult).
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ import torch.distributed as dist
 from snaketune.config.load import from_dict
 from snaketune.config.schema import ModelConfig, TrainConfig
 from snaketune.data.tokenization import load_tokenizer
-from snaketune.io import atomic_dir, sha256_tree, write_json
-from snaketune.model import attention, batching
-from snaketune.model.build import LossModel, merge_adapter
-from snaketune.train import checkpoint, engine, profiling, ranks
+from snaketune.io import sha256_tree, write_json
+from snaketune.model import batching
+from snaketune.model.build import LossModel
+from snaketune.train import checkpoint, engine, profiling, ranks, saving
 from snaketune.train.metrics import (
     MetricsWriter,
     Throughput,
@@ -41,7 +43,7 @@ from snaketune.train.metrics import (
     peak_flops,
     peak_memory_gib,
 )
-from snaketune.train.summary import log_progress, log_start, run_summary
+from snaketune.train.summary import RunSetup, TrainResult, log_progress, log_start, run_summary
 
 log = logging.getLogger("snaketune.train")
 
@@ -83,11 +85,12 @@ class Trainer:
         self.cfg: TrainConfig = from_dict(TrainConfig, spec.train, "train.")
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        placed = ranks.rank_device(
-            self.local_rank, in_backward=self.cfg.optimizer_step == "in_backward", verbose=self.rank == 0
+        self.placed = ranks.rank_device(
+            int(os.environ.get("LOCAL_RANK", 0)),
+            in_backward=self.cfg.optimizer_step == "in_backward",
+            verbose=self.rank == 0,
         )
-        self.device, self.device_budget, self.device_peak = placed.device, placed.budget, placed.peak
+        self.device = self.placed.device
         precision = self.cfg.precision
         if precision == "auto":
             precision = "bf16" if self.device.type == "cuda" else "fp32"
@@ -144,14 +147,11 @@ class Trainer:
         # model prompts the way it was trained, whatever template the tokenizer directory carries.
         self.tokenizer = load_tokenizer(spec.tokenizer_dir, stats["settings"]["chat_template"])
         self.train_split, self.val_split = self.load_data(Path(spec.data_dir))
-        self.gas = cfg.accumulation_steps(self.world)
         if cfg.max_steps is not None:
-            self.total_steps = cfg.max_steps
+            total_steps = cfg.max_steps
         else:
-            self.total_steps = batching.steps_for_epochs(
-                len(self.train_split), cfg.epochs, cfg.global_batch_size
-            )
-        self.built = engine.build(
+            total_steps = batching.steps_for_epochs(len(self.train_split), cfg.epochs, cfg.global_batch_size)
+        built = engine.build(
             model_cfg=self.model_cfg,
             cfg=cfg,
             file_cfg=json.loads(Path(spec.deepspeed_config).read_text()),
@@ -160,27 +160,41 @@ class Trainer:
             device=self.device,
             dtype=self.dtype,
             tokenizer=self.tokenizer,
-            total_steps=self.total_steps,
+            total_steps=total_steps,
             rank=self.rank,
             wrap=self.wrap,
             optimizer=self.trains,
         )
-        self.engine = self.built.engine
-        self.stage = self.built.stage
-        self.attention = self.built.attention
-        self.fused_ce = self.built.loss.fused_cross_entropy
+        self.engine = built.engine
         # DeepSpeed's fp32 stage-0 path clips without keeping the norm (engine.clip_fp32_gradients): there
         # get_global_grad_norm() stays None and the trainer computes the norm itself.
         self.ds_grad_norm = hasattr(self.engine.optimizer, "_global_grad_norm")
-        self.start_step = 0
+        start_step = 0
         if self.trains:
-            self.start_step, self.resumed_meta = checkpoint.resume(
+            start_step, self.resumed_meta = checkpoint.resume(
                 self.engine, self.ckpt_root, rank=self.rank, world=self.world, lora=self.cfg.lora.enabled
             )
         self.order = batching.GlobalOrder(len(self.train_split), cfg.seed)
-        self.peak = peak_flops(device_name(self.device))
-        self.measured_peak = measured_matmul_flops(device_name(self.device))
-        log_start(self)
+        name = device_name(self.device)
+        self.run = RunSetup(
+            spec=spec,
+            cfg=cfg,
+            rank=self.rank,
+            world=self.world,
+            placed=self.placed,
+            dtype=self.dtype,
+            built=built,
+            gas=cfg.accumulation_steps(self.world),
+            total_steps=total_steps,
+            start_step=start_step,
+            train_rows=len(self.train_split),
+            val_rows=len(self.val_split),
+            seq_len=self.seq_len,
+            loss_summary=self.describe_loss(built),
+            peak_flops=peak_flops(name),
+            measured_peak=measured_matmul_flops(name),
+        )
+        log_start(self.run)
 
     @property
     def seq_len(self) -> int:
@@ -204,9 +218,11 @@ class Trainer:
 
     def execute(self, t0: float) -> None:
         """What the rank does once set up: train, save the model, write summary.json."""
-        last = self.train()
-        self.save_model()
-        summary = self.summary(last, time.perf_counter() - t0)
+        result = self.train()
+        saving.save_model(
+            self.run, self.engine, self.model_cfg, self.tokenizer, ckpt_root=self.ckpt_root, out=self.out
+        )
+        summary = self.summary(result, time.perf_counter() - t0)
         if self.rank == 0:
             write_json(Path(self.spec.output_dir) / "summary.json", summary)
             shown = {k: summary.get(k) for k in ("final_train_loss", "final_val_loss", "mfu")}
@@ -215,8 +231,10 @@ class Trainer:
     def before_training(self) -> None:
         """Called once set up, before the first step this process runs (a subclass checks its start)."""
 
-    def train(self) -> dict:
-        """Every step from the start (or the resumed) step to the last; the metrics of the last logged step."""
+    def train(self) -> TrainResult:
+        """Every step from the start (or the resumed) step to the last: the metrics of the last logged step and the
+        throughput over the run."""
+        run = self.run
         self.before_training()
         self.engine.train()
         # Live metrics go to the run directory, which survives a crash (Snakemake deletes a failed job's
@@ -224,14 +242,15 @@ class Trainer:
         writer = None
         if self.rank == 0:
             writer = MetricsWriter(
-                self.ckpt_root / "metrics.csv", self.ckpt_root / "tb", resume_step=self.start_step
+                self.ckpt_root / "metrics.csv", self.ckpt_root / "tb", resume_step=run.start_step
             )
         # The window's meter, and the whole run's after warm-up (for the summary).
         meters = [
-            Throughput(self.built.flops_per_token, self.peak, measured=self.measured_peak) for _ in range(2)
+            Throughput(run.built.flops_per_token, run.peak_flops, measured=run.measured_peak)
+            for _ in range(2)
         ]
         window = _Window()
-        self.tokens_seen = self._tokens_before(self.start_step)
+        self.tokens_seen = self._tokens_before(run.start_step)
         # Resumed from the final checkpoint (a save or merge failed after it): nothing to train, the metrics
         # of the last logged step come from its marker.
         last = dict(self.resumed_meta.get("metrics") or {})
@@ -239,23 +258,23 @@ class Trainer:
         gc.collect()  # then freeze: a full collection never walks the imports and model objects again (torchtitan
         gc.freeze()  # does so too): the host bounds the step in backward of the 7B (bench/RESULTS.md)
         t_start = time.perf_counter()
-        for step in range(self.start_step, self.total_steps):
+        for step in range(run.start_step, run.total_steps):
             lr, grad_norm = self._step(step, window, meters)
             if profiler:
                 profiler.step()
             done = step + 1
             evaluate_now = (
-                bool(self.cfg.eval_every and done % self.cfg.eval_every == 0) or done == self.total_steps
+                bool(self.cfg.eval_every and done % self.cfg.eval_every == 0) or done == run.total_steps
             )
             if evaluate_now or done % self.cfg.log_every == 0:
                 last = self._log_window(window, meters[0], lr, grad_norm, evaluate=evaluate_now)
                 if writer:
                     writer.log(done, last)
-                    log_progress(self, done, t_start, last)
+                    log_progress(run, done, t_start, last)
             # The last step too: the final weights (adapters) are durable before the model is saved or merged, and
             # a rerun after a failure there resumes at the end instead of retraining since the last checkpoint.
             every = self.cfg.checkpoint_every
-            if every and (done % every == 0 or done == self.total_steps):
+            if every and (done % every == 0 or done == run.total_steps):
                 self.save_checkpoint(done, {"metrics": last, "perf": meters[1].read(reset=False)})
         if profiler:
             profiler.close()
@@ -264,10 +283,10 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)  # Snakemake makes it; a direct launch may not
             shutil.copyfile(self.ckpt_root / "metrics.csv", self.out / "metrics.csv")
             shutil.copytree(self.ckpt_root / "tb", self.out / "tb", dirs_exist_ok=True)
-        self.run_perf = meters[1].read(reset=False)
-        if self.start_step == self.total_steps:
-            self.run_perf = dict(self.resumed_meta.get("perf") or self.run_perf)
-        return last
+        perf = meters[1].read(reset=False)
+        if run.start_step == run.total_steps:
+            perf = dict(self.resumed_meta.get("perf") or perf)
+        return TrainResult(last, perf)
 
     def _step(
         self, step: int, window: _Window, meters: list[Throughput]
@@ -289,7 +308,7 @@ class Trainer:
             # DeepSpeed divides by the accumulation steps in backward and averages gradients over ranks; this scale
             # makes the net gradient that of (summed loss) / (normalizer of the global batch), whatever the world
             # size and micro-batch size.
-            eng.backward(out.loss * (self.gas * self.world / normalizer))
+            eng.backward(out.loss * (self.run.gas * self.world / normalizer))
             if i == len(micros) - 1 and not self.ds_grad_norm:
                 grad_norm = _grad_norm(eng.module)  # averaged over ranks by backward at the boundary
             eng.step()
@@ -297,14 +316,14 @@ class Trainer:
             # Real tokens, pads excluded (a packed row holds several position-0 tokens: count lengths).
             tokens += int(self.train_split.lengths_of(micro).sum())
             positions += out.positions
-        if step == self.start_step:
-            engine.check_optimizer(self.built, self.device)  # the states exist from the first step on
+        if step == self.run.start_step:
+            engine.check_optimizer(self.run.built, self.device)  # the states exist from the first step on
         window.count += normalizer
         # Every rank knows the whole global batch: the real tokens of all ranks without a collective.
         self.tokens_seen += int(self.train_split.lengths_of(batch_ids).sum())
         seconds = time.perf_counter() - t_step
         # PaLM's attention term over each conversation's own length (snaketune.model.build.flop_counts).
-        attention_flops = self.built.attention_coefficient * self.train_split.attention_units(mine)
+        attention_flops = self.run.built.attention_coefficient * self.train_split.attention_units(mine)
         for m in meters:
             m.update(
                 tokens,
@@ -336,7 +355,7 @@ class Trainer:
             **meter.read(),
             "memory/max_allocated_gib": self._max_over_ranks(peak_memory_gib(self.device)),
             # What nvidia-smi shows for the process (NVML, sampled), the figure gpu_memory_gib bounds.
-            "memory/device_peak_gib": self._max_over_ranks(self.device_peak.peak_gib or 0.0) or None,
+            "memory/device_peak_gib": self._max_over_ranks(self.placed.peak.peak_gib or 0.0) or None,
         }
         window.sums, window.count = {}, 0.0
         if evaluate:
@@ -358,19 +377,16 @@ class Trainer:
 
     def device_batch(self, split, rows) -> dict[str, torch.Tensor]:
         """The rows as the model's inputs on this rank's device (varlen: the packed rows' boundaries too)."""
-        return batching.device_batch(split, rows, self.pad_id, self.device, varlen=self.attention == "varlen")
+        return batching.device_batch(
+            split, rows, self.pad_id, self.device, varlen=self.run.built.attention == "varlen"
+        )
 
-    @property
-    def loss_summary(self) -> str:
-        """What computes the objective, as the start of the log says it."""
-        if self.fused_ce:
+    def describe_loss(self, built: engine.Built) -> str:
+        """What computes the objective, as the start of the log and summary.json say it (RunSetup.loss_summary)."""
+        if built.loss.fused_cross_entropy:
             return "loss: fused linear cross-entropy"
-        kernel = "Triton, gradient in place" if self.built.loss.loss_kernel == "triton" else "torch"
+        kernel = "Triton, gradient in place" if built.loss.loss_kernel == "triton" else "torch"
         return f"loss: logits + cross-entropy ({kernel})"
-
-    @property
-    def attention_summary(self) -> str:
-        return attention.describe(self.attention, self.device, self.dtype)
 
     @property
     def pad_id(self) -> int:
@@ -407,7 +423,7 @@ class Trainer:
         meta = {
             "step": step,
             "world_size": self.world,
-            "zero_stage": self.stage,
+            "zero_stage": self.run.stage,
             "run_key": self.spec.run_key,
             "experiment": self.spec.experiment,
             "time": time.time(),
@@ -424,51 +440,9 @@ class Trainer:
             keep=self.cfg.keep_checkpoints,
         )
 
-    def save_model(self) -> None:
-        """HF layout in output_dir/model: safetensors, config, tokenizer with chat template; for LoRA the
-        merged model there and the adapter in model/adapter/ (QLoRA: merged into the unquantized base)."""
-        self.engine.module.restore_attention()
-        module = self.engine.module.net
-        # Collective under ZeRO-3: every rank takes part in gathering the partitioned weights.
-        state = self.engine._zero3_consolidated_16bit_state_dict() if self.stage == 3 else None
-        if state is not None:  # keys of the loss module: "net.<the model's own key>"
-            state = {k.removeprefix("net."): v for k, v in state.items()}
-        if self.rank == 0:
-            adapter = None
-            if self.cfg.lora.enabled:
-                # Durable before the merge (which loads the base on the host again for QLoRA and can run out of
-                # memory): a failed merge loses neither the adapters nor the steps since the last checkpoint.
-                adapter = self.ckpt_root / "adapter"
-                with atomic_dir(adapter) as tmp:
-                    module.save_pretrained(tmp, safe_serialization=True)
-            with atomic_dir(self.out / "model") as tmp:
-                if adapter is not None:
-                    shutil.copytree(adapter, tmp / "adapter")
-                    self._merge(module, adapter).save_pretrained(tmp, safe_serialization=True)
-                else:
-                    module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-                self.tokenizer.save_pretrained(tmp)
-        dist.barrier()
-
-    def _merge(self, module: torch.nn.Module, adapter: Path) -> torch.nn.Module:
-        """The adapters merged into the base weights; QLoRA's into the base's own weights, not into their 4-bit
-        rounding (snaketune.model.build.merge_adapter)."""
-        try:
-            if self.cfg.lora.quantize != "none":
-                return merge_adapter(self.model_cfg, module, self.cfg.lora, dtype=self.dtype)
-            return module.merge_and_unload()
-        except Exception as e:
-            e.add_note(
-                f"merging the trained LoRA adapters failed; they are saved in {adapter} and the final "
-                f"checkpoint in {self.ckpt_root}: rerun the job to merge again (it resumes at its last "
-                "step and only saves), or merge them yourself with peft "
-                "(PeftModel.from_pretrained(base, adapter).merge_and_unload())"
-            )
-            raise
-
-    def summary(self, last: dict, wall: float) -> dict:
+    def summary(self, result: TrainResult, wall: float) -> dict:
         """summary.json (snaketune.train.summary); a subclass adds what its objective ran."""
-        return run_summary(self, last, wall)
+        return run_summary(self.run, result, wall)
 
 
 def _grad_norm(net: torch.nn.Module) -> torch.Tensor:
