@@ -37,6 +37,23 @@ IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
 """CI sets CI (.ci/run; GitHub Actions and GitLab do too)."""
 
 
+_CURRENT: dict[str, object] = {}
+"""The test being set up or run: its id and whether it is marked slow (pytest_runtest_setup)."""
+
+
+def pytest_runtest_setup(item):
+    _CURRENT.update(id=item.nodeid, slow=item.get_closest_marker("slow") is not None)
+
+
+def heavy(what: str) -> None:
+    """Called where a test starts DeepSpeed ranks or Snakemake jobs: only a test marked slow may (make check's tier
+    runs neither, to stay within its 3 minutes); an unmarked one fails, saying so, instead of slowing the tier."""
+    if _CURRENT.get("slow") is False:
+        pytest.fail(
+            f"{_CURRENT['id']} {what} but is not marked slow: add @pytest.mark.slow (make test's tier)"
+        )
+
+
 def needs(missing: str | bool | None) -> None:
     """A test's prerequisite that is not a Python package: a system package CI installs (chromium, SLURM's daemons)
     or a SLURM cluster this machine should start. Where it is `missing` (why, in words), the test fails in CI, where
@@ -236,6 +253,7 @@ def start(workdir: Path, *args: str, env: dict | None = None) -> Started:
     """snakemake in a process group of its own, so that it can be killed with everything it started. Its
     environment is this process's with `env` over it, and the GPUs hidden (CPU ranks everywhere, so the rank
     counts of the tests hold on a machine with fewer GPUs than ranks too)."""
+    heavy(f"starts snakemake {' '.join(args)}")
     n = len(list(workdir.glob(".cmd*.err")))
     out, err = workdir / f".cmd{n}.out", workdir / f".cmd{n}.err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
@@ -591,6 +609,7 @@ def run_training(
     """
     from snaketune.train.launch import launch
 
+    heavy("starts DeepSpeed ranks (run_training)")
     spec = run_spec(
         tmp_path,
         tiny_data,
@@ -656,6 +675,7 @@ def run_reference(
     the directory holding reference.parquet and reference.json."""
     from snaketune.train.launch import launch
 
+    heavy("starts DeepSpeed ranks (run_reference)")
     train = {**TRAIN_DEFAULTS, **(train_overrides or {})}
     train["global_batch_size"] = train["micro_batch_size"]  # as workflow/scripts/reference.py sets it
     spec = run_spec(

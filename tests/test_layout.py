@@ -223,3 +223,18 @@ def test_a_missing_prerequisite_fails_in_ci_and_skips_elsewhere(monkeypatch):
         conftest.needs("chromium is not installed")
     conftest.needs(None)
     conftest.needs(False)  # `condition and "why"` with the condition false
+
+
+def test_an_unmarked_test_may_not_start_ranks_or_snakemake_jobs(monkeypatch):
+    """conftest.heavy, which run_training, run_reference and conftest.start call: a test without the slow mark
+    that starts DeepSpeed ranks or Snakemake jobs fails, naming itself and the mark, so make check's tier stays
+    fast as tests are added; a slow one goes on."""
+    import conftest
+
+    monkeypatch.setattr(conftest, "_CURRENT", {"id": "tests/test_x.py::test_y", "slow": False})
+    with pytest.raises(
+        pytest.fail.Exception, match=r"test_x.py::test_y starts DeepSpeed ranks .* not marked slow"
+    ):
+        conftest.heavy("starts DeepSpeed ranks (run_training)")
+    monkeypatch.setattr(conftest, "_CURRENT", {"id": "tests/test_x.py::test_y", "slow": True})
+    conftest.heavy("starts DeepSpeed ranks (run_training)")

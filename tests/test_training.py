@@ -163,6 +163,7 @@ def test_checkpointing_some_layers_changes_nothing_but_memory(base_run, tiny_dat
     assert_same_steps(run, base_run)
 
 
+@pytest.mark.slow
 def test_offloaded_checkpoint_inputs_change_nothing_but_memory(base_run, tiny_data, tmp_path):
     """train.offload_activations (the checkpointed layers' inputs in host memory until backward, tests/test_offload.py)
     through the train rule's ranks: the same steps as without checkpointing, and the rank built it that way."""
