@@ -1,4 +1,5 @@
-# The two commands of the quick start: `make run` and `make test`. Both create .venv on first use.
+# The commands of the quick start: `make run`, `make check` (after every edit) and `make test` (all of it, what CI
+# runs). Each creates .venv on first use.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ CORES ?= all
 GPUS ?= 3
 SNAKEMAKE_ARGS ?=
 
-.PHONY: run test lint format clean-results bench
+.PHONY: run check test lint format clean-results bench
 
 LLAMA_CPP := $(shell grep -E '^llama-cpp-python==' requirements-export.txt)
 # libllama for the export stage, built from llama-cpp-python's source archive (PyPI has no wheel): portable (no
@@ -56,6 +57,15 @@ test: $(STAMP) lint
 	if command -v nvidia-smi >/dev/null; then \
 		CUDA_VISIBLE_DEVICES= $(PYTEST) -m "not gpu" $(PYTEST_ARGS) && $(PYTEST) -m gpu $(PYTEST_ARGS); \
 	else $(PYTEST) $(PYTEST_ARGS); fi
+
+# The fast tier, for every edit: lint and every test not marked `slow` (those start Snakemake runs or DeepSpeed
+# ranks: pyproject.toml's markers). At most 3 minutes on 2 cores; `make test` runs everything. (pytest's exit 5:
+# no `gpu` test outside `slow`.)
+check: $(STAMP) lint
+	if command -v nvidia-smi >/dev/null; then \
+		CUDA_VISIBLE_DEVICES= $(PYTEST) -m "not slow and not gpu" $(PYTEST_ARGS) \
+			&& { $(PYTEST) -m "gpu and not slow" $(PYTEST_ARGS) || test $$? = 5; }; \
+	else $(PYTEST) -m "not slow" $(PYTEST_ARGS); fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

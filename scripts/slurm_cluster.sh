@@ -14,7 +14,8 @@
 # network namespace, a second "node" on the same file system), SLURM_CLUSTER_PORT (6817; slurmd uses +1),
 # SLURM_FAKE_CPUS (32) and SLURM_FAKE_MEM_MB (262144): what each node advertises.
 # Needs: apt-get install slurmctld slurmd slurm-client munge (Debian 12: slurm 22.05, munge 0.5.15).
-# What works here and why (fake GPU devices, DefMemPerCPU, ReturnToService, no accounting): ../shared/FACTS.md.
+# What works here and why (fake GPU devices, DefMemPerCPU, ReturnToService, no accounting): docs/facts.md,
+# "SLURM on one machine".
 set -euo pipefail
 
 cmd=${1:-}
@@ -70,7 +71,7 @@ write_config() {
   mkdir -p "$state"/{etc,dev,log,ctld,munge}
   echo "$nodes" >"$state/nodes"
   for i in $(seq 0 "$last"); do
-    # A GRES without File= is dropped and File=/dev/null is refused; a character device works (FACTS.md).
+    # A GRES without File= is dropped and File=/dev/null is refused; a character device works (docs/facts.md).
     [[ -c $gres_dev$i ]] || mknod "$gres_dev$i" c 1 3
   done
   local ctld_host="localhost(127.0.0.1)"

@@ -1,15 +1,24 @@
-"""Shared fixtures: the real data chain on a small builtin sample, and a helper that trains on it with real
-DeepSpeed ranks (CPU ranks over gloo when there is no GPU, ../shared/FACTS.md)."""
+"""The one module of shared test helpers and fixtures (a test module never imports another: tests/test_layout.py):
+copies of the workflow and the one way to run snakemake in them (`snakemake`, or `start` and `finish` for a run to
+kill; a command that starts no job runs forked in-process), the shared tiny run, the real data chain on a small builtin
+sample, and a helper that trains on it with real DeepSpeed ranks (CPU ranks over gloo when there is no GPU).
+What a test builds its inputs from lives beside it by kind: chat_data, oasst_trees, bad_data, report_tree,
+rerun_cases, states4bit_scenarios."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import random
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +33,39 @@ REPO = Path(__file__).resolve().parent.parent
 # with passive waiting (this 2-core machine, 2026-12-03). Set before any torch loads, inherited by every process.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 DEEPSPEED_DIR = REPO / "config" / "deepspeed"
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
+"""CI sets CI (.ci/run; GitHub Actions and GitLab do too)."""
+
+
+_CURRENT: dict[str, object] = {}
+"""The test being set up or run: its id and whether it is marked slow (pytest_runtest_setup)."""
+
+
+def pytest_runtest_setup(item):
+    _CURRENT.update(id=item.nodeid, slow=item.get_closest_marker("slow") is not None)
+
+
+def heavy(what: str) -> None:
+    """Called where a test starts DeepSpeed ranks or Snakemake jobs: only a test marked slow may (make check's tier
+    runs neither, to stay within its 3 minutes); an unmarked one fails, saying so, instead of slowing the tier."""
+    if _CURRENT.get("slow") is False:
+        pytest.fail(
+            f"{_CURRENT['id']} {what} but is not marked slow: add @pytest.mark.slow (make test's tier)"
+        )
+
+
+def needs(missing: str | bool | None) -> None:
+    """A test's prerequisite that is not a Python package: a system package CI installs (chromium, SLURM's daemons)
+    or a SLURM cluster this machine should start. Where it is `missing` (why, in words), the test fails in CI, where
+    .ci/run installs everything and a skip would hide a broken setup, and skips with the reason on a user's machine,
+    which may lack SLURM or root (the test then checks nothing there, and says so). Pinned Python packages never
+    skip: tests/test_envs.py fails on a broken install."""
+    if missing:
+        if IN_CI:
+            pytest.fail(f"{missing} (CI is set: a missing prerequisite fails there instead of skipping)")
+        pytest.skip(missing)
+
+
 WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs")
 """What a copy of the workflow needs (tests run Snakemake in copies, never in the checkout)."""
 
@@ -75,18 +117,282 @@ def shared_dir(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-def run_snakemake(workdir: Path, *args: str, env: dict | None = None, timeout: float = 900) -> str:
-    """`snakemake args` in `workdir`; its output, or a test failure that shows it and the jobs' logs."""
-    cmd = [str(Path(sys.executable).parent / "snakemake"), *args]
-    proc = subprocess.run(
-        cmd, cwd=workdir, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
-    )
-    if proc.returncode != 0:
-        logs = "".join(
-            f"\n--- {p} ---\n{p.read_text()[-2000:]}" for p in sorted(workdir.glob("logs/**/*.log"))
+# ---- running snakemake: the one runner -------------------------------------------------------------------
+
+FAST_CONFIG = REPO / "tests" / "configs" / "fast.yaml"
+"""150 builtin trees, 128-token blocks, 24 optimizer steps: a full workflow run in under a minute on 2 idle cores."""
+# Snakemake 9's message (snakemake.common.NOTHING_TO_BE_DONE_MSG) when no job needs to run.
+NOTHING_TO_DO = "Nothing to be done (all requested files are present and up to date)."
+RUN_TIMEOUT_S = 420  # one full run of the fast config; about 40 s when the machine is idle
+SHORT_TIMEOUT_S = 120  # commands that run no job (dry runs, --report, --lint, bad configs)
+TEMPORARY = re.compile(r"^\..+\.[^.]+\.(?:tmp|old)$")
+"""The names snaketune.io gives temporaries: .<name>.<random>.tmp (.old: a directory being replaced)."""
+
+
+def snakemake_bin() -> Path:
+    """The venv's snakemake (a pinned requirement: a missing one is a broken install, never a skip)."""
+    path = Path(sys.executable).parent / "snakemake"
+    assert path.exists(), f"{path} is missing: snakemake is pinned in requirements.txt (make reinstalls it)"
+    return path
+
+
+@dataclass(frozen=True)
+class Result:
+    """One finished snakemake command. Snakemake 9 logs to stderr, but to stdout in a dry run (-n)."""
+
+    args: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    @property
+    def finished_rules(self) -> list[str]:
+        """Rules of the jobs this command ran to completion, from Snakemake's progress lines."""
+        return re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", self.output)
+
+    @property
+    def planned_rules(self) -> list[str]:
+        """Rules of the jobs a dry run (-n) lists."""
+        return re.findall(r"^\s*(?:local)?rule (\w+):$", self.output, flags=re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    pgid: int
+    state: str
+    cmdline: str
+
+
+def _processes() -> dict[int, tuple[int, Proc]]:
+    """pid -> (parent pid, process) for every process we can see, from /proc."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        # The command name in parentheses may hold spaces; the fields after it are state, ppid, pgrp.
+        state, ppid, pgrp = text.rsplit(")", 1)[1].split()[:3]
+        pid = int(stat.parent.name)
+        table[pid] = (int(ppid), Proc(pid, int(pgrp), state, cmdline))
+    return table
+
+
+def process_tree(root: int) -> list[Proc]:
+    """Every live descendant of `root`."""
+    table = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            found.append(table[pid][1])
+            todo.append(pid)
+    return found
+
+
+def alive(p: Proc) -> bool:
+    """Still running, and still the process we saw (its pid not reused)."""
+    proc = Path(f"/proc/{p.pid}")
+    try:
+        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return False
+    return state != "Z" and cmdline == p.cmdline
+
+
+def _signal(p: Proc, sig: int) -> None:
+    if alive(p):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, sig)
+
+
+def kill_everything(proc: subprocess.Popen) -> list[Proc]:
+    """SIGKILL snakemake's process group (SIGTERM would be a graceful stop for Snakemake) and every process
+    it started. Returns the descendants outside that group, which a kill of the group alone leaves running:
+    they are frozen first, so they cannot go on writing while we look, and killed last."""
+    tree = process_tree(proc.pid)
+    outside = [p for p in tree if p.pgid != proc.pid]
+    for p in outside:
+        _signal(p, signal.SIGSTOP)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # A rank that follows its launcher (e.g. through PR_SET_PDEATHSIG) dies now, even while stopped.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(alive(p) for p in outside):
+        time.sleep(0.1)
+    survivors = [p for p in outside if alive(p)]
+    for p in tree:
+        _signal(p, signal.SIGKILL)
+    return survivors
+
+
+@dataclass(frozen=True)
+class Started:
+    """A running snakemake command; its output goes to files (a full pipe would block it while we poll)."""
+
+    proc: subprocess.Popen
+    workdir: Path
+    out: Path
+    err: Path
+
+    @property
+    def output(self) -> str:
+        return self.out.read_text() + self.err.read_text()
+
+
+def start(workdir: Path, *args: str, env: dict | None = None) -> Started:
+    """snakemake in a process group of its own, so that it can be killed with everything it started. Its
+    environment is this process's with `env` over it, and the GPUs hidden (CPU ranks everywhere, so the rank
+    counts of the tests hold on a machine with fewer GPUs than ranks too)."""
+    heavy(f"starts snakemake {' '.join(args)}")
+    n = len(list(workdir.glob(".cmd*.err")))
+    out, err = workdir / f".cmd{n}.out", workdir / f".cmd{n}.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(
+            [str(snakemake_bin()), *args],
+            cwd=workdir,
+            stdout=stdout,
+            stderr=stderr,
+            env={**os.environ, **(env or {}), "CUDA_VISIBLE_DEVICES": ""},
+            start_new_session=True,
         )
-        pytest.fail(f"{' '.join(cmd)} in {workdir}: exit {proc.returncode}\n{proc.stderr[-4000:]}{logs}")
-    return proc.stdout + proc.stderr
+    return Started(proc, workdir, out, err)
+
+
+def finish(run: Started, timeout: float, *, check: bool = True) -> Result:
+    """Wait for a started command; past `timeout` it is killed with everything it started. With `check`, a
+    failure shows its output and the jobs' logs."""
+    try:
+        run.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_everything(run.proc)
+        pytest.fail(f"{' '.join(run.proc.args)} ran longer than {timeout} s\n{run.output[-4000:]}")
+    result = Result(tuple(run.proc.args[1:]), run.proc.returncode, run.out.read_text(), run.err.read_text())
+    if check and result.returncode != 0:
+        logs = "".join(
+            f"\n--- {log.relative_to(run.workdir)} ---\n{log.read_text()[-3000:]}"
+            for log in sorted(run.workdir.glob("logs/**/*.log"))
+        )
+        pytest.fail(
+            f"snakemake {' '.join(result.args)}: exit {result.returncode}\n{result.output[-4000:]}{logs}"
+        )
+    return result
+
+
+NO_JOBS = {"-n", "--dry-run", "--unlock"}
+"""Commands that start no job: `snakemake` runs them in a forked child of this process (`_forked`)."""
+
+
+def snakemake(
+    workdir: Path, *args: str, timeout: float = SHORT_TIMEOUT_S, check: bool = True, env: dict | None = None
+) -> Result:
+    """`snakemake args` in `workdir`, to its end. A command that starts no job (a dry run, --unlock) runs in a
+    forked child of this process (its output all in `stdout`), others in a process of their own (start, then
+    finish)."""
+    if NO_JOBS & set(args):
+        code, output = _forked(workdir, args, env=env, timeout=timeout)
+        result = Result(tuple(args), code, output, "")
+        if check and code != 0:
+            pytest.fail(f"snakemake {' '.join(args)} in {workdir}: exit {code}\n{output[-4000:]}")
+        return result
+    return finish(start(workdir, *args, env=env), timeout, check=check)
+
+
+def dry_run(workdir: Path, args: Sequence[str]) -> tuple[int, str]:
+    """`snakemake -n args` in `workdir`, forked (`_forked`): (exit code, output)."""
+    return _forked(workdir, ["-n", *args])
+
+
+def _forked(
+    workdir: Path, args: Sequence[str], *, env: dict | None = None, timeout: float = SHORT_TIMEOUT_S
+) -> tuple[int, str]:
+    """`snakemake args` without Snakemake's start-up each time: snakemake.cli is imported once per process (1.6 s
+    of a 2 s dry run on two cores), then each command is a forked child that runs its command line and exits, so
+    no state of one run reaches the next (the Snakefile's module-level code and snaketune's modules load afresh in
+    each child, from the working directory). For commands that start no job: a job would be a child of pytest's
+    process. The environment is `start`'s; past `timeout` the child is killed (SIGALRM). (exit code, output)."""
+    import snakemake.cli  # once per process; the children inherit it
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            signal.alarm(max(1, int(timeout)))
+            os.close(read)
+            os.dup2(write, 1)
+            os.dup2(write, 2)
+            # pytest's capture replaced sys.stdout and sys.stderr: write to the pipe instead.
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+            os.environ.update({**(env or {}), "CUDA_VISIBLE_DEVICES": ""})
+            os.chdir(workdir)
+            # The Snakefile imports snaketune from the working directory's copy (common.smk puts its workflow/
+            # first on sys.path), which is what its code hashes read: forget the copy this process imported.
+            for name in [m for m in sys.modules if m == "snaketune" or m.startswith("snaketune.")]:
+                del sys.modules[name]
+            snakemake.cli.main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # noqa: BLE001 - reported through the output and the exit code
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 1 << 16):
+        chunks.append(chunk)
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode(errors="replace")
+
+
+def job_stats(output: str) -> dict[str, int]:
+    """rule -> job count from a dry run's first "Job stats" table; {} when nothing is to be done."""
+    match = re.search(r"^Job stats:\njob\s+count\n-+\s+-+\n(.*?)^total\s+(\d+)\s*$", output, re.M | re.S)
+    if match is None:
+        assert NOTHING_TO_DO in output, output[-3000:]
+        return {}
+    stats = {name: int(n) for name, n in (line.split() for line in match.group(1).strip().splitlines())}
+    assert sum(stats.values()) == int(match.group(2)), output[-3000:]
+    return stats
+
+
+def file_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def temporaries(root: Path) -> list[str]:
+    """Every temporary of snaketune.io under root (none may survive a finished run)."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob(".*") if TEMPORARY.match(p.name))
+
+
+_SNAPSHOTS: dict[Path, Path] = {}
+
+
+def workflow_copy(tmp_path_factory, name: str) -> Path:
+    """A fresh working directory holding a copy of the workflow, taken once per test session (and worker): every
+    run made here gets the same code hashes (and tokenized-cache key), even while someone edits the sources."""
+    base = tmp_path_factory.getbasetemp()
+    if base not in _SNAPSHOTS:
+        _SNAPSHOTS[base] = copy_workflow(tmp_path_factory.mktemp("workflow_snapshot"))
+    workdir = tmp_path_factory.mktemp(name)
+    shutil.copytree(_SNAPSHOTS[base], workdir, dirs_exist_ok=True)
+    return workdir
 
 
 def clone_run(src: Path, dest: Path) -> Path:
@@ -110,11 +416,54 @@ def tiny_run(tmp_path_factory) -> Path:
             shutil.rmtree(workdir, ignore_errors=True)
             copy_workflow(workdir)
             shutil.copy2(TINY_CONFIG, workdir / "tiny.yaml")
-            run_snakemake(
-                workdir, "--cores", "2", "--resources", "gpu=2", "--configfile", "tiny.yaml", env=HUB_TOKENS
+            snakemake(
+                workdir,
+                *("--cores", "2", "--resources", "gpu=2", "--configfile", "tiny.yaml"),
+                env=HUB_TOKENS,
+                timeout=900,
             )
             (workdir / ".complete").touch()
     return workdir
+
+
+REAL_OASST = REPO / "tests" / "data" / "oasst"
+"""Real OpenAssistant samples, gzip-compressed (tests/data/README.md: what each holds, its source and licence)."""
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_vocab(tmp_path_factory) -> Path:
+    """llama.cpp's vocabulary file of deepseek-llm (ggml-vocab-deepseek-llm.gguf) with its test strings beside it
+    (`.inp`, `.out`), out of the pinned llama-cpp-python's source archive once per test session (tests/
+    deepseek_tokenizer.py). Read-only."""
+    from filelock import FileLock
+
+    import deepseek_tokenizer
+
+    root = shared_dir(tmp_path_factory)
+    out = root / "llama_cpp_vocab"
+    with FileLock(str(root / "llama_cpp_vocab.lock")):
+        if not (out / "done").exists():
+            deepseek_tokenizer.extract(out)
+            (out / "done").touch()
+    return out / deepseek_tokenizer.VOCAB
+
+
+@pytest.fixture(scope="session")
+def deepseek_tokenizer(tmp_path_factory, llama_cpp_vocab) -> Path:
+    """A directory with deepseek-llm-7b-base's tokenizer.json and tokenizer_config.json, rebuilt once per test
+    session (the xdist workers share it under a lock) from llama.cpp's vocabulary file (tests/deepseek_tokenizer.py).
+    Read-only."""
+    from filelock import FileLock
+
+    import deepseek_tokenizer
+
+    root = shared_dir(tmp_path_factory)
+    out = root / "deepseek-llm-7b-base"
+    with FileLock(str(root / "deepseek_tokenizer.lock")):
+        if not (out / "done").exists():
+            deepseek_tokenizer.rebuild(llama_cpp_vocab, out)
+            (out / "done").touch()
+    return out
 
 
 MAX_LENGTH = 128
@@ -198,6 +547,12 @@ def read_metrics(path: Path) -> list[dict]:
         return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
+def losses(workdir: Path, column: str = "train/loss", experiment: str = "default") -> dict[int, float]:
+    """step -> value of every logged step that has one, from a workflow run's results/train/<experiment>."""
+    rows = read_metrics(workdir / f"results/train/{experiment}/metrics.csv")
+    return {int(r["step"]): r[column] for r in rows if r.get(column) is not None}
+
+
 def run_spec(
     root: Path,
     data: TinyData,
@@ -254,6 +609,7 @@ def run_training(
     """
     from snaketune.train.launch import launch
 
+    heavy("starts DeepSpeed ranks (run_training)")
     spec = run_spec(
         tmp_path,
         tiny_data,
@@ -273,14 +629,35 @@ def run_training(
         threads=2,
         module=module,
     )
-    out = Path(spec["output_dir"])
+    return finished_run(tmp_path, Path(spec["output_dir"]), Path(spec["checkpoint_dir"]))
+
+
+def finished_run(root: Path, out: Path | None = None, checkpoint_dir: Path | None = None) -> TrainRun:
+    """The TrainRun of a finished run_training under `root` (its default directories unless named)."""
+    out = out or root / "out"
     return TrainRun(
         out_dir=out,
-        checkpoint_dir=Path(spec["checkpoint_dir"]),
-        log_file=log_file,
+        checkpoint_dir=checkpoint_dir or root / "checkpoints",
+        log_file=root / "train.log",
         rows=read_metrics(out / "metrics.csv"),
         summary=json.loads((out / "summary.json").read_text()),
     )
+
+
+@pytest.fixture(scope="session")
+def default_training_run(tiny_data, tmp_path_factory) -> TrainRun:
+    """run_training with every default (1 rank, ZeRO-2, TRAIN_DEFAULTS: micro-batch 4 x accumulation 1, 20 steps),
+    made once per test session: the baseline of tests/test_training.py and tests/test_quantized.py (the xdist
+    workers share it under a lock; the outputs are read-only)."""
+    from filelock import FileLock
+
+    root = shared_dir(tmp_path_factory) / "default_training_run"
+    with FileLock(f"{root}.lock"):
+        if not (root / "done").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            run_training(root, tiny_data)
+            (root / "done").touch()
+    return finished_run(root)
 
 
 def run_reference(
@@ -298,6 +675,7 @@ def run_reference(
     the directory holding reference.parquet and reference.json."""
     from snaketune.train.launch import launch
 
+    heavy("starts DeepSpeed ranks (run_reference)")
     train = {**TRAIN_DEFAULTS, **(train_overrides or {})}
     train["global_batch_size"] = train["micro_batch_size"]  # as workflow/scripts/reference.py sets it
     spec = run_spec(
@@ -382,7 +760,6 @@ HEAVY_FIRST = (
     "test_hub_workflow.py",
     "test_workflow.py",
     "test_real_model.py",
-    "test_reproducibility.py",
     "test_rerun_owners.py",
     "test_slurm.py",
     "test_bench.py",
@@ -390,12 +767,14 @@ HEAVY_FIRST = (
     "test_quantized.py",
     "test_preferences.py",
     "test_own_data.py",
+    "test_reproducibility.py",
     "test_security.py",
     "test_fast_path.py",
     "test_write_faults.py",
     "test_gpus.py",
 )
-"""The files with the longest runs, longest first (`make test`'s slowest durations, CI 2026-12-06): the two workers of
+"""The files with the longest runs, longest first (`make test`'s slowest durations, CI 2026-12-06; test_reproducibility.py
+later since its dry runs fork in-process): the two workers of
 `make test` (pytest-xdist, --dist loadfile with --no-loadscope-reorder) take files in collection order, so the long
 ones start first and short ones fill the end. The first two files start together; the second (test_faults.py, through
 its `reference`) makes the shared tiny run while the first trains its own experiments, before most of its users start.
@@ -404,6 +783,11 @@ them idle for the 100 s the other spent making the tiny run, and left the long r
 
 
 def pytest_collection_modifyitems(items):
+    # The shared tiny run is a whole workflow run: whatever reads it belongs to `make test`'s tier, marked or not.
+    for item in items:
+        if "tiny_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
     def rank(item) -> int:
         name = Path(str(item.fspath)).name
         return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)

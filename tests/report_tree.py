@@ -10,8 +10,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from snaketune.evaluation.intervals import wilson_interval
 from snaketune.report.inputs import ExperimentFiles, ReportInputs
-from snaketune.report.intervals import wilson_interval
 
 KEY = "0123456789abcdef"
 """The tokenized data's key."""
@@ -362,3 +362,8 @@ def write_manifest(path: Path) -> Path:
     job("evaluate", {"experiment": "lora"}, "logs/eval/lora.log", 36.0, h200s, {"gpu": 1})
     job("export", {"experiment": "lora", "model": "sft"}, "logs/export/lora/sft.log", 20.0, h200s)
     return write_json(path, {"format": 1, "jobs": jobs, "missing": [], "summary": {}})
+
+
+def first_screen(md: str) -> str:
+    """The report's first screen in report.md: from its answer to the data section."""
+    return md[md.index("## Did it help?") : md.index("## Data")]

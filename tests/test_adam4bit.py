@@ -15,14 +15,13 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("torchao")
-pytest.importorskip("triton")
+pytest.importorskip("triton")  # GPU-only: torch's CUDA build brings it, the CPU build none (Makefile)
 
 from torchao.optim.adam import single_param_adam  # noqa: E402
 from torchao.optim.subclass_4bit import OptimState4bit  # noqa: E402
 
 from snaketune.train import adam4bit, states4bit  # noqa: E402
-from test_states4bit import (  # noqa: E402
+from states4bit_scenarios import (  # noqa: E402
     V_MAPS,
     check_exact_averages,
     check_nearest_is_torchaos,

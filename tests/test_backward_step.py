@@ -22,8 +22,6 @@ from snaketune.train.backward_step import BYTES_PER_PARAM, BackwardAdamW
 from snaketune.train.engine import lr_lambda
 from snaketune.train.optim import check_placement, param_groups
 
-pytest.importorskip("torchao")
-
 REPO = Path(__file__).resolve().parent.parent
 BETAS = (0.9, 0.95)
 

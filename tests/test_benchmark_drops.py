@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clone_run, run_snakemake
-from dryrun import dry_run, job_stats
+from conftest import clone_run, dry_run, job_stats, snakemake
 from report_tree import benchmark_result, make_results
 from snaketune import verify
 from snaketune.config.benchmark import BenchmarkConfig
@@ -219,5 +218,5 @@ def test_a_forced_drop_fails_the_run_once_the_report_is_written(tiny_run, tmp_pa
     assert code == 0 and set(job_stats(dry)) == {"benchmark_gate", "all"}, dry[-3000:]
     # The switch off: the report still says it first, and the run ends green.
     (workdir / "gate.yaml").write_text(json.dumps({"benchmark": {"fail_on_drop": False}}))
-    run_snakemake(workdir, *ARGS, "gate.yaml")
+    snakemake(workdir, *ARGS, "gate.yaml", timeout=900)
     assert "`benchmark.fail_on_drop: true` fails the run" in _first_screen(workdir / "results/report")

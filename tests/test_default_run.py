@@ -8,8 +8,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import copy_workflow
-from test_workflow import NOTHING_TO_DO, snakemake
+from conftest import NOTHING_TO_DO, copy_workflow, snakemake
 
 pytestmark = pytest.mark.slow
 

@@ -36,3 +36,26 @@ def test_conda_envs_pin_what_the_requirements_pin():
         assert found, env
         wrong = {name: (v, required.get(name)) for name, v in found.items() if required.get(name) != v}
         assert not wrong, f"{env.name}: pins that differ from requirements*.txt (env, requirements): {wrong}"
+
+
+def test_every_pinned_package_is_installed_at_its_pin():
+    """The suite runs on what requirements*.txt pin (and the Makefile's torch): a pinned package that is missing or
+    at another version is a broken install, which fails here once instead of turning the tests that need it into
+    skips. torch's local build tag (+cpu, +cu130) is the machine's choice, not the pin's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    required = {}
+    for path in sorted(REPO.glob("requirements*.txt")):
+        required.update(pins(path.read_text()))
+    required.update(pins((REPO / "Makefile").read_text().replace("pip install --quiet", "\n-")))
+    wrong = {}
+    for name, pin in sorted(required.items()):
+        try:
+            installed = version(name).split("+")[0]
+        except PackageNotFoundError:
+            installed = None
+        if installed != pin:
+            wrong[name] = (pin, installed)
+    assert not wrong, (
+        f"pinned packages not installed at their pin (pin, installed), `make` reinstalls: {wrong}"
+    )

@@ -61,6 +61,7 @@ def nearly_untrained(tmp_path_factory, tiny_data):
 # ---- the base model ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_base_init_is_the_train_stage_start(nearly_untrained, tokenizer):
     base = evaluate.load_base_model(
         ModelConfig(), tokenizer, seed=SEED, train_dtype=torch.float32, dtype=torch.float32
@@ -241,6 +242,7 @@ def _job(trained, data, tmp_path, **changes) -> evaluate.EvalJob:
     return dataclasses.replace(job, **changes)
 
 
+@pytest.mark.slow
 def test_evaluate_writes_metrics_and_generations(nearly_untrained, tiny_data, tmp_path):
     metrics_path, generations_path = tmp_path / "metrics.json", tmp_path / "generations.jsonl"
     job = _job(
@@ -280,12 +282,14 @@ def test_evaluate_writes_metrics_and_generations(nearly_untrained, tiny_data, tm
     assert rows[0]["expected"] == "The capital of Zorvia is Brelk." and rows[2]["expected"] is None
 
 
+@pytest.mark.slow
 def test_evaluate_without_builtin_data_skips_exact_match(nearly_untrained, tiny_data, tmp_path):
     metrics = evaluate.evaluate(_job(nearly_untrained, tiny_data, tmp_path, builtin_examples=64))
     assert metrics["exact_match"] is None
     assert json.loads((tmp_path / "g.jsonl").read_text())["expected"] is None
 
 
+@pytest.mark.slow
 def test_seed_mismatch_with_the_train_summary_is_refused(nearly_untrained, tiny_data, tmp_path):
     with pytest.raises(ValueError, match="seed"):
         evaluate.evaluate(_job(nearly_untrained, tiny_data, tmp_path, seed=SEED + 1))

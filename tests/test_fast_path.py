@@ -245,6 +245,7 @@ def fast_run(tiny_data, tmp_path_factory):
     return run_training(tmp_path_factory.mktemp("fast"), tiny_data, train_overrides=FAST, deepspeed="zero0")
 
 
+@pytest.mark.slow
 def test_fast_path_in_fp32_is_the_plain_path(plain_run, tiny_data, tmp_path):
     """Fused loss and varlen attention change no number: in fp32 every step's loss and gradient norm agree."""
     run = run_training(tmp_path, tiny_data, train_overrides={**FAST, "precision": "fp32"}, deepspeed="zero0")
@@ -257,6 +258,7 @@ def test_fast_path_in_fp32_is_the_plain_path(plain_run, tiny_data, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_fast_path_loss_follows_the_plain_path(fast_run, plain_run):
     s = fast_run.summary
     assert s["precision"] == "bfloat16"
@@ -273,6 +275,7 @@ def test_fast_path_loss_follows_the_plain_path(fast_run, plain_run):
     np.testing.assert_allclose(norms[:-1], plain_norms[:-1], rtol=0.1)
 
 
+@pytest.mark.slow
 def test_fast_path_resumes_the_uninterrupted_run(fast_run, tiny_data, tmp_path):
     ckpt = tmp_path / "checkpoints"
     shutil.copytree(fast_run.checkpoint_dir, ckpt)
@@ -285,6 +288,7 @@ def test_fast_path_resumes_the_uninterrupted_run(fast_run, tiny_data, tmp_path):
     np.testing.assert_allclose(run.losses[8:], fast_run.losses[8:], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_fast_path_two_ranks_follow_one(fast_run, tiny_data, tmp_path):
     run = run_training(
         tmp_path,
@@ -302,6 +306,7 @@ def test_fast_path_two_ranks_follow_one(fast_run, tiny_data, tmp_path):
     np.testing.assert_allclose(norms[:-1], [r["train/grad_norm"] for r in fast_run.rows][:-1], rtol=0.05)
 
 
+@pytest.mark.slow
 def test_fast_path_accumulates_in_fp32_across_ranks(fast_run, tiny_data, tmp_path):
     """2 ranks x micro-batch 1 x accumulation 2: the fp32 gradient buffer is summed over micro-batches and
     all-reduced by the optimizer (DeepSpeed's all-reduce of .grad is off), and the run follows 1 rank x 4 x 1."""
@@ -321,6 +326,7 @@ def test_fast_path_accumulates_in_fp32_across_ranks(fast_run, tiny_data, tmp_pat
     np.testing.assert_allclose(norms[:-1], [r["train/grad_norm"] for r in fast_run.rows][:-1], rtol=0.05)
 
 
+@pytest.mark.slow
 def test_fast_path_lora(tiny_data, tmp_path):
     """LoRA with fp32 masters: peft keeps its adapters in fp32 (DeepSpeed drops the empty no-decay group)."""
     lora = dict(FAST, max_steps=6, checkpoint_every=0, lora={"enabled": True, "rank": 4})
@@ -331,6 +337,7 @@ def test_fast_path_lora(tiny_data, tmp_path):
     assert (run.out_dir / "model" / "adapter" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_bf16_optimizer_snaketune_needs_zero_stage_0(tiny_data, tmp_path):
     from snaketune.train.launch import LaunchError
 

@@ -11,8 +11,8 @@ one output into place, with the outputs renamed before it already there (or, for
 their provenance record, all outputs in place). Training is killed after its last step, once its final
 checkpoint is complete, before its outputs are in place. After each kill a dry run shows what Snakemake makes of the leftovers, `--unlock` removes the
 stale lock and `--rerun-incomplete` reruns, as a user would. The end result is compared with `reference`,
-an uninterrupted run from the same snapshot of the workflow (shared with tests/test_security.py, which
-greps it for the fake hub tokens in its environment). The reference run and the killed runs take about
+an uninterrupted run of the same config (conftest.tiny_run, which tests/test_security.py greps for the fake hub
+tokens in its environment). The reference run and the killed runs take about
 3 minutes on 2 cores; the whole file about 3.5.
 """
 
@@ -33,11 +33,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import TINY_CONFIG, copy_workflow
-from snaketune import io
-from test_workflow import (
-    EXPERIMENT,
+from conftest import (
     RUN_TIMEOUT_S,
+    TEMPORARY,
+    TINY_CONFIG,
     Result,
     file_bytes,
     finish,
@@ -45,13 +44,12 @@ from test_workflow import (
     losses,
     snakemake,
     start,
+    temporaries,
+    workflow_copy,
 )
+from snaketune import io
 
-REPO = Path(__file__).resolve().parent.parent
-TESTS_DIR = REPO / "tests"
-WORKFLOW_DIR = REPO / "workflow"
-TEMPORARY = re.compile(r"^\..+\.[^.]+\.(?:tmp|old)$")
-"""The names snaketune.io gives temporaries: .<name>.<random>.tmp (.old: a directory being replaced)."""
+EXPERIMENT = "default"
 HOOK_LINE = re.compile(rf"test hook {io.PAUSE_ENV}: paused before renaming \S+ onto (\S+)")
 POLL_S = 0.1
 
@@ -59,29 +57,16 @@ POLL_S = 0.1
 # ---- the workflow runs -----------------------------------------------------------------------------
 
 
-_SESSION: dict[str, object] = {}
-"""One snapshot of the workflow and one reference run per session, also for tests/test_security.py."""
-
-
-def workflow_snapshot(tmp_path_factory) -> Path:
-    """The repository's workflow files, copied once: every run here starts from this copy, so all get the
-    same code hashes (and tokenized-cache key) even while someone edits the sources."""
-    if "snapshot" not in _SESSION:
-        snapshot = copy_workflow(tmp_path_factory.mktemp("faults_snapshot"))
-        (snapshot / NO_BENCHMARK).write_text(json.dumps({"benchmark": {"enabled": False}}))
-        _SESSION["snapshot"] = snapshot
-    return _SESSION["snapshot"]
-
-
 def new_workdir(tmp_path_factory, name: str) -> Path:
-    workdir = tmp_path_factory.mktemp(name)
-    shutil.copytree(workflow_snapshot(tmp_path_factory), workdir, dirs_exist_ok=True)
+    """A copy of the workflow (conftest.workflow_copy) with the config file that leaves the benchmark out."""
+    workdir = workflow_copy(tmp_path_factory, name)
+    (workdir / NO_BENCHMARK).write_text(json.dumps({"benchmark": {"enabled": False}}))
     return workdir
 
 
 @contextlib.contextmanager
 def environment(**values: str) -> Iterator[None]:
-    """Variables for the snakemake commands started inside (test_workflow.start copies os.environ)."""
+    """Variables for the snakemake commands started inside (conftest.start copies os.environ)."""
     with pytest.MonkeyPatch.context() as mp:
         for name, value in values.items():
             mp.setenv(name, value)
@@ -118,11 +103,6 @@ BOOKKEEPING = {"train": {"keep_checkpoints": 3, "checkpoint_every": 1, "log_ever
 def reference(tiny_run) -> Path:
     """The whole tiny workflow, uninterrupted (conftest.tiny_run, shared with other tests)."""
     return tiny_run
-
-
-def temporaries(root: Path) -> list[str]:
-    """Every temporary of snaketune.io under root (none may survive a finished run)."""
-    return sorted(str(p.relative_to(root)) for p in root.rglob(".*") if TEMPORARY.match(p.name))
 
 
 def tokenized_key(workdir: Path) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_workflow
+from conftest import copy_workflow, needs
 from snaketune import gpus
 
 REPO = Path(__file__).resolve().parent.parent
@@ -295,10 +295,10 @@ int cuGetErrorName(int rc, const char **s) { *s = rc == 999 ? "CUDA_ERROR_UNKNOW
 """
 
 
-@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the fake driver")
 def test_the_launcher_asks_the_cuda_driver_without_importing_torch(tmp_path):
     """The rule's process counts, names and sizes the GPUs through libcuda (snaketune.cuda_driver), never torch:
     a fake driver built here answers, and torch stays unimported; no driver or a failing cuInit means no GPU."""
+    needs(shutil.which("gcc") is None and "gcc is not installed: it builds the fake CUDA driver")
     src = tmp_path / "fake_cuda.c"
     src.write_text(FAKE_LIBCUDA)
     lib = tmp_path / "libcuda.so.1"

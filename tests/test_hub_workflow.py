@@ -15,18 +15,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import copy_workflow
-from test_workflow import snakemake
+from conftest import REAL_OASST, copy_workflow, snakemake
 
 # The fixture runs the whole workflow for four experiments (about 6 minutes on two cores beside another test):
 # longer than pyproject.toml's per-test timeout, which the first test using it pays.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata"
-TOKENIZER = REALDATA / "deepseek-llm-7b-base"
-ROWS = REALDATA / "oasst" / "en_100.hf_rows.jsonl"
-TREES = REALDATA / "oasst" / "en_100_tree.jsonl"
-needs_realdata = pytest.mark.skipif(not TOKENIZER.is_dir(), reason=f"{REALDATA} is absent (a user's clone)")
+ROWS = REAL_OASST / "en_100.hf_rows.jsonl.gz"
+TREES = REAL_OASST / "en_100_tree.jsonl.gz"
 RUN_TIMEOUT_S = 1500
 ZERO2 = "default"
 EXPERIMENTS = {
@@ -49,7 +45,7 @@ EXPERIMENTS = {
 }
 
 
-def write_hub_model(out: Path) -> Path:
+def write_hub_model(out: Path, tokenizer: Path) -> Path:
     """A tiny model in the hub layout deepseek-llm-7b-base ships: config.json, model-0000N-of-0000M shards, the
     tokenizer's two files (no chat template, no pad)."""
     import torch
@@ -74,14 +70,14 @@ def write_hub_model(out: Path) -> Path:
         out, max_shard_size="5MB", safe_serialization=True
     )
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER / name, out / name)
+        shutil.copy(tokenizer / name, out / name)
     return out
 
 
 @pytest.fixture(scope="module")
-def hub_run(tmp_path_factory):
+def hub_run(tmp_path_factory, deepseek_tokenizer):
     root = tmp_path_factory.mktemp("hub")
-    model = write_hub_model(root / "deepseek-tiny-hub")
+    model = write_hub_model(root / "deepseek-tiny-hub", deepseek_tokenizer)
     workdir = copy_workflow(root / "wf")
     config = {
         "dataset": {"source": str(ROWS), "paths": "all", "validation_fraction": 0.08},
@@ -136,7 +132,6 @@ def _weight(model_dir: Path, name: str):
         return f.get_tensor(name)
 
 
-@needs_realdata
 def test_hub_model_has_the_users_layout(hub_run):
     _, model, _ = hub_run
     names = sorted(p.name for p in model.iterdir())
@@ -145,7 +140,6 @@ def test_hub_model_has_the_users_layout(hub_run):
     assert "chat_template" not in config and not (model / "chat_template.jinja").exists()
 
 
-@needs_realdata
 def test_every_strategy_trains_from_the_hub_directory(hub_run):
     import torch
 
@@ -193,7 +187,6 @@ def test_every_strategy_trains_from_the_hub_directory(hub_run):
         )
 
 
-@needs_realdata
 def test_real_tokenizer_tokenizes_real_oasst_rows(hub_run):
     workdir, _, _ = hub_run
     tokenized = [d for d in (workdir / "results/tokenized").iterdir() if d.is_dir()]
@@ -205,7 +198,6 @@ def test_real_tokenizer_tokenizes_real_oasst_rows(hub_run):
     assert tok.get("bos_token") == "<｜begin▁of▁sentence｜>"
 
 
-@needs_realdata
 def test_preference_stage_runs_on_the_hub_path(hub_run):
     workdir, _, _ = hub_run
     stats = _json(workdir / "results/data/preferences/best_vs_rest/stats.json")
@@ -220,7 +212,6 @@ def test_preference_stage_runs_on_the_hub_path(hub_run):
         assert not (workdir / f"results/dpo/{name}").exists()
 
 
-@needs_realdata
 def test_evaluation_and_report_on_the_hub_path(hub_run):
     import pyarrow.parquet as pq
 
@@ -255,7 +246,6 @@ def test_evaluation_and_report_on_the_hub_path(hub_run):
     }
 
 
-@needs_realdata
 def test_the_merged_qlora_model_goes_out_as_gguf_with_the_deepseek_tokenizer(hub_run):
     workdir, _, _ = hub_run
     assert [
@@ -276,7 +266,6 @@ def _wall_s(tsv: Path) -> float:
     return float(next(csv.DictReader(tsv.open(), delimiter="\t"))["s"])
 
 
-@needs_realdata
 def test_the_benchmark_stage_fits_the_data_and_scores_the_file_at_the_models_cost(hub_run):
     """On a user's data the stage asks general questions (mmlu_dev, the report says why); at DeepSeek's vocabulary
     the q4_k_m file is scored on the same 40 questions as its model, in at most twice its model's job time (the
@@ -298,7 +287,6 @@ def test_the_benchmark_stage_fits_the_data_and_scores_the_file_at_the_models_cos
     assert "Why these tasks: benchmark.tasks auto, for your own data: general knowledge (mmlu_dev" in report
 
 
-@needs_realdata
 def test_trees_form_gives_the_same_tokens(hub_run, tmp_path):
     """The nested-tree export of the same 100 trees gives byte-identical tokenized data."""
     workdir, model, _ = hub_run

@@ -13,25 +13,21 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import clone_run
-from dryrun import dry_run, job_stats
+from conftest import Result, clone_run, dry_run, job_stats, snakemake
 
 pytestmark = pytest.mark.slow  # copies of the shared tiny workflow run
 
 ARGS = ("--cores", "2", "--resources", "gpu=2", "--configfile", "tiny.yaml")
-SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 
 
-def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [SNAKEMAKE, *args], cwd=workdir, capture_output=True, text=True, timeout=900, env=os.environ
-    )
+def attempt(workdir: Path, *args: str) -> Result:
+    """conftest.snakemake, its exit code and output kept whatever they are (these tests read failures)."""
+    return snakemake(workdir, *args, check=False, timeout=900)
 
 
 def tree(workdir: Path, top: str = "results") -> dict[str, tuple[str, int]]:
@@ -107,7 +103,7 @@ def test_the_plain_run_rebuilds_a_removed_output_and_what_follows(tiny_run, tmp_
     before = json.loads(metrics.read_text())
     report = (w / "results/report/index.html").stat().st_mtime_ns
     metrics.unlink()
-    run = snakemake(w, *ARGS)
+    run = attempt(w, *ARGS)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "results/eval/default/metrics.json is missing" in run.stderr
     assert re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", run.stderr) == [
@@ -130,7 +126,7 @@ def test_verify_and_the_reading_stage_find_what_the_quick_check_trusts(tiny_run,
     file; `snakemake verify` hashes every output and names it with the command that rebuilds it; a stage that
     reads the cache refuses it before it starts (and keeps its own outputs)."""
     w = clone_run(tiny_run, tmp_path / "w")
-    clean = snakemake(w, "--cores", "2", "verify", "--configfile", "tiny.yaml")
+    clean = attempt(w, "--cores", "2", "verify", "--configfile", "tiny.yaml")
     assert clean.returncode == 0 and re.search(r"verify: \d+ outputs, \d+ files", clean.stderr), clean.stderr[
         -3000:
     ]
@@ -139,12 +135,12 @@ def test_verify_and_the_reading_stage_find_what_the_quick_check_trusts(tiny_run,
     zero(arrow, 1024, 512, keep_mtime=True)
     code, out = dry_run(w, ARGS)
     assert code == 0 and job_stats(out) == {}, out[-3000:]
-    found = snakemake(w, "--cores", "2", "verify", "--configfile", "tiny.yaml")
+    found = attempt(w, "--cores", "2", "verify", "--configfile", "tiny.yaml")
     rel = arrow.relative_to(w).as_posix()
     assert found.returncode != 0 and f"{rel}: content differs at the recorded size" in found.stderr
     assert advised(found.stderr) == [key.relative_to(w).as_posix()], found.stderr[-3000:]
     export = tree(w, "results/export/default/sft")
-    forced = snakemake(w, *ARGS, "--forcerun", "results/export/default/sft")
+    forced = attempt(w, *ARGS, "--forcerun", "results/export/default/sft")
     assert forced.returncode != 0, forced.stderr[-3000:]
     assert re.search(r"ERROR in rule export: OutputsChanged: inputs changed since", forced.stderr)
     assert f"rm -r {key.relative_to(w).as_posix()}" in forced.stderr
@@ -185,7 +181,7 @@ def test_a_failed_stage_keeps_the_last_good_outputs(tiny_run, tmp_path):
         if script:
             shutil.copy2(w / "workflow/scripts" / script, saved)
             sabotaged(w / "workflow/scripts" / script)
-        run = snakemake(w, *ARGS, *([overlay] if overlay else []), "--keep-going")
+        run = attempt(w, *ARGS, *([overlay] if overlay else []), "--keep-going")
         if script:
             shutil.copy2(saved, w / "workflow/scripts" / script)  # back, with its old mtime
         assert run.returncode != 0 and f"ERROR in rule {rule}:" in run.stderr, (rule, run.stderr[-4000:])

@@ -52,6 +52,7 @@ torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
     assert failure_cause("") == "last output: <none>"
 
 
+@pytest.mark.slow
 def test_a_failed_launch_names_the_rank_torchrun_saw_fail_first_not_the_ranks_it_took_down(tmp_path):
     """Real torchrun, two CPU ranks: rank 1 raises while rank 0 waits in a collective, so rank 0 fails too, with
     gloo's "connection closed by peer". Ranks write to one log, so their tracebacks can come in either order: the

@@ -1,6 +1,7 @@
 """The package's layout holds: layers in the order the data flows, each importing only the layers before it, no
 import circle, empty __init__.py files, absolute imports only, no module over 500 lines, and no torch in the
-stages that run in the Snakefile and on login nodes (config, data, plan, report)."""
+stages that run in the Snakefile and on login nodes (config, data, plan, report). And the tests': no test module
+imports another."""
 
 from __future__ import annotations
 
@@ -190,3 +191,50 @@ def test_no_module_reaches_into_another_modules_private_names():
     files += sorted((keys.PACKAGE_DIR.parent / "scripts").glob("*.py"))
     found = [use for path in files for use in _private_uses(path)]
     assert not found, "private names used outside their module:\n" + "\n".join(found)
+
+
+def test_no_test_module_imports_another():
+    """A test module imports no other test module (`from test_workflow import snakemake` once ran that module's code,
+    fixtures included, inside fifteen others): shared helpers live in tests/conftest.py, inputs in the modules
+    that build them (chat_data, oasst_trees, ...), which import no test module either."""
+    tests = keys.PACKAGE_DIR.parents[1] / "tests"
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            found += [
+                f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0].startswith("test_")
+            ]
+    assert not found, "test modules importing test modules:\n" + "\n".join(found)
+
+
+def test_a_missing_prerequisite_fails_in_ci_and_skips_elsewhere(monkeypatch):
+    """conftest.needs: in CI (the CI variable set) a test whose system prerequisite or SLURM cluster is missing
+    fails with the reason; on a user's machine it skips with it; with nothing missing it does neither."""
+    import conftest
+
+    monkeypatch.setattr(conftest, "IN_CI", True)
+    with pytest.raises(pytest.fail.Exception, match="the two-node cluster did not start"):
+        conftest.needs("the two-node cluster did not start")
+    monkeypatch.setattr(conftest, "IN_CI", False)
+    with pytest.raises(pytest.skip.Exception, match="chromium is not installed"):
+        conftest.needs("chromium is not installed")
+    conftest.needs(None)
+    conftest.needs(False)  # `condition and "why"` with the condition false
+
+
+def test_an_unmarked_test_may_not_start_ranks_or_snakemake_jobs(monkeypatch):
+    """conftest.heavy, which run_training, run_reference and conftest.start call: a test without the slow mark
+    that starts DeepSpeed ranks or Snakemake jobs fails, naming itself and the mark, so make check's tier stays
+    fast as tests are added; a slow one goes on."""
+    import conftest
+
+    monkeypatch.setattr(conftest, "_CURRENT", {"id": "tests/test_x.py::test_y", "slow": False})
+    with pytest.raises(
+        pytest.fail.Exception, match=r"test_x.py::test_y starts DeepSpeed ranks .* not marked slow"
+    ):
+        conftest.heavy("starts DeepSpeed ranks (run_training)")
+    monkeypatch.setattr(conftest, "_CURRENT", {"id": "tests/test_x.py::test_y", "slow": True})
+    conftest.heavy("starts DeepSpeed ranks (run_training)")

@@ -1,5 +1,5 @@
 """The two official oasst forms (flat message rows and LAION's nested trees), gzip, tree states, and the real
-samples in ../shared/realdata/oasst: the same data in both forms gives the same conversations."""
+samples in tests/data/oasst: the same data in both forms gives the same conversations."""
 
 from __future__ import annotations
 
@@ -12,13 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import REAL_OASST
 from snaketune.data import download
 from snaketune.data.conversations import build_conversations
 from snaketune.data.messages import DataError
 from snaketune.data.readers import read_messages
-
-REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata" / "oasst"
-needs_realdata = pytest.mark.skipif(not REALDATA.is_dir(), reason=f"{REALDATA} is absent (a user's clone)")
 
 
 def message(message_id: str, role: str, text: str, *replies: dict, **extra) -> dict:
@@ -220,27 +218,25 @@ def test_broken_gzip_is_named(tmp_path):
 # ---- the real samples --------------------------------------------------------------------------------------
 
 
-@needs_realdata
 @pytest.mark.parametrize(
     ("trees", "rows"),
     [
-        ("en_100_tree.jsonl", "en_100.hf_rows.jsonl"),
-        ("openpaws_oasst2.trees.jsonl", "openpaws_oasst2.hf_rows.jsonl"),
+        ("en_100_tree.jsonl.gz", "en_100.hf_rows.jsonl.gz"),
+        ("openpaws_oasst2.trees.jsonl.gz", "openpaws_oasst2.hf_rows.jsonl.gz"),
     ],
 )
 @pytest.mark.parametrize("paths", ["top1", "all"])
 def test_real_samples_give_the_same_conversations_in_both_forms(trees, rows, paths):
-    a = build_conversations(read_messages(REALDATA / trees), paths=paths)
-    b = build_conversations(read_messages(REALDATA / rows), paths=paths)
+    a = build_conversations(read_messages(REAL_OASST / trees), paths=paths)
+    b = build_conversations(read_messages(REAL_OASST / rows), paths=paths)
     assert a.stats == b.stats
     pd.testing.assert_frame_equal(a.train, b.train)
     pd.testing.assert_frame_equal(a.validation, b.validation)
 
 
-@needs_realdata
 def test_real_oasst2_sample_counts():
-    """What ../shared/realdata/README.md says the sample holds, as the stages count it."""
-    frame = read_messages(REALDATA / "openpaws_oasst2.trees.jsonl")
+    """What tests/data/README.md says the sample holds, as the stages count it."""
+    frame = read_messages(REAL_OASST / "openpaws_oasst2.trees.jsonl.gz")
     assert frame.attrs["snaketune_repeated_trees"] == 31 and len(frame) == 1500
     stats = build_conversations(frame, paths="all").stats
     assert stats["trees"] == 520
@@ -250,8 +246,7 @@ def test_real_oasst2_sample_counts():
     assert len(everything["by_language"]["train"]) >= 15
 
 
-@needs_realdata
 def test_early_export_without_review_fields_reads():
     """test.jsonl: an early export without review_result, deleted or tree_state."""
-    stats = build_conversations(read_messages(REALDATA / "test.jsonl")).stats
+    stats = build_conversations(read_messages(REAL_OASST / "test.jsonl.gz")).stats
     assert stats["trees"] == 21 and sum(stats["conversations"].values()) == 20

@@ -19,8 +19,7 @@ import pytest
 import yaml
 
 from chat_data import WORDS, sentence
-from conftest import CHATML, REPO, TINY_CONFIG, chatml_tokenizer, copy_workflow, run_snakemake
-from dryrun import dry_run, job_stats
+from conftest import CHATML, REPO, TINY_CONFIG, chatml_tokenizer, copy_workflow, dry_run, job_stats, snakemake
 from snaketune.config.choices import ConfigError
 from snaketune.config.load import load_config
 from snaketune.data import download
@@ -259,7 +258,7 @@ def own_run(tmp_path_factory) -> Path:
     write_jsonl(workdir / sources["dataset"]["source"], chats())
     write_jsonl(workdir / sources["preference"]["source"], pairs())
     configs = ("tiny.yaml", example["config_name"], "models_only.yaml")
-    run_snakemake(workdir, *ARGS, "--configfile", *configs)
+    snakemake(workdir, *ARGS, "--configfile", *configs, timeout=900)
     return workdir
 
 

@@ -1,4 +1,4 @@
-"""The preflight memory model (snaketune.plan.memory) against measured peaks: FACTS.md's H200 points, this
+"""The preflight memory model (snaketune.plan.memory) against measured peaks: docs/facts.md's H200 points, this
 project's own H200 runs (the fast path, Liger, the example configs, partial checkpointing under a 24 GiB cap, the
 Triton loss, QLoRA, 8-bit states), exact parameter counts and a local model's config.json. Each table says which
 runs a constant was fitted to and which it predicts. What the plan does with these numbers (the plan file, a
@@ -49,8 +49,8 @@ def ds_setup(name: str, **fields) -> memory.Setup:
     return setups.setup_from_deepspeed(json.loads(Path(DEEPSPEED[name]).read_text()), **fields)
 
 
-# The measured points of ../shared/FACTS.md (one H200, random-init 7B architecture, seq 512): (what, layers,
-# setup, measured GiB, which figure: a GPU peak the model predicts, one a constant was fitted to, host memory). FACTS.md does not say which DeepSpeed buckets its runs used; these use
+# The measured points of docs/facts.md (one H200, random-init 7B architecture, seq 512): (what, layers,
+# setup, measured GiB, which figure: a GPU peak the model predicts, one a constant was fitted to, host memory). docs/facts.md does not say which DeepSpeed buckets its runs used; these use
 # the project's files.
 FACTS = [
     ("bf16 ZeRO-2, 4 x 2", 24, ds_setup("zero2.json", world=1, micro_batch=4, seq_len=512), 116.8, "gpu"),
@@ -58,7 +58,7 @@ FACTS = [
         "LoRA r16 all linear, bf16, 8 x 1",
         30,
         ds_setup("zero2.json", world=1, micro_batch=8, seq_len=512, lora_rank=16, lora_targets=ALL_LINEAR),
-        # Measured with this project's trainer (bench/log/2026-11-29_h200_plan); FACTS.md's 45.4 GiB for the
+        # Measured with this project's trainer (bench/log/2026-11-29_h200_plan); docs/facts.md's 45.4 GiB for the
         # same setup came from other training code. LORA_ACTIVATION_FACTOR is fitted to it.
         37.6,
         "fitted",
@@ -110,7 +110,7 @@ def test_plan_matches_this_projects_own_h200_run():
     est = memory.estimate(deepseek(24), setup)
     assert est.params == summary["parameters"] == 5_696_065_536
     assert_planned(est.peak_allocated_gib, summary["peak_memory_gib_per_rank"][0])
-    # One GPU under ZeRO-2 peaks in the optimizer step at 22 B/param (FACTS.md).
+    # One GPU under ZeRO-2 peaks in the optimizer step at 22 B/param (docs/facts.md).
     assert est.peak_phase == "optimizer step"
     assert est.peak_allocated_gib * 2**30 / est.params == pytest.approx(22, rel=0.01)
 
@@ -261,7 +261,7 @@ def test_plan_matches_the_example_configs_on_an_h200(example, overrides, measure
 
 
 def test_parameter_counts_are_exact():
-    assert deepseek(30).params() == 6_910_365_696  # FACTS.md
+    assert deepseek(30).params() == 6_910_365_696  # docs/facts.md
     assert deepseek(30).lora_params(16, ALL_LINEAR) == 37_478_400
 
 

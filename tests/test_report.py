@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import clone_run, run_snakemake
-from report_tree import COMMIT, DPO, GPU_SECONDS, KEY, make_results, write_json, write_text
+from conftest import clone_run, needs, snakemake
+from report_tree import COMMIT, DPO, GPU_SECONDS, KEY, first_screen, make_results, write_json, write_text
 from snaketune.report import build as report
 from snaketune.report.headline import Measure, cell_text
 from snaketune.report.render import fmt, fmt_duration, fmt_pct
@@ -106,15 +106,11 @@ def test_html_is_self_contained(built):
     assert "let let &lt;b&gt;" in page  # generated text is escaped
 
 
-def _first_screen(md: str) -> str:
-    return md[md.index("## Did it help?") : md.index("## Data")]
-
-
 def test_the_first_screen_answers_for_the_final_model(built):
     """Before anything else: each experiment's final model (DPO where it ran, else SFT) against base and SFT with
     95% intervals, the verdict in words, the run's time and GPU-hours, and how to make it again."""
     out, _ = built
-    top = _first_screen((out / "report.md").read_text())
+    top = first_screen((out / "report.md").read_text())
     assert "the final model is the **DPO** model" in top and "the final model is the **SFT** model" in top
     # Wilson's interval of 0 of 64 right reaches z² / (64 + z²) = 5.66%.
     assert (
@@ -348,8 +344,8 @@ def _chromium(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([chromium(), *flags, *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.skipif(chromium() is None, reason="chromium is not installed (apt-get install -y chromium)")
 def test_html_renders_in_headless_chromium(built, tmp_path):
+    needs(chromium() is None and "chromium is not installed (apt-get install -y chromium)")
     out, summary = built
     url = (out / "index.html").resolve().as_uri()
     dom = _chromium(["--dump-dom", url], tmp_path)
@@ -439,8 +435,8 @@ def _final_figures(summary: dict) -> list[str]:
     return texts
 
 
-@pytest.mark.skipif(chromium() is None, reason="chromium is not installed (apt-get install -y chromium)")
 def test_the_first_screen_holds_the_answer_and_nothing_scrolls_sideways(built, tmp_path):
+    needs(chromium() is None and "chromium is not installed (apt-get install -y chromium)")
     """At 1,280 x 800 every final model's headline figure, with its interval, ends within the first 800 px; at 1,024
     and 1,280 px the page is no wider than the window; no plot is drawn wider than 1.1x its pixels."""
     out, summary = built
@@ -480,9 +476,9 @@ def test_workflow_ends_with_the_report_and_eval_settings_never_retrain(tiny_run,
     assert exp["steps"] == train["max_steps"] and exp["world_size"] == train["gpus"]
     workdir = clone_run(tiny_run, tmp_path / "wf")
     args = ("--cores", "2", "--resources", "gpu=2", "--configfile", "tiny.yaml")
-    dry = run_snakemake(workdir, *args, "-n", "--config", "eval={prompts: ['What is 2 + 2?']}")
+    dry = snakemake(workdir, *args, "-n", "--config", "eval={prompts: ['What is 2 + 2?']}").output
     jobs = {line.split()[0] for line in dry.splitlines() if line[:1].isalpha() and line.split()[-1].isdigit()}
     assert jobs & {"evaluate", "report"} == {"evaluate", "report"}
     assert not jobs & {"download", "conversations", "train_tokenizer", "tokenize", "train"}, dry
-    run_snakemake(workdir, *args, "--report", "results/report.zip")
+    snakemake(workdir, *args, "--report", "results/report.zip", timeout=900)
     assert (workdir / "results/report.zip").stat().st_size > 0

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 
-from report_tree import make_results, write_json
+import torch
+
+from report_tree import first_screen, make_results, write_json
 from snaketune.report import build as report
 from snaketune.report.headline import Measure, busy_seconds, cell_text, change_sentence
-from test_report import _first_screen
 
 
 def _measure(key: str, values: dict, intervals: dict | None = None, percent: bool = True) -> Measure:
@@ -53,6 +54,25 @@ def test_a_loss_interval_gets_a_noise_verdict(tmp_path):
     )
 
 
+def test_the_report_computes_the_interval_the_evaluate_stage_records(tmp_path):
+    """Where the evaluation recorded only counts (exact match), the first screen's interval is the one the evaluate
+    stage writes beside its accuracies for the same counts, to the last bit: one Wilson interval and one quantile
+    for both layers (two copies with their own constant once gave intervals apart in the ninth digit)."""
+    from snaketune.evaluation.scores import preference_scores
+    from snaketune.report.headline import measures
+    from snaketune.report.inputs import load
+
+    _, experiments = load(make_results(tmp_path))
+    em = experiments[0].eval["exact_match"]
+    (figure,) = [m for m in measures(experiments[0]) if m.key == "exact_match"]
+    for model, interval in figure.intervals.items():
+        n, correct = em[model]["n"], em[model]["correct"]
+        # The stage's accuracy of `correct` wins among n pairs, through its own code path.
+        logprobs = torch.tensor([[0.0, -1.0]] * correct + [[-1.0, 0.0]] * (n - correct))
+        recorded = preference_scores(logprobs, torch.ones_like(logprobs), logprobs, beta=0.1)["accuracy_ci95"]
+        assert interval == recorded, model
+
+
 def test_wall_time_counts_overlapping_jobs_once_and_no_idle_gap():
     assert busy_seconds([(0.0, 10.0), (5.0, 15.0), (100.0, 110.0)]) == 25.0
     assert busy_seconds([(0.0, 10.0), (2.0, 3.0)]) == 10.0
@@ -67,7 +87,7 @@ def test_a_run_without_gpus_says_so(tmp_path):
     write_json(inputs.manifest, manifest)
     summary = report.build_report(inputs, tmp_path / "out", workdir=tmp_path)
     assert summary["run"]["gpu_hours"] == 0
-    assert "**CPU run**: no job held a GPU." in _first_screen((tmp_path / "out/report.md").read_text())
+    assert "**CPU run**: no job held a GPU." in first_screen((tmp_path / "out/report.md").read_text())
 
 
 def test_every_plot_labels_its_axes(tmp_path, monkeypatch):

@@ -41,17 +41,23 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, TINY_CONFIG, clone_run, copy_workflow, run_snakemake
-from test_reproducibility import CASES, edit_line
+from conftest import TINY_CONFIG, clone_run, copy_workflow, snakemake
+from rerun_cases import CASES, edit_line
 
 # Its fixtures run whole workflows of many experiments: above pyproject.toml's per-test timeout on a busy host.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-REALDATA_TOKENIZER = REPO.parent / "shared" / "realdata" / "deepseek-llm-7b-base"
 PREF_TRAIN = yaml.safe_load(TINY_CONFIG.read_text())["preference"]["train"]
+OTHER_TOKENIZER = "tokenizer-512"
+"""model.tokenizer's change here: a directory in the working directory holding conftest.tiny_data's tokenizer (a
+builtin BPE of 512 tokens from 120 builtin trees; the workflow trains one of 1,024 from its own): other ids everywhere
+downstream.
+Not the real DeepSeek tokenizer of the reproducibility test's case: its 102,400-row embedding made the two
+experiments with it train for twice a tiny experiment's time, and what a rerun must equal does not depend on the
+vocabulary's size (tests/test_hub_workflow.py trains with the real one)."""
 EXPERIMENT_KINDS = {
     "tokenize.packing": {"tokenize": {"packing": False}},
-    "model.tokenizer": {"model": {"tokenizer": str(REALDATA_TOKENIZER)}},
+    "model.tokenizer": {"model": {"tokenizer": OTHER_TOKENIZER}},
     "train.learning_rate": {"train": {"learning_rate": 1.0e-3}},
     "train.deepspeed (ZeRO-2 -> ZeRO-3)": {"train": {"deepspeed": "config/deepspeed/zero3.json"}},
     "preference.beta": {"preference": {"beta": 0.2}},
@@ -104,8 +110,7 @@ CHAINS = (
     ("preference.pairs", "preference.beta", "train.deepspeed (ZeRO-2 -> ZeRO-3)", "preference.max_length"),
     ("preference.train.learning_rate", "train.learning_rate", "tokenize.packing", "model.tokenizer"),
 )
-"""The experiment kinds in chains: the costliest last, so that only two experiments have it (training with the
-102,400-token vocabulary takes twice a tiny experiment's time)."""
+"""The experiment kinds in chains (the module's docstring says how the runs use them)."""
 ADDED_NAME = "added"
 RUN = ("--cores", "2", "--resources", "gpu=2")
 RECORD_FIELDS = {"experiment", "wall_time_s", "run_key", "resumed_from_step", "time_s", "tokens_per_s_per_gpu",
@@ -271,14 +276,13 @@ def _dpo_targets(names) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def experiments(tmp_path_factory) -> dict:
-    if not REALDATA_TOKENIZER.is_dir():
-        pytest.skip(f"{REALDATA_TOKENIZER} absent (../shared/realdata, beside the checkout in CI)")
+def experiments(tmp_path_factory, tiny_data) -> dict:
     root = tmp_path_factory.mktemp("rerun_experiments")
     workdir = copy_workflow(root / "wf")
+    shutil.copytree(tiny_data.tokenizer_dir, workdir / OTHER_TOKENIZER)  # the model.tokenizer experiment's
     shutil.copy2(TINY_CONFIG, workdir / "tiny.yaml")
     (workdir / "base.yaml").write_text(json.dumps({"experiments": BASE}))
-    run_snakemake(workdir, *_dpo_targets(BASE), *RUN, "--configfile", "tiny.yaml", "base.yaml", timeout=1500)
+    snakemake(workdir, *_dpo_targets(BASE), *RUN, "--configfile", "tiny.yaml", "base.yaml", timeout=1500)
     # The clean twins' outputs as the base run left them (the changed run remakes most of them), in the layout of
     # a run.
     base = root / "base"
@@ -287,7 +291,7 @@ def experiments(tmp_path_factory) -> dict:
     before = mtimes(workdir)
     (workdir / "changed.yaml").write_text(json.dumps({"experiments": CHANGED}))
     targets = _dpo_targets(CHANGED)
-    log = run_snakemake(workdir, *targets, *RUN, "--configfile", "tiny.yaml", "changed.yaml", timeout=1500)
+    log = snakemake(workdir, *targets, *RUN, "--configfile", "tiny.yaml", "changed.yaml", timeout=1500).output
     return {"workdir": workdir, "base": base, "written": written_since(workdir, before), "log": log}
 
 
@@ -392,7 +396,7 @@ def shared(tiny_run, tmp_path_factory) -> dict:
     runs.sort(key=lambda run: run[0])
     # Two Snakemake runs at a time (most of a job's time is one process importing torch).
     with ThreadPoolExecutor(2) as pool:
-        for future in [pool.submit(run_snakemake, w, *args) for _, w, args in runs]:
+        for future in [pool.submit(snakemake, w, *args, timeout=900) for _, w, args in runs]:
             future.result()
     return pairs
 

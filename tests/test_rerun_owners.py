@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from functools import cache
 from pathlib import Path
 
@@ -23,8 +24,8 @@ import jsonschema
 import pytest
 import yaml
 
-from conftest import REPO, TINY_CONFIG, clone_run
-from dryrun import dry_run, job_stats
+from conftest import REPO, TINY_CONFIG, clone_run, dry_run, job_stats
+from rerun_cases import TOKENIZER
 from snaketune.config import owners
 from snaketune.config.choices import ConfigError
 from snaketune.config.load import load_config, to_dict
@@ -36,7 +37,6 @@ SCHEMA = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text
 TINY = yaml.safe_load(TINY_CONFIG.read_text())
 DEFAULTS = yaml.safe_load((REPO / "config/config.yaml").read_text())
 """config/config.yaml, which Snakemake reads before any --configfile."""
-REALDATA_TOKENIZER = REPO.parent / "shared" / "realdata" / "deepseek-llm-7b-base"
 ARGS = ("--cores", "2", "--resources", "gpu=2")
 TRAINING = {"download", "conversations", "tokenize", "tokenize_pairs", "train", "reference", "dpo"}
 SOURCE_FILE = "messages.parquet"
@@ -56,7 +56,7 @@ STEPS = {
     "dataset.languages": [["en"]],
     "dataset.tree_states": [[], ["ready_for_export", "growing"]],
     "model.base": ["arch:deepseek-llm-7b"],
-    "model.tokenizer": [str(REALDATA_TOKENIZER)],
+    "model.tokenizer": [TOKENIZER],
     "model.revision": ["v2"],
     "model.tokenizer_revision": ["v2"],
     "deepspeed": ["config/deepspeed/zero3.json"],
@@ -185,8 +185,9 @@ def steps(workdir: Path) -> dict[str, tuple[dict, str | None]]:
 
 
 @pytest.fixture(scope="module")
-def finished(tiny_run, tmp_path_factory) -> Path:
+def finished(tiny_run, tmp_path_factory, deepseek_tokenizer) -> Path:
     workdir = clone_run(tiny_run, tmp_path_factory.mktemp("owners") / "wf")
+    shutil.copytree(deepseek_tokenizer, workdir / TOKENIZER)  # model.tokenizer's step
     (workdir / SOURCE_FILE).write_bytes((workdir / "results/data/raw/messages.parquet").read_bytes())
     (workdir / PAIRS_FILE).write_bytes(
         (workdir / "results/data/preferences/best_vs_rest/train.parquet").read_bytes()

@@ -18,13 +18,11 @@ from pathlib import Path, PurePosixPath
 import pandas as pd
 import pytest
 
-from conftest import HUB_TOKENS, TINY_CONFIG
+from conftest import FAST_CONFIG, HUB_TOKENS, TINY_CONFIG, snakemake, workflow_copy
 from snaketune.config.choices import ConfigError
 from snaketune.config.load import load_config
 from snaketune.config.paths import check_input_paths
 from snaketune.report.reproducibility import remote_code_line
-from test_faults import new_workdir
-from test_workflow import FAST_CONFIG, snakemake
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = sorted((REPO / "workflow/snaketune").rglob("*.py")) + sorted(
@@ -246,6 +244,7 @@ def checkpointed_run(tiny_data, tmp_path_factory):
 CHECKPOINTED = dict(max_steps=3, checkpoint_every=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["planted pickle", "truncated file"])
 def test_resume_refuses_a_damaged_checkpoint(checkpointed_run, tmp_path, damage):
     """DeepSpeed loads its checkpoint files with torch.load(weights_only=False); the ranks force weights_only
@@ -387,7 +386,7 @@ def dag_paths(output: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    return new_workdir(tmp_path_factory, "security_paths")
+    return workflow_copy(tmp_path_factory, "security_paths")
 
 
 @pytest.mark.parametrize("case", list(REJECTED))

@@ -151,3 +151,21 @@ def test_training_is_deterministic(tmp_path, parquet, tok_dir):
 def test_vocab_size_must_hold_bytes_and_specials(tmp_path):
     with pytest.raises(ValueError, match="vocab_size 100"):
         train_tokenizer(["hello"], 100, tmp_path)
+
+
+def test_the_real_deepseek_tokenizer_encodes_llama_cpps_test_strings_as_the_hub_did(
+    deepseek_tokenizer, llama_cpp_vocab
+):
+    """The real tokenizer the tests use (rebuilt from the pinned llama-cpp-python's vocabulary file: tests/
+    deepseek_tokenizer.py) gives each of llama.cpp's 46 test strings the ids its `.out` file recorded from the
+    Hugging Face tokenizer: whitespace runs, digits split one by one, apostrophes, CJK, emoji, and the 13 added
+    characters that match literally. bos and eos are DeepSeek's, and a plain encoding starts with bos."""
+    from deepseek_tokenizer import vocab_test_strings
+
+    tok = AutoTokenizer.from_pretrained(deepseek_tokenizer)
+    cases = vocab_test_strings(llama_cpp_vocab)
+    assert len(cases) == 46
+    wrong = [(text, ids) for text, ids in cases if tok(text, add_special_tokens=False)["input_ids"] != ids]
+    assert not wrong, wrong[:3]
+    assert (tok.bos_token, tok.bos_token_id, tok.eos_token, tok.eos_token_id) == (BOS, 100_000, EOS, 100_001)
+    assert len(tok) == 100_015 and tok("Hello")["input_ids"][0] == 100_000 and tok.chat_template is None

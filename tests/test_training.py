@@ -46,9 +46,9 @@ GOLDEN_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def base_run(tiny_data, tmp_path_factory):
-    """1 rank, ZeRO-2, micro-batch 4 x accumulation 1, 20 steps at the default learning rate."""
-    return run_training(tmp_path_factory.mktemp("base"), tiny_data, nproc=1)
+def base_run(default_training_run):
+    """1 rank, ZeRO-2, micro-batch 4 x accumulation 1, 20 steps at the default learning rate (conftest's)."""
+    return default_training_run
 
 
 @pytest.fixture(scope="module")
@@ -123,12 +123,14 @@ def validation_loss(model, tiny_data, pad_id: int) -> float:
 # ---- invariants ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_one_rank_equals_two_ranks(base_run, zero2_run):
     assert base_run.summary["world_size"] == 1 and zero2_run.summary["world_size"] == 2
     assert zero2_run.summary["gradient_accumulation_steps"] == 1
     assert_same_steps(zero2_run, base_run)
 
 
+@pytest.mark.slow
 def test_zero_stages_agree(zero2_run, zero3_run, zero0_run):
     assert [r.summary["zero_stage"] for r in (zero0_run, zero2_run, zero3_run)] == [0, 2, 3]
     decayed = zero2_run.summary["weight_decay_parameters"]
@@ -145,6 +147,7 @@ def test_zero_stages_agree(zero2_run, zero3_run, zero0_run):
             torch.testing.assert_close(w[name], tensor, rtol=0, atol=1e-4, msg=name)
 
 
+@pytest.mark.slow
 def test_micro_batch_times_accumulation_is_invariant(base_run, tiny_data, tmp_path):
     """Micro-batch 1 x accumulation 4 equals micro-batch 4 x accumulation 1 (1 rank, global batch 4)."""
     run = run_training(tmp_path, tiny_data, nproc=1, train_overrides={**SHORT, "micro_batch_size": 1})
@@ -152,6 +155,7 @@ def test_micro_batch_times_accumulation_is_invariant(base_run, tiny_data, tmp_pa
     assert_same_steps(run, base_run)
 
 
+@pytest.mark.slow
 def test_checkpointing_some_layers_changes_nothing_but_memory(base_run, tiny_data, tmp_path):
     """train.gradient_checkpointing: 2 (the first 2 of builtin-tiny's 4 layers recompute in backward) trains
     exactly as without checkpointing."""
@@ -159,6 +163,7 @@ def test_checkpointing_some_layers_changes_nothing_but_memory(base_run, tiny_dat
     assert_same_steps(run, base_run)
 
 
+@pytest.mark.slow
 def test_offloaded_checkpoint_inputs_change_nothing_but_memory(base_run, tiny_data, tmp_path):
     """train.offload_activations (the checkpointed layers' inputs in host memory until backward, tests/test_offload.py)
     through the train rule's ranks: the same steps as without checkpointing, and the rank built it that way."""
@@ -192,6 +197,7 @@ def test_checkpoint_layers_recomputes_only_the_first_n(tiny_data):
         checkpoint_layers(load_model(ModelConfig(), dtype=torch.float32, seed=0, **ids), 5)
 
 
+@pytest.mark.slow
 def test_golden_first_losses(base_run):
     np.testing.assert_allclose(base_run.losses[:3], GOLDEN_LOSSES, rtol=0, atol=GOLDEN_ATOL)
     np.testing.assert_allclose(
@@ -199,6 +205,7 @@ def test_golden_first_losses(base_run):
     )
 
 
+@pytest.mark.slow
 def test_loss_falls_at_the_default_learning_rate(base_run):
     losses = base_run.losses
     assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
@@ -217,6 +224,7 @@ def test_loss_falls_at_the_default_learning_rate(base_run):
 # ---- outputs -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_final_model_loads_and_generates(base_run, tiny_data):
     model_dir = base_run.out_dir / "model"
     config = json.loads((model_dir / "config.json").read_text())
@@ -244,6 +252,7 @@ def test_final_model_loads_and_generates(base_run, tiny_data):
     assert isinstance(tokenizer.decode(out[0, enc["input_ids"].shape[1] :]), str)
 
 
+@pytest.mark.slow
 def test_run_outputs_and_checkpoint_layout(zero2_run):
     summary = zero2_run.summary
     assert summary["steps"] == COMPARED_STEPS and summary["resumed_from_step"] == 0
@@ -263,6 +272,7 @@ def test_run_outputs_and_checkpoint_layout(zero2_run):
     assert sorted(p.name for p in zero2_run.checkpoint_dir.glob("step*")) == ["step00000003", "step00000006"]
 
 
+@pytest.mark.slow
 def test_resume_continues_the_uninterrupted_run(zero2_run, tiny_data, tmp_path):
     """From the step-3 checkpoint, steps 4-6 repeat the losses of the run that went through."""
     ckpt = tmp_path / "checkpoints"
@@ -286,6 +296,7 @@ def test_resume_continues_the_uninterrupted_run(zero2_run, tiny_data, tmp_path):
     assert run.summary["final_val_loss"] == pytest.approx(zero2_run.summary["final_val_loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_lora_checkpoints_hold_the_adapters_and_resume_the_uninterrupted_run(tiny_data, tmp_path):
     """LoRA's checkpoints leave the frozen base out (13 GB of a 7B in every one); a resume loads the base as the
     run started, then the adapters and their optimizer, and goes on as the uninterrupted run did."""
@@ -304,6 +315,7 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_the_uninterrupted_run(tin
     assert run.summary["final_val_loss"] == pytest.approx(first.summary["final_val_loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_lora_trains_adapters_and_saves_a_merged_model(lora_run, tiny_data):
     from peft import PeftModel
 
@@ -371,6 +383,7 @@ def test_lora_trains_adapters_and_saves_a_merged_model(lora_run, tiny_data):
 # ---- bad inputs ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_unknown_deepspeed_key_fails_the_run(tiny_data, tmp_path):
     bad = tmp_path / "typo.json"
     bad.write_text(json.dumps({"zero_optimisation": {"stage": 2}}))
@@ -383,6 +396,7 @@ def test_unknown_deepspeed_key_fails_the_run(tiny_data, tmp_path):
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_resume_with_another_world_size_fails(zero2_run, tiny_data, tmp_path):
     ckpt = tmp_path / "checkpoints"
     shutil.copytree(zero2_run.checkpoint_dir, ckpt)
@@ -395,6 +409,7 @@ def test_resume_with_another_world_size_fails(zero2_run, tiny_data, tmp_path):
 # ---- what changes no weight, and what must be the same on every rank ------------------------------------------
 
 
+@pytest.mark.slow
 def test_bookkeeping_changes_no_weight(base_run, tiny_data, tmp_path):
     """Checkpoint and logging cadence are runtime and record keys (snaketune.config.owners): they neither rerun a
     finished training nor name its checkpoints, because the weights do not depend on them. The base run's 20
@@ -452,6 +467,7 @@ def _start_check(rank: int, world: int, port: int, differ: bool, out) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("differ", [False, True])
 def test_ranks_are_checked_to_start_from_the_same_weights(differ):
     import socket

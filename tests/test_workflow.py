@@ -9,15 +9,8 @@ cache keys. The assertions read Snakemake's own output and the files it produced
 
 from __future__ import annotations
 
-import contextlib
-import csv
 import json
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
 import time
 import zipfile
 from dataclasses import dataclass
@@ -25,192 +18,27 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_workflow
+from conftest import (
+    FAST_CONFIG,
+    NOTHING_TO_DO,
+    RUN_TIMEOUT_S,
+    Proc,
+    Result,
+    file_bytes,
+    kill_everything,
+    losses,
+    snakemake,
+    start,
+    workflow_copy,
+)
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
-FAST_CONFIG = REPO / "tests" / "configs" / "fast.yaml"
-# Snakemake 9's message (snakemake.common.NOTHING_TO_BE_DONE_MSG) when no job needs to run.
-NOTHING_TO_DO = "Nothing to be done (all requested files are present and up to date)."
-RUN_TIMEOUT_S = 420  # one full workflow run; about 40 s when the machine is idle
-SHORT_TIMEOUT_S = 120  # commands that run no job (dry runs, --report, --lint, bad configs)
-RESUME_FROM_STEP = 8  # kill once a checkpoint of at least this step is complete (fast.yaml: every 4 steps)
 EXPERIMENT = "default"
+RESUME_FROM_STEP = 8  # kill once a checkpoint of at least this step is complete (fast.yaml: every 4 steps)
 # Runs other than the full one stop at training: evaluation and the report add nothing to what they test.
 TRAIN_TARGET = f"results/train/{EXPERIMENT}/summary.json"
 DATA_RULES = ("download", "conversations", "train_tokenizer", "tokenize")
-
-
-def _snakemake_bin() -> Path:
-    local = Path(sys.executable).parent / "snakemake"
-    if local.exists():
-        return local
-    found = shutil.which("snakemake")
-    if found is None:
-        pytest.skip("snakemake is not installed")
-    return Path(found)
-
-
-# ---- running snakemake -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Result:
-    """One finished snakemake command. Snakemake 9 logs to stderr, but to stdout in a dry run (-n)."""
-
-    args: tuple[str, ...]
-    returncode: int
-    stdout: str
-    stderr: str
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-    @property
-    def finished_rules(self) -> list[str]:
-        """Rules of the jobs this command ran to completion, from Snakemake's progress lines."""
-        return re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", self.output)
-
-    @property
-    def planned_rules(self) -> list[str]:
-        """Rules of the jobs a dry run (-n) lists."""
-        return re.findall(r"^\s*(?:local)?rule (\w+):$", self.output, flags=re.MULTILINE)
-
-
-@dataclass(frozen=True)
-class Proc:
-    pid: int
-    pgid: int
-    state: str
-    cmdline: str
-
-
-def _processes() -> dict[int, tuple[int, Proc]]:
-    """pid -> (parent pid, process) for every process we can see, from /proc."""
-    table = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except OSError:
-            continue
-        # The command name in parentheses may hold spaces; the fields after it are state, ppid, pgrp.
-        state, ppid, pgrp = text.rsplit(")", 1)[1].split()[:3]
-        pid = int(stat.parent.name)
-        table[pid] = (int(ppid), Proc(pid, int(pgrp), state, cmdline))
-    return table
-
-
-def process_tree(root: int) -> list[Proc]:
-    """Every live descendant of `root`."""
-    table = _processes()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = [], [root]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            found.append(table[pid][1])
-            todo.append(pid)
-    return found
-
-
-def alive(p: Proc) -> bool:
-    """Still running, and still the process we saw (its pid not reused)."""
-    proc = Path(f"/proc/{p.pid}")
-    try:
-        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-    except OSError:
-        return False
-    return state != "Z" and cmdline == p.cmdline
-
-
-def _signal(p: Proc, sig: int) -> None:
-    if alive(p):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p.pid, sig)
-
-
-def kill_everything(proc: subprocess.Popen) -> list[Proc]:
-    """SIGKILL snakemake's process group (SIGTERM would be a graceful stop for Snakemake) and every process
-    it started. Returns the descendants outside that group, which a kill of the group alone leaves running:
-    they are frozen first, so they cannot go on writing while we look, and killed last."""
-    tree = process_tree(proc.pid)
-    outside = [p for p in tree if p.pgid != proc.pid]
-    for p in outside:
-        _signal(p, signal.SIGSTOP)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    # A rank that follows its launcher (e.g. through PR_SET_PDEATHSIG) dies now, even while stopped.
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(alive(p) for p in outside):
-        time.sleep(0.1)
-    survivors = [p for p in outside if alive(p)]
-    for p in tree:
-        _signal(p, signal.SIGKILL)
-    return survivors
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    # CPU ranks everywhere, so the rank counts below hold on a machine with fewer GPUs than ranks too.
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
-
-
-@dataclass(frozen=True)
-class Started:
-    """A running snakemake command; its output goes to files (a full pipe would block it while we poll)."""
-
-    proc: subprocess.Popen
-    workdir: Path
-    out: Path
-    err: Path
-
-    @property
-    def output(self) -> str:
-        return self.out.read_text() + self.err.read_text()
-
-
-def start(workdir: Path, *args: str) -> Started:
-    """snakemake in a process group of its own, so that it can be killed with everything it started."""
-    n = len(list(workdir.glob(".cmd*.err")))
-    out, err = workdir / f".cmd{n}.out", workdir / f".cmd{n}.err"
-    with open(out, "w") as stdout, open(err, "w") as stderr:
-        proc = subprocess.Popen(
-            [str(_snakemake_bin()), *args],
-            cwd=workdir,
-            stdout=stdout,
-            stderr=stderr,
-            env=_env(),
-            start_new_session=True,
-        )
-    return Started(proc, workdir, out, err)
-
-
-def finish(run: Started, timeout: float, *, check: bool = True) -> Result:
-    try:
-        run.proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_everything(run.proc)
-        pytest.fail(f"{' '.join(run.proc.args)} ran longer than {timeout} s\n{run.output[-4000:]}")
-    result = Result(tuple(run.proc.args[1:]), run.proc.returncode, run.out.read_text(), run.err.read_text())
-    if check and result.returncode != 0:
-        logs = "".join(
-            f"\n--- {log.relative_to(run.workdir)} ---\n{log.read_text()[-3000:]}"
-            for log in sorted(run.workdir.glob("logs/**/*.log"))
-        )
-        pytest.fail(
-            f"snakemake {' '.join(result.args)}: exit {result.returncode}\n{result.output[-4000:]}{logs}"
-        )
-    return result
-
-
-def snakemake(workdir: Path, *args: str, timeout: float = SHORT_TIMEOUT_S, check: bool = True) -> Result:
-    return finish(start(workdir, *args), timeout, check=check)
 
 
 def workflow_args(gpus: int, *extra: str) -> tuple[str, ...]:
@@ -220,16 +48,6 @@ def workflow_args(gpus: int, *extra: str) -> tuple[str, ...]:
 
 
 # ---- reading results ---------------------------------------------------------------------------------
-
-
-def read_metrics(workdir: Path) -> list[dict[str, str]]:
-    with open(workdir / f"results/train/{EXPERIMENT}/metrics.csv", newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def losses(workdir: Path, column: str = "train/loss") -> dict[int, float]:
-    """step -> value of every logged step that has one."""
-    return {int(float(r["step"])): float(r[column]) for r in read_metrics(workdir) if r.get(column)}
 
 
 def read_summary(workdir: Path) -> dict:
@@ -246,24 +64,13 @@ def tokenized_dir(workdir: Path) -> Path:
     return dirs[0]
 
 
-def file_bytes(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 # ---- fixtures ----------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def new_workdir(tmp_path_factory):
     """Factory of fresh working directories, each a copy of one snapshot of the repository's workflow."""
-    snapshot = copy_workflow(tmp_path_factory.mktemp("snapshot"))
-
-    def make(name: str) -> Path:
-        workdir = tmp_path_factory.mktemp(name)
-        shutil.copytree(snapshot, workdir, dirs_exist_ok=True)
-        return workdir
-
-    return make
+    return lambda name: workflow_copy(tmp_path_factory, name)
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FAST_CONFIG, REPO, RUN_TIMEOUT_S, TEMPORARY, snakemake_bin, temporaries, workflow_copy
 from snaketune import io
-from test_faults import TEMPORARY, TESTS_DIR, WORKFLOW_DIR, new_workdir, temporaries
-from test_workflow import FAST_CONFIG, RUN_TIMEOUT_S
+
+TESTS_DIR = REPO / "tests"
+WORKFLOW_DIR = REPO / "workflow"
 
 
 def write_json_file(root: Path, version: int) -> list[Path]:
@@ -103,8 +105,8 @@ def write_tokenized(root: Path, version: int) -> list[Path]:
 
 def write_report(root: Path, version: int) -> list[Path]:
     """snaketune.report.build.build_report: matplotlib, HTML, Markdown and JSON into io.atomic_files."""
+    from report_tree import make_results
     from snaketune.report import build as report
-    from test_report import make_results
 
     inputs_root = root.parent / "report_inputs"  # the inputs are not under test: outside root
     inputs = make_results(inputs_root)
@@ -311,16 +313,19 @@ def check_outcome(outcome: dict, cause: str) -> None:
     assert outcome["rewrite_changes_outputs"], "the same rewrite without the fault changes nothing: no test"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writer", WRITER_NAMES)
 def test_disk_full_write_keeps_the_previous_outputs(real_enospc, writer):
     check_outcome(real_enospc[writer], "ENOSPC")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writer", WRITER_NAMES)
 def test_permission_denied_write_keeps_the_previous_outputs(real_eacces, writer):
     check_outcome(real_eacces[writer], "EACCES")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["injected_ENOSPC", "injected_EACCES"])
 @pytest.mark.parametrize("writer", WRITER_NAMES)
 def test_injected_write_failure_keeps_the_previous_outputs(written, tmp_path, writer, fault):
@@ -355,8 +360,6 @@ def snakemake_on_a_full_disk(workdir: str) -> dict:
     the disk, ask for ten times the data (the download job keeps its old outputs while it runs, update() in
     data.smk, and the new ones need more), free the disk, rerun with the first config. The entry point of the
     namespaced child of test_snakemake_job_on_a_full_disk."""
-    from test_workflow import _snakemake_bin
-
     wd = Path(workdir)
 
     bigger = wd / "bigger.yaml"
@@ -366,7 +369,7 @@ def snakemake_on_a_full_disk(workdir: str) -> dict:
         proc = subprocess.run(
             # --configfile takes several files: it comes last.
             [
-                str(_snakemake_bin()),
+                str(snakemake_bin()),
                 *args,
                 "--cores",
                 "2",
@@ -416,7 +419,7 @@ def test_snakemake_job_on_a_full_disk(tmp_path_factory):
     nothing to do."""
     if not _namespaces_work("--user", "--map-root-user", "--mount"):
         pytest.skip("user and mount namespaces are not available (unshare -Urm): no private tmpfs to fill")
-    workdir = new_workdir(tmp_path_factory, "faults_full_disk")
+    workdir = workflow_copy(tmp_path_factory, "faults_full_disk")
     (workdir / "results").mkdir()
     code = (
         f"import json, sys; sys.path[:0] = {[str(WORKFLOW_DIR), str(TESTS_DIR)]!r}; import test_write_faults; "

@@ -2,7 +2,8 @@
 # Fill .carry/wheels/ (git-ignored; DEST=... for another folder) with the Python packages that the lent GPU
 # machine's image lacks for running this workflow and bench/ there (Python 3.12; torch, peft, tensorboard, pandas,
 # pyarrow, tokenizers, ninja, psutil, py-cpuinfo, msgpack, xxhash, huggingface-hub ... are already in the image:
-# the device's KINDS.md lists them). Run HERE (a machine with PyPI access), from the repo root:
+# bench/transport/device_packages.txt lists them, with its source). Run HERE (a machine with PyPI access), from the
+# repo root:
 #
 #   bash bench/transport/wheels.sh           # all of them (54 wheels, 54 MiB: the call carries little else)
 #   LEAN=1 bash bench/transport/wheels.sh    # without pulp (Snakemake's ILP scheduler; the cases pass
@@ -75,7 +76,7 @@ if ! ls "$DEST"/deepspeed-0.19.8-*.whl >/dev/null 2>&1; then
 fi
 
 # bitsandbytes (QLoRA, 8-bit Adam states) ships one library per CUDA/ROCm/XPU version: 43 MB. The device's torch
-# is a CUDA 13.0 build (KINDS.md), so keep libbitsandbytes_cuda130.so and the CPU one and drop the rest from the
+# is a CUDA 13.0 build (the device tool's notes), so keep libbitsandbytes_cuda130.so and the CPU one and drop the rest from the
 # wheel and its RECORD: 4 MB that travel.
 BNB=bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl
 if [ -z "${LEAN:-}" ] && ! [ -f "$DEST/$BNB" ]; then
@@ -108,11 +109,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name as cn, parse_wheel_filename
 
 dest = pathlib.Path(sys.argv[1])
-kinds = pathlib.Path("/work/.library/device/KINDS.md")
-device = set()
-if kinds.exists():
-    text = kinds.read_text().split("Packages: ", 1)[1].split(".\n", 1)[0]
-    device = {cn(x.strip()) for x in text.split(",")}
+listed = pathlib.Path("bench/transport/device_packages.txt").read_text().splitlines()
+device = {cn(line.strip()) for line in listed if line.strip() and not line.startswith("#")}
 env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
        "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
        "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}

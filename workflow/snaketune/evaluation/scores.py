@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from snaketune.evaluation.intervals import Z95, wilson_interval
+
 # ---- exact match ---------------------------------------------------------------------------------
 
 
@@ -65,21 +67,6 @@ def preference_scores(
     out["chosen_reward"] = float(rewards[:, 0].mean())
     out["rejected_reward"] = float(rewards[:, 1].mean())
     return out
-
-
-Z95 = 1.959964
-"""The standard normal's 97.5% quantile: two-sided 95% intervals."""
-
-
-def wilson_interval(wins: int, n: int, z: float = Z95) -> list[float]:
-    """Wilson's score interval of a share (wins of n): unlike the normal approximation it stays inside [0, 1]
-    and is honest at the small n of a held-out pair set (60-200 pairs here)."""
-    if n == 0:
-        return [0.0, 1.0]
-    p = wins / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
 def mean_interval(values: torch.Tensor, z: float = Z95) -> list[float]:

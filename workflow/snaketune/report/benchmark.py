@@ -26,9 +26,9 @@ import json
 import math
 from pathlib import Path
 
+from snaketune.evaluation.intervals import Z95
 from snaketune.report.render import MINUS, Block, Heading, Para, Table, fmt
 
-Z95 = 1.959964
 NAMES = {"base": "base", "sft": "SFT", "dpo": "DPO"}
 
 

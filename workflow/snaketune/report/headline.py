@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from snaketune.evaluation.intervals import wilson_interval
 from snaketune.report.benchmark import drop_text, points
-from snaketune.report.intervals import difference_interval, wilson_interval, within_noise
+from snaketune.report.intervals import difference_interval, within_noise
 from snaketune.report.render import MINUS, Block, Bullets, Heading, Para, Table, fmt, fmt_duration
 
 if TYPE_CHECKING:

@@ -1,26 +1,14 @@
-"""95% intervals for the report's headline figures, and whether a change between two models is within the noise.
+"""Whether a change between two models is within the noise: the interval of a difference from each figure's own 95%
+interval.
 
 The evaluate stage writes `<figure>_ci95` beside the preference figures (Wilson intervals of the accuracies); the
-report reads them where they exist and computes the exact-match interval from the counts the stage records.
+report reads them where they exist and computes the exact-match interval from the counts the stage records, with
+the stage's own function (snaketune.evaluation.intervals.wilson_interval).
 """
 
 from __future__ import annotations
 
 import math
-
-Z95 = 1.959963984540054
-"""The standard normal's 97.5% quantile."""
-
-
-def wilson_interval(wins: int, n: int, z: float = Z95) -> list[float]:
-    """Wilson's score interval of a share (wins of n), as snaketune.evaluation.evaluate computes it for the
-    preference accuracies: it stays inside [0, 1] and is honest at a few dozen questions."""
-    if n == 0:
-        return [0.0, 1.0]
-    p = wins / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
 def difference_interval(
