@@ -186,13 +186,16 @@ def test_code_hash_ignores_docstrings_not_strings():
     dump = lambda code: ast.dump(strip.visit(ast.parse(code)))  # noqa: E731
     assert dump(src) == dump(src.replace('"""doc"""', '"""other"""').replace('"""g"""', "# g"))
     assert dump(src) != dump(src.replace('"text"', '"other text"'))
-    users = [
+    # config/fields.py reads the config classes' docstrings as the generated schema's descriptions: the schema is for
+    # editors, no stage reads it (snaketune.config.generate), so a docstring there changes no output.
+    allowed = {keys.PACKAGE_DIR / "config/fields.py"}
+    users = {
         p
         for p in keys.PACKAGE_DIR.rglob("*.py")
         for node in ast.walk(ast.parse(p.read_text()))
-        if getattr(node, "attr", getattr(node, "id", None)) == "__doc__"
-    ]
-    assert not users, users
+        if "__doc__" in (getattr(node, "attr", None), getattr(node, "id", None), getattr(node, "value", None))
+    }
+    assert users <= allowed, users - allowed
 
 
 def test_dag_time_imports_are_light():

@@ -82,7 +82,9 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description="Write workflow/schemas/config.schema.yaml from the config dataclasses (--check: compare only)."
+    )
     parser.add_argument(
         "--check", action="store_true", help="exit 1 where the committed schema is not current"
     )
