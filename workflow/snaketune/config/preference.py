@@ -50,7 +50,7 @@ class PreferenceConfig:
         schema={"$ref": "#/$defs/train"},
         default_factory=lambda: {
             "learning_rate": 1.0e-3,
-            "max_steps": 200,
+            "max_steps": 100,
             "global_batch_size": 24,
             "micro_batch_size": 4,
             "warmup_steps": 10,
