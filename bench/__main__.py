@@ -156,6 +156,10 @@ CASES = [
     Case("smollm2_example", "real_model", "config/examples/smollm2-135m-real.yaml as written through every stage "
          "(export and benchmark included), real oasst rows for the hub's: each stage's wall time, every benchmark "
          "job finished", GPU, _script("real_model/example.sh"), ("ROWS", "GGUF")),
+    Case("smollm2_example_cpu", "real_model", "the same with config/examples/smollm2-135m-cpu.yaml layered after it, "
+         "GPUs hidden: every stage on the CPU (issue #49: at most 15 minutes on 2 cores)", "CPU (2 cores)",
+         ("env", "OVERLAY=config/examples/smollm2-135m-cpu.yaml", "CUDA_VISIBLE_DEVICES=", "LIMIT_S=1800",
+          *_script("real_model/example.sh")), ("ROWS", "GGUF")),
     Case("stage_times", "real_model", "wall time of the SFT and DPO stages of the SmolLM2 example beside TRL's "
          "(same invocation)", GPU, _script("real_model/stage_times.sh"), ("ROWS", "SMOL|GGUF")),
     Case("benchmark_stage", "benchmark_stage", "the benchmark stage on the real SmolLM2-135M: wall time per model and "

@@ -50,6 +50,13 @@ CONVERSATIONS = [
             {"role": "assistant", "content": "It is 4."},
         ],
     },
+    {  # oasst's text: a line that ends in a space before a numbered one (parity.py's docstring)
+        "split": "validation",
+        "messages": [
+            {"role": "user", "content": "How do I bake it?"},
+            {"role": "assistant", "content": "6. Pour the batter into it. \n7. Bake the cake for 30 minutes."},
+        ],
+    },
     {
         "split": "train",
         "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}],
@@ -95,9 +102,14 @@ def check(smollm2: dict, gguf: Path, modelfile: Path | None = None) -> dict:
 
 
 def test_the_file_renders_and_stops_as_training(smollm2):
+    """...and where llama.cpp's pre-tokenizer merges a space and a newline that SmolLM2's tokenizer keeps apart (the
+    same bytes, the same specials), the difference is counted, not failed: no export could change it."""
     summary = check(smollm2, GGUF)
-    assert summary["conversations"] == 2 and summary["conversations_with_tools"] == 1
-    assert summary["assistant_turns"] == 3 + 1 and summary["stop_tokens"] == ["<|im_end|>"]
+    assert summary["conversations"] == 3 and summary["conversations_with_tools"] == 1
+    assert summary["assistant_turns"] == 3 + 1 + 1 and summary["stop_tokens"] == ["<|im_end|>"]
+    assert summary["merges_differ"] == 1, summary
+    assert "in the file, 'Ġ' (id " in summary["first_merge_difference"]
+    assert "'ĠĊ' (id " in summary["first_merge_difference"]
 
 
 def test_a_file_whose_template_was_altered_fails_naming_the_first_differing_token(smollm2, tmp_path):

@@ -242,6 +242,33 @@ def test_the_readme_records_are_read_as_written(tmp_path):
     assert result.stats["rows_kept"] == 1
 
 
+def test_max_trees_samples_a_chat_files_conversations(tmp_path):
+    """dataset.max_trees on chat data: each conversation counts as a tree; the sample is the same whatever the
+    file's order and a larger one holds it."""
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i}"},
+                {"role": "assistant", "content": f"answer {i}"},
+            ]
+        }
+        for i in range(40)
+    ]
+
+    def kept(rows, max_trees):
+        table, _ = read_chats(write_jsonl(tmp_path / f"c{max_trees}.jsonl", rows))
+        by_split, stats = clean_chats(
+            table.to_pylist(), languages=(), validation_fraction=0.2, source="c.jsonl", max_trees=max_trees
+        )
+        texts = {s: {r["messages"][0]["content"] for r in by_split[s]} for s in by_split}
+        return texts, stats
+
+    (ten, stats), (twenty, _) = kept(chats, 10), kept(chats, 20)
+    assert stats["rows_kept"] == 10 and stats["trees_sampled_out"] == 30 and stats["max_trees"] == 10
+    assert sum(map(len, ten.values())) == 10 and all(ten[s] <= twenty[s] for s in ten)
+    assert kept(chats[::-1], 10)[0] == ten
+
+
 # ---- the whole workflow on them ---------------------------------------------------------------------------------
 
 

@@ -239,6 +239,35 @@ def test_real_samples_give_the_same_pairs_in_both_forms(trees, rows):
     pd.testing.assert_frame_equal(a.validation, b.validation)
 
 
+def test_max_trees_keeps_a_stable_sample_of_trees_and_the_pairs_follow_it():
+    """dataset.max_trees on the real sample: that many trees, each in the split it has in the full data, a larger
+    sample holding the smaller one, the same sample whatever the file's order; the preference pairs are those of
+    the sampled trees (the others count as no_split)."""
+    from snaketune.data.conversations import build_conversations
+
+    messages = read_messages(REAL_OASST / "openpaws_oasst2.hf_rows.jsonl.gz")
+
+    def trees(max_trees, frame=messages):
+        conv = build_conversations(frame, validation_fraction=0.2, max_trees=max_trees)
+        return conv, {t: s for s in ("train", "validation") for t in getattr(conv, s)["message_tree_id"]}
+
+    full, everything = trees(None)
+    (small, twenty), (_, fifty) = trees(20), trees(50)
+    _, shuffled = trees(20, messages.sample(frac=1.0, random_state=0))
+    assert len(everything) > 60 and len(twenty) == 20 and len(fifty) == 50
+    assert twenty == shuffled and twenty.items() <= fifty.items() <= everything.items()
+    assert small.stats["max_trees"] == 20 and small.stats["trees_sampled_out"] == len(everything) - 20
+    assert full.stats["trees_sampled_out"] == 0 and trees(10_000)[1] == everything
+    pairs_all, pairs_twenty = build_preferences(messages, everything), build_preferences(messages, twenty)
+    kept = set(pairs_twenty.train["message_tree_id"]) | set(pairs_twenty.validation["message_tree_id"])
+    assert len(kept) > 0 and kept <= set(twenty)
+    assert pairs_twenty.stats["groups_dropped"]["no_split"] > pairs_all.stats["groups_dropped"]["no_split"]
+    pd.testing.assert_frame_equal(
+        pairs_twenty.train.reset_index(drop=True),
+        pairs_all.train[pairs_all.train["message_tree_id"].isin(twenty)].reset_index(drop=True),
+    )
+
+
 # ---- tokenized pairs ----------------------------------------------------------------------------------------
 
 

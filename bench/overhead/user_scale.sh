@@ -25,7 +25,7 @@ for name in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(f"{tok}/{name}", f"{out}/{name}")
 PY
 # Training as short as the tests' hub run (tests/test_hub_workflow.py): the stages, not the default's step counts (60
-# SFT and 200 DPO steps at 102,400 rows take most of an hour on 2 cores); the benchmark and export as the defaults.
+# SFT and 100 DPO steps at 102,400 rows take most of an hour on 2 cores); the benchmark and export as the defaults.
 cat >"$W/user.yaml" <<YAML
 dataset: {source: ${SNAKETUNE_BENCH_ROWS:?real oasst rows}, paths: all, validation_fraction: 0.08}
 model: {base: deepseek-tiny-hub}

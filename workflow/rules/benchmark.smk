@@ -21,7 +21,7 @@ rule benchmark_base:
         task=TASK_WILDCARD,
     conda:
         "../../envs/benchmark.yaml"
-    threads: 1  # as evaluate's
+    threads: model_threads  # as evaluate's
     resources:
         gpu=1,
     params:
@@ -52,7 +52,7 @@ rule benchmark:
         task=TASK_WILDCARD,
     conda:
         "../../envs/benchmark.yaml"
-    threads: 1  # as evaluate's
+    threads: model_threads  # as evaluate's
     resources:
         gpu=1,
     params:

@@ -170,6 +170,7 @@ def conversations_params():
         "languages": list(ds.languages),
         **(oasst if ds.format == "oasst" else {}),
         "validation_fraction": ds.validation_fraction,
+        "max_trees": ds.max_trees,
         "code": keys.code_hash("conversations"),
     }
 

@@ -1,6 +1,7 @@
 # Helpers of plan.smk and the machine's GPU settings, kept apart from the rules (snakemake --lint wants
 # functions and rules in separate files).
 
+import functools
 import os
 
 from snaketune import gpus  # noqa: E402
@@ -99,3 +100,23 @@ def plan_params(stage):
         }
 
     return params
+
+
+@functools.cache
+def _cpu_only():
+    """No GPU this run may use (none on the machine, or hidden: CUDA_VISIBLE_DEVICES, gpu_ids): the model stages
+    run on the CPU."""
+    try:
+        return not gpus.candidates().visible
+    except gpus.GpuError:
+        return False
+
+
+def model_threads(wildcards=None):
+    """The cores of evaluate and the transformers benchmark jobs. One where the run has a GPU (their model runs
+    there) or every model is the builtin tiny one (its job is mostly imports: two run side by side); every core
+    Snakemake may use where a real model runs on the CPU (SmolLM2's evaluation on one core of two spent 200 s a
+    model; bench/RESULTS.md, "The SmolLM2 example on two cores"). `--set-threads evaluate=N` overrides it.
+    """
+    real = any(exp.model.base != "builtin-tiny" for exp in EXPERIMENTS.values())
+    return all_cores() if real and _cpu_only() else 1

@@ -24,9 +24,8 @@ rule evaluate:
         "benchmarks/eval/{experiment}.tsv"
     conda:
         "../../envs/train.yaml"
-    # Its model runs on a GPU where there is one; on a CPU the job is mostly imports: one core, two side by side
-    # (--set-threads evaluate=N for a real model on a CPU).
-    threads: 1
+    # One core where the models run on a GPU or are the builtin tiny one; every core for a real model on a CPU.
+    threads: model_threads
     resources:
         gpu=1,
         gpu_memory_mib=gpu_memory_mib(),

@@ -12,6 +12,7 @@ def main(smk):
         smk.input.messages,
         languages=spec["languages"],
         validation_fraction=spec["validation_fraction"],
+        max_trees=spec["max_trees"],
         **oasst,
     )
     # All three files or none (snaketune.io.atomic_files).

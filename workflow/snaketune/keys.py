@@ -240,6 +240,8 @@ def dataset_spec(dataset: DatasetConfig) -> dict:
     skip = {"source", "revision", "builtin_trees", "builtin_seed"}
     if dataset.format == "chat":
         skip |= {"paths", "tree_states"}
+    if dataset.max_trees is None:  # the key came later: the data keys made before it stay as they were
+        skip.add("max_trees")
     rest = {k: v for k, v in to_dict(dataset).items() if k not in skip}
     return {**source_identity(dataset), **rest}
 

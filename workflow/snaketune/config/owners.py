@@ -124,6 +124,9 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "dataset.paths": ("conversations",),
     "dataset.validation_fraction": ("conversations", "preferences"),  # a pairs file's split by prompt hash
     "dataset.tree_states": ("conversations", "preferences"),
+    "dataset.max_trees": (
+        "conversations",
+    ),  # the preferences stage keeps the pairs of the conversations' trees
     "model.base": ("tokenizer", "import_gguf", *_MODEL_USERS),
     "model.tokenizer": ("tokenizer",),
     "model.tokenizer_revision": ("tokenizer",),

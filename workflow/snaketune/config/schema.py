@@ -84,6 +84,10 @@ class DatasetConfig:
     """Share of trees held out for validation when the source has no split of its own."""
     tree_states: tuple[str, ...] = setting(("ready_for_export",), choices=TREE_STATES)
     """Keep trees whose root has one of these tree_state values (a tree without one is kept); empty keeps all."""
+    max_trees: int | None = setting(None, minimum=1, hint="null keeps every tree")
+    """At most this many trees, after the filters above (a chat file's conversations count one each): a sample
+    chosen by a hash of each tree's id, the same on any machine, a larger sample holding a smaller one. For a first
+    run of a real model on a CPU (config/examples/smollm2-135m-cpu.yaml); null keeps every tree."""
 
     def __post_init__(self) -> None:
         check(self)

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from snaketune.data import tools as tool_calling
 from snaketune.data.cells import Cell, Source, bad_value, missing_key
-from snaketune.data.forest import both_splits, split_by_hash
+from snaketune.data.forest import both_splits, sample, split_by_hash
 from snaketune.data.jsonl import json_lines
 from snaketune.data.messages import SPLITS, UNKNOWN_LANG, DataError
 
@@ -317,9 +317,15 @@ def _check_languages(wanted: set[str], rows: list[dict], source: str) -> None:
 
 
 def clean_chats(
-    rows: list[dict], *, languages: Sequence[str], validation_fraction: float, source: str
+    rows: list[dict],
+    *,
+    languages: Sequence[str],
+    validation_fraction: float,
+    source: str,
+    max_trees: int | None = None,
 ) -> tuple[dict[str, list[dict]], dict[str, Any]]:
-    """The conversations of each split (conversations stage rows) and the counts for stats.json."""
+    """The conversations of each split (conversations stage rows) and the counts for stats.json; `max_trees`: at
+    most this many conversations (forest.sample)."""
     wanted = set(languages)
     _check_languages(wanted, rows, source)
     dropped = dict.fromkeys(DROP_REASONS, 0)
@@ -355,6 +361,9 @@ def clean_chats(
             f"{', '.join(f'{k} {v}' for k, v in dropped.items() if v) or 'none'}; allowed: conversations where a "
             f"user turn is answered by an assistant turn, roles in order ({ORDER}), no empty user or assistant turn"
         )
+    sampled = sample((r["message_tree_id"] for r in kept), max_trees)
+    sampled_out = len(kept) - len(sampled)
+    kept = [r for r in kept if r["message_tree_id"] in sampled]
     use_source = any(row["split"] is not None for row in rows)
     if use_source:
         split_of: dict[str, str] = {}
@@ -371,6 +380,8 @@ def clean_chats(
         "format": "chat",
         "languages": sorted(wanted),
         "validation_fraction": validation_fraction,
+        "max_trees": max_trees,
+        "trees_sampled_out": sampled_out,
         "rows": len(rows),
         "rows_kept": len(kept),
         "messages": sum(len(row["messages"]) for row in rows),

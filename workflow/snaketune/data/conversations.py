@@ -213,6 +213,7 @@ def build_conversations(
     paths: str = "top1",
     validation_fraction: float = 0.05,
     tree_states: Sequence[str] = DEFAULT_TREE_STATES,
+    max_trees: int | None = None,
     source_name: str | None = None,
 ) -> Conversations:
     """Turn oasst-format messages into train/validation conversations.
@@ -221,6 +222,7 @@ def build_conversations(
     paths: ``top1`` follows the best-ranked surviving child from each root to a leaf; ``all`` yields every
     root-to-leaf path. validation_fraction: share of trees held out when the data has no ``split`` column.
     tree_states: keep trees whose root has one of these ``tree_state`` values (or none; empty keeps all).
+    max_trees: at most this many of the trees that give a conversation (`forest.sample`); None keeps all.
     source_name: the file name that error messages cite (default: the file read_messages read).
     Raises DataError for malformed input, for a language that no tree has, or when the filters leave no
     conversation at all. Orphans, parent loops and everything the filters drop are counted, not errors.
@@ -244,6 +246,10 @@ def build_conversations(
     wanted = set(languages)
     if not rows:
         raise _nothing_left(cleaned.src, wanted, paths, cleaned, counts)
+    kept = forest.sample(tree_roots, max_trees)
+    sampled_out = len(tree_roots) - len(kept)
+    tree_roots = {t: root for t, root in tree_roots.items() if t in kept}
+    rows = [r for r in rows if r["message_tree_id"] in kept]
 
     assignment, fallback = forest.assign_splits(
         tree_roots, validation_fraction, cleaned.use_source_split, cleaned.src
@@ -258,6 +264,8 @@ def build_conversations(
         "languages": sorted(wanted),
         "tree_states": sorted(tree_states),
         "validation_fraction": validation_fraction,
+        "max_trees": max_trees,
+        "trees_sampled_out": sampled_out,
         "trees": len(cleaned.roots),
         "messages": cleaned.messages,
         "messages_kept": cleaned.messages_kept,
@@ -286,6 +294,7 @@ def conversations_of_file(
     paths: str = "top1",
     validation_fraction: float = 0.05,
     tree_states: Sequence[str] = DEFAULT_TREE_STATES,
+    max_trees: int | None = None,
 ) -> Conversations:
     """The conversations of the download stage's messages.parquet: oasst messages (`build_conversations`) or
     chat-format conversations (snaketune.data.chat_format; paths and tree_states are oasst's and not read)."""
@@ -296,6 +305,7 @@ def conversations_of_file(
             paths=paths,
             validation_fraction=validation_fraction,
             tree_states=tree_states,
+            max_trees=max_trees,
             source_name=str(path),
         )
     if not 0.0 <= validation_fraction < 1.0:
@@ -304,6 +314,7 @@ def conversations_of_file(
         chat_format.read_chat_table(path),
         languages=languages,
         validation_fraction=validation_fraction,
+        max_trees=max_trees,
         source=str(path),
     )
     stats["by_language"], stats["turns_mean"] = {}, {}

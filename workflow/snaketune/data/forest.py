@@ -248,6 +248,15 @@ def assign_splits(
     return assignment, both_splits(assignment)
 
 
+def sample(ids, max_trees: int | None) -> set[str]:
+    """The ids `dataset.max_trees` keeps: the first max_trees by a hash of each id salted apart from the split's (so
+    the sample keeps the split's proportions), all where max_trees is None or not below their number."""
+    ids = set(ids)
+    if max_trees is None or len(ids) <= max_trees:
+        return ids
+    return set(sorted(ids, key=lambda t: (split_hash("max_trees:" + t), t))[:max_trees])
+
+
 def split_by_hash(ids, validation_fraction: float) -> tuple[dict[str, str], dict[str, str] | None]:
     """Each id's split by its hash against validation_fraction (the same id, the same split, on any machine), both
     splits kept non-empty (`both_splits`); returns the assignment and the fallback move made (if any)."""
