@@ -140,6 +140,8 @@ def test_stats_full():
         "paths": "all",
         "languages": [],
         "validation_fraction": 0.0,
+        "max_trees": None,
+        "trees_sampled_out": 0,
         "trees": 4,
         "messages": 22,
         "messages_kept": 11,

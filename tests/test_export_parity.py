@@ -54,7 +54,10 @@ CONVERSATIONS = [
         "split": "validation",
         "messages": [
             {"role": "user", "content": "How do I bake it?"},
-            {"role": "assistant", "content": "6. Pour the batter into it. \n7. Bake the cake for 30 minutes."},
+            {
+                "role": "assistant",
+                "content": "6. Pour the batter into it. \n7. Bake the cake for 30 minutes.",
+            },
         ],
     },
     {

@@ -316,6 +316,19 @@ def _check_languages(wanted: set[str], rows: list[dict], source: str) -> None:
         )
 
 
+def _assign_splits(
+    rows: list[dict], kept: list[dict], validation_fraction: float
+) -> tuple[dict[str, str], dict[str, str] | None]:
+    """Each kept conversation's split: the source's own where it has one, else by hash; the fallback move made."""
+    if not any(row["split"] is not None for row in rows):
+        return split_by_hash([r["message_tree_id"] for r in kept], validation_fraction)
+    split_of: dict[str, str] = {}
+    for row in rows:
+        split_of.setdefault(row["id"], row["split"])  # a repeat without an id shares the first one's hash
+    assignment = {r["message_tree_id"]: split_of[r["message_tree_id"]] for r in kept}
+    return assignment, both_splits(assignment)
+
+
 def clean_chats(
     rows: list[dict],
     *,
@@ -364,15 +377,7 @@ def clean_chats(
     sampled = sample((r["message_tree_id"] for r in kept), max_trees)
     sampled_out = len(kept) - len(sampled)
     kept = [r for r in kept if r["message_tree_id"] in sampled]
-    use_source = any(row["split"] is not None for row in rows)
-    if use_source:
-        split_of: dict[str, str] = {}
-        for row in rows:
-            split_of.setdefault(row["id"], row["split"])  # a repeat without an id shares the first one's hash
-        assignment = {r["message_tree_id"]: split_of[r["message_tree_id"]] for r in kept}
-        fallback = both_splits(assignment)
-    else:
-        assignment, fallback = split_by_hash([r["message_tree_id"] for r in kept], validation_fraction)
+    assignment, fallback = _assign_splits(rows, kept, validation_fraction)
     by_split: dict[str, list[dict]] = {s: [] for s in SPLITS}
     for r in kept:
         by_split[assignment[r["message_tree_id"]]].append(r)
@@ -394,7 +399,7 @@ def clean_chats(
         "with_tool_calls": {
             s: sum(any(m["tool_calls"] for m in r["messages"]) for r in by_split[s]) for s in SPLITS
         },
-        "split_source": "source" if use_source else "hash",
+        "split_source": "source" if any(row["split"] is not None for row in rows) else "hash",
         "split_fallback": fallback,
         "conversations": {s: len(by_split[s]) for s in SPLITS},
     }
