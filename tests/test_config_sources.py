@@ -338,3 +338,11 @@ def test_a_test_config_holds_only_what_it_changes(path):
     copies = [".".join(p) for p, value, default in changes(overlay, default_config()) if value == default]
     assert not copies, f"{path.name} repeats the defaults of {copies}"
     load_config(merged(default_config(), overlay))
+
+
+def test_the_published_rerun_table_is_current():
+    """docs/rerun.md holds the table snaketune.config.owners makes (python -m snaketune.config.owners prints it);
+    tests/test_rerun_owners.py checks the table against Snakemake's dry runs."""
+    from snaketune.config import owners
+
+    assert owners.table() in (REPO / "docs/rerun.md").read_text()

@@ -5,6 +5,7 @@ import functools
 import os
 
 from snaketune import gpus  # noqa: E402
+from snaketune.plan import arch as plan_arch
 from snaketune.plan import search as plan
 
 # The top-level config key gpu_ids reaches every job through the environment (snaketune.gpus reads
@@ -112,11 +113,23 @@ def _cpu_only():
         return False
 
 
+MANY_CORES_FROM = 20_000_000
+"""Decoder parameters (the embeddings aside) from which a model's CPU jobs compute more than they import."""
+
+
+@functools.cache
+def _computes(base, num_layers, revision):
+    """Whether a model's forward passes outweigh its job's start-up: its decoder's parameters (the plan's count of
+    its architecture) from MANY_CORES_FROM, or an architecture not known before its import (a GGUF file's)."""
+    arch, _ = plan_arch.resolve_arch({"base": base, "num_layers": num_layers, "revision": revision})
+    return arch is None or arch.layers * arch.layer_params() >= MANY_CORES_FROM
+
+
 def model_threads(wildcards=None):
     """The cores of evaluate and the transformers benchmark jobs. One where the run has a GPU (their model runs
-    there) or every model is the builtin tiny one (its job is mostly imports: two run side by side); every core
-    Snakemake may use where a real model runs on the CPU (SmolLM2's evaluation on one core of two spent 200 s a
-    model; bench/RESULTS.md, "The SmolLM2 example on two cores"). `--set-threads evaluate=N` overrides it.
-    """
-    real = any(exp.model.base != "builtin-tiny" for exp in EXPERIMENTS.values())
-    return all_cores() if real and _cpu_only() else 1
+    there) or the models are small (the builtin one, the tests' hub-format ones: the job is mostly imports, two
+    run side by side); every core Snakemake may use where a model that computes runs on the CPU (SmolLM2's
+    evaluation on one core of two spent 200 s a model; bench/RESULTS.md, "The embedded default, the user's scale
+    and the SmolLM2 example on a quiet CPU"). `--set-threads evaluate=N` overrides it."""
+    models = {(e.model.base, e.model.num_layers, e.model.revision) for e in EXPERIMENTS.values()}
+    return all_cores() if _cpu_only() and any(_computes(*m) for m in models) else 1
