@@ -120,8 +120,11 @@ MANY_CORES_FROM = 20_000_000
 @functools.cache
 def _computes(base, num_layers, revision):
     """Whether a model's forward passes outweigh its job's start-up: its decoder's parameters (the plan's count of
-    its architecture) from MANY_CORES_FROM, or an architecture not known before its import (a GGUF file's)."""
-    arch, _ = plan_arch.resolve_arch({"base": base, "num_layers": num_layers, "revision": revision})
+    its architecture) from MANY_CORES_FROM, or an architecture not known before its import (a GGUF file's).
+    """
+    arch, _ = plan_arch.resolve_arch(
+        {"base": base, "num_layers": num_layers, "revision": revision}
+    )
     return arch is None or arch.layers * arch.layer_params() >= MANY_CORES_FROM
 
 
@@ -130,6 +133,10 @@ def model_threads(wildcards=None):
     there) or the models are small (the builtin one, the tests' hub-format ones: the job is mostly imports, two
     run side by side); every core Snakemake may use where a model that computes runs on the CPU (SmolLM2's
     evaluation on one core of two spent 200 s a model; bench/RESULTS.md, "The embedded default, the user's scale
-    and the SmolLM2 example on a quiet CPU"). `--set-threads evaluate=N` overrides it."""
-    models = {(e.model.base, e.model.num_layers, e.model.revision) for e in EXPERIMENTS.values()}
+    and the SmolLM2 example on a quiet CPU"). `--set-threads evaluate=N` overrides it.
+    """
+    models = {
+        (e.model.base, e.model.num_layers, e.model.revision)
+        for e in EXPERIMENTS.values()
+    }
     return all_cores() if _cpu_only() and any(_computes(*m) for m in models) else 1
