@@ -24,7 +24,7 @@ rule evaluate:
         "benchmarks/eval/{experiment}.tsv"
     conda:
         "../../envs/train.yaml"
-    # One core where the models run on a GPU or are the builtin tiny one; every core for a real model on a CPU.
+    # One core where the models run on a GPU or are small; every core for a larger model on a CPU (model_threads).
     threads: model_threads
     resources:
         gpu=1,
