@@ -793,3 +793,15 @@ def pytest_collection_modifyitems(items):
         return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)
 
     items.sort(key=rank)  # stable: a file's tests keep their order
+
+
+def zero(path: Path, offset: int, length: int, *, keep_mtime: bool = False) -> None:
+    """Overwrite `length` bytes in place with zeros (the size stays), as a disk error or a stray dd would;
+    `keep_mtime` puts the modification time back, as bit rot leaves it."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\0" * length)
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size

@@ -56,6 +56,17 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 1
     raise AssertionError(f"the server did not answer in {timeout_s:.0f} s; see {log}")
 
 
+def running(proc: subprocess.Popen, port: int, log: Path):
+    """Yields the server's URL once it answers; stops it after (the body of a generator fixture or context)."""
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, log)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @contextlib.contextmanager
 def serve(gguf: str | Path, log: Path, *, n_ctx: int = 2048):
     """llama-cpp-python's OpenAI-compatible server on `gguf` (as serve.sh runs it); yields its URL."""
@@ -64,13 +75,7 @@ def serve(gguf: str | Path, log: Path, *, n_ctx: int = 2048):
            str(n_ctx), "--n_threads", "2", "--verbose", "False"]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url, log)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    yield from running(proc, port, log)
 
 
 class ServerLM:
@@ -125,13 +130,7 @@ def server(tiny_run, tmp_path_factory):
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url, log)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    yield from running(proc, port, log)
 
 
 @pytest.fixture(scope="module")

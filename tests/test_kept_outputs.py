@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shlex
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import Result, clone_run, dry_run, job_stats, snakemake
+from conftest import Result, clone_run, dry_run, job_stats, snakemake, zero
 
 pytestmark = pytest.mark.slow  # copies of the shared tiny workflow run
 
@@ -37,16 +36,6 @@ def tree(workdir: Path, top: str = "results") -> dict[str, tuple[str, int]]:
         for p in sorted((workdir / top).rglob("*"))
         if p.is_file()
     }
-
-
-def zero(path: Path, offset: int, length: int, *, keep_mtime: bool = False) -> None:
-    st = path.stat()
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        f.write(b"\0" * length)
-    if keep_mtime:
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert path.stat().st_size == st.st_size
 
 
 def tokenized(workdir: Path) -> Path:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import zero
 from snaketune import backups, verify
 from snaketune.io import hash_files, sha256_file
 
@@ -27,16 +28,6 @@ def output_dir(root: Path = Path("results/tokenized/k")) -> Path:
     (root / "stats.json").write_text('{"rows": 87}')
     (root / ".snakemake_timestamp").write_text("")
     return root
-
-
-def zero(path: Path, offset: int, length: int, *, keep_mtime: bool = False) -> None:
-    """Overwrite `length` bytes in place with zeros (the size stays), as a disk error or a stray dd would."""
-    st = path.stat()
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        f.write(b"\0" * length)
-    if keep_mtime:
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def record(out: Path, rule: str = "tokenize") -> dict:
