@@ -4,6 +4,7 @@ offload where those make it fit, fastest first; and the pick."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -25,21 +26,32 @@ from snaketune.plan.strategies import (
 )
 
 
-def weigh(
-    arch: Arch,
-    train: dict,
-    ds: dict,
-    deepspeed_config: str,
-    budget: Budget,
-    candidate_files: dict[str, str] | None,
-    common: dict,
-) -> tuple[dict, list[dict], dict | None]:
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """One training stage as its plan weighs it: the architecture, the train section, the DeepSpeed file (its path
+    and contents), the GPU budget, the candidate strategies' files, and `common`, the run's shape (world, seq_len,
+    precision, objective, capped). `longest_row` weighs it again at other row lengths and settings (`replace`)."""
+
+    arch: Arch
+    train: dict
+    ds: dict
+    deepspeed_config: str
+    budget: Budget
+    candidate_files: dict[str, str] | None
+    common: dict
+
+    def replace(self, **changes) -> Training:
+        return dataclasses.replace(self, **changes)
+
+
+def weigh(t: Training) -> tuple[dict, list[dict], dict | None]:
     """(the configured entry, the candidates, the pick): what the stage runs at common["seq_len"]."""
-    setup = setup_for(train, ds, **common)
+    arch, train, deepspeed_config, budget, common = t.arch, t.train, t.deepspeed_config, t.budget, t.common
+    setup = setup_for(train, t.ds, **common)
     configured = plan_entry(
         strategy_name(setup), deepspeed_config, setup, estimate(arch, setup), budget, configured=True
     )
-    candidates = _candidates(arch, train, setup, budget, candidate_files, common)
+    candidates = _candidates(arch, train, setup, budget, t.candidate_files, common)
     if train.get("strategy", "as_configured") == "auto" and budget.gpu_gib is not None:
         return configured, candidates, next((c for c in candidates if c["fits"]), None)
     return configured, candidates, configured

@@ -25,7 +25,7 @@ from snaketune.config.schema import checkpointed_layers
 from snaketune.plan.advice import not_fitting_message
 from snaketune.plan.arch import Arch, resolve_arch
 from snaketune.plan.budget import Budget, detect_budget
-from snaketune.plan.candidates import weigh
+from snaketune.plan.candidates import Training, weigh
 from snaketune.plan.evaluation import plan_evaluation
 from snaketune.plan.strategies import (  # noqa: F401 - the plan's public names include the strategies'
     MICRO_SPEED,
@@ -170,7 +170,8 @@ def plan_training(
     # A ConfigError where train.gradient_checkpointing names more layers than the model has.
     checkpointed_layers(train.get("gradient_checkpointing"), arch.layers)
     ds = json.loads(Path(deepspeed_config).read_text())
-    configured, candidates, pick = weigh(arch, train, ds, deepspeed_config, budget, candidate_files, common)
+    training = Training(arch, train, ds, deepspeed_config, budget, candidate_files, common)
+    configured, candidates, pick = weigh(training)
     chosen = _chosen(pick, train, deepspeed_config, budget)
     stage = {
         "strategy": strategy,
@@ -184,11 +185,11 @@ def plan_training(
     }
     fits = None if budget.gpu_gib is None else bool(pick and pick["fits"])
     if budget.gpu_gib is not None and objective == "sft":
-        stage["longest_row"] = longest_row(arch, train, ds, deepspeed_config, budget, candidate_files, common)
+        stage["longest_row"] = longest_row(training)
     if fits is False:
         stage["message"] = not_fitting_message(stage, arch, train, ds, common, budget, candidate_files)
         if stage.get("longest_row") and max_length > stage["longest_row"]["max_length"]:
-            too_long = _too_long(stage, arch, train, ds, deepspeed_config, budget, candidate_files, common)
+            too_long = _too_long(stage, training)
             stage["message"] = f"{stage['message']} {too_long}".rstrip()
         stage["status"] = "does not fit"
     elif fits:
@@ -205,24 +206,14 @@ MAX_ROW = 2**20
 """Rows are not searched beyond this (a million tokens)."""
 
 
-def longest_row(
-    arch: Arch,
-    train: dict,
-    ds: dict,
-    deepspeed_config: str,
-    budget: Budget,
-    candidate_files: dict[str, str] | None,
-    common: dict,
-) -> dict:
+def longest_row(training: Training) -> dict:
     """The longest tokenize.max_length (a multiple of ROW_STEP) at which this training fits the budget, as it would
     run there: with train.strategy auto whatever the plan would pick at that length (fewer micro-batches,
     checkpointing, activation offload, 8-bit states...), else as configured. A binary search over the memory model,
     whose peak grows with the row. {"max_length": 0, ...} where not even ROW_STEP tokens fit."""
 
     def pick_at(rows: int) -> dict | None:
-        pick = weigh(arch, train, ds, deepspeed_config, budget, candidate_files, {**common, "seq_len": rows})[
-            2
-        ]
+        pick = weigh(training.replace(common={**training.common, "seq_len": rows}))[2]
         return pick if pick and pick["fits"] else None
 
     lo, hi, best = 0, MAX_ROW // ROW_STEP, None
@@ -245,21 +236,12 @@ def longest_row(
     }
 
 
-def _too_long(
-    stage: dict,
-    arch: Arch,
-    train: dict,
-    ds: dict,
-    deepspeed_config: str,
-    budget: Budget,
-    candidate_files: dict[str, str] | None,
-    common: dict,
-) -> str:
+def _too_long(stage: dict, training: Training) -> str:
     """What the refusal of a tokenize.max_length beyond the longest row that fits adds: that row and how it would
     run; where train.strategy is as configured, what `auto` (fewer micro-batches, checkpointing, activation offload)
     would reach; where the loss is not the chunked one, what train.fused_cross_entropy would reach. "" where no row
     length fits as configured (the message before it says what would)."""
-    longest = stage["longest_row"]
+    train, longest = training.train, stage["longest_row"]
     if not longest["max_length"]:
         return ""  # no row length fits as configured: the row is not what to change
     parts = []
@@ -269,14 +251,11 @@ def _too_long(
             "per GPU)"
         )
     if train.get("strategy", "as_configured") != "auto":
-        auto = longest_row(
-            arch, {**train, "strategy": "auto"}, ds, deepspeed_config, budget, candidate_files, common
-        )
+        auto = longest_row(training.replace(train={**train, "strategy": "auto"}))
         if auto["max_length"] > longest["max_length"]:
             parts.append(f"{auto['max_length']:,} with train.strategy: auto ({auto['strategy']})")
-    if not train.get("fused_cross_entropy") and zero_stage(ds) != 3:
-        chunked = {**train, "fused_cross_entropy": True}
-        fused = longest_row(arch, chunked, ds, deepspeed_config, budget, candidate_files, common)
+    if not train.get("fused_cross_entropy") and zero_stage(training.ds) != 3:
+        fused = longest_row(training.replace(train={**train, "fused_cross_entropy": True}))
         if fused["max_length"] > longest["max_length"]:
             parts.append(
                 f"{fused['max_length']:,} with train.fused_cross_entropy: true (the loss chunk by chunk)"
@@ -284,7 +263,7 @@ def _too_long(
     if not parts:
         return ""
     return (
-        f"tokenize.max_length {common['seq_len']:,} is longer than the longest row that fits: "
+        f"tokenize.max_length {training.common['seq_len']:,} is longer than the longest row that fits: "
         + "; ".join(parts)
         + "."
     )
