@@ -320,6 +320,22 @@ CASES = [
         options=("--lora", "--checkpointing", "--cap", "24"),
     ),
     Case(
+        "trl_lora30_cap24_bfd",
+        "trl",
+        30,
+        "TRL SFTTrainer + Liger: as trl_lora30_cap24 with TRL's packing (bfd, padding-free) into rows of 512",
+        estimate_s=90,
+        options=("--lora", "--checkpointing", "--cap", "24", "--packing", "bfd"),
+    ),
+    Case(
+        "trl_lora30_cap24_wrapped",
+        "trl",
+        30,
+        "TRL SFTTrainer + Liger: as trl_lora30_cap24 with TRL's wrapped packing (rows of 512 cut anywhere)",
+        estimate_s=90,
+        options=("--lora", "--checkpointing", "--cap", "24", "--packing", "wrapped"),
+    ),
+    Case(
         "trl_lora30_cap24_mb2",
         "trl",
         30,

@@ -8,7 +8,10 @@ each micro-batch of 8, loss on the assistant tokens (`completion_only_loss` over
 torch's fused AdamW; full fine-tuning in fp32 weights with bf16 autocast (mixed precision), LoRA r16 on every
 linear layer over a bf16 base. `--cap GIB` caps the allocator as gpu_memory_gib does; `--checkpointing` turns
 on gradient checkpointing; `--max-length N --micro 1 --accumulation 1 --offload-activations` trains one long row
-per step with TRL's activation offloading (bench/throughput/cards24.py). Writes the report bench/throughput/seed_recipe.py writes (per-step times, CUDA-synchronized;
+per step with TRL's activation offloading (bench/throughput/cards24.py); `--packing bfd` (padding-free: each
+micro-batch one flattened row, its conversations apart by position ids, which transformers turns into a
+block-causal mask for SDPA) or `--packing wrapped` (rows cut mid-conversation) packs the conversations into rows of
+--max-length, TRL's other modes, tried beside the padded rows under the same cap (issue #50). Writes the report bench/throughput/seed_recipe.py writes (per-step times, CUDA-synchronized;
 tokens per sample; peak memory; status), which bench/throughput/train_throughput.py reads the same way.
 
     python3 bench/throughput/trl_peer.py --data DIR --tokenizer DIR --layers 24 [--lora] [--cap 24 --checkpointing] --out t.json
@@ -71,6 +74,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--offload-activations", action="store_true", help="TRL's activation offloading (SFTConfig)"
     )
+    parser.add_argument(
+        "--packing",
+        choices=("none", "bfd", "wrapped"),
+        default="none",
+        help="TRL's packing into rows of --max-length: bfd (best-fit decreasing, padding-free: one flattened row "
+        "per micro-batch, its conversations kept apart by position ids) or wrapped (cut mid-conversation, no "
+        "boundaries); none: each conversation its own row, padded to the micro-batch's longest",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args(argv)
@@ -126,7 +137,8 @@ def main(argv: list[str]) -> int:
             max_steps=args.steps,
             max_length=args.max_length,
             activation_offloading=args.offload_activations,
-            packing=False,
+            packing=args.packing != "none",
+            packing_strategy="bfd" if args.packing == "none" else args.packing,
             completion_only_loss=True,
             bf16=cuda,
             use_liger_kernel=cuda,
@@ -148,6 +160,17 @@ def main(argv: list[str]) -> int:
             peft_config=peft_config,
             callbacks=[step_timer(report, cuda)],
         )
+        if args.packing != "none":
+            # A sample is now a packed row: its real and loss-bearing tokens, as TRL packed them.
+            # Its loss-bearing share is the conversations' (TRL's train_dataset keeps no completion_mask column).
+            rows = trainer.train_dataset
+            per_row = sum(len(x) for x in rows["input_ids"]) / len(rows)
+            report.update(
+                samples=len(rows),
+                positions_per_sample=per_row,
+                real_per_sample=per_row,
+                loss_tokens_per_sample=per_row * loss_tokens / real,
+            )
         trainer.train()
         report["status"] = "ok"
     except torch.OutOfMemoryError as e:

@@ -144,7 +144,7 @@ def _offloading_activations(
     """`train.strategy: auto`: a checkpointing candidate that does not fit, again with the checkpointed layers' inputs
     in host memory (train.offload_activations, OFFLOAD_ACTIVATIONS_SPEED; `base`: the speed of the same stage without
     checkpointing): what long rows need once every other saving is taken."""
-    if s.offload_params or s.offload_optimizer or s.in_backward:
+    if s.offload_params or s.offload_optimizer:
         return []
     offloaded = s.replace(offload_activations=True)
     base *= OFFLOAD_ACTIVATIONS_SPEED
