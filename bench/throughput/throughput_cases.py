@@ -193,6 +193,17 @@ CASES = [
         peer="trl_lora30_cap24",
     ),
     Case(
+        "lora30_fp8_compile_cap24_all",
+        "train",
+        30,
+        "(b) as lora30_fp8_compile_cap24_auto with every layer checkpointed (far under the cap: is FP8 compiled slow "
+        "for memory or for checkpointing?)",
+        {**LORA_LIGER, "gradient_checkpointing": True, "fp8": "tensorwise", "compile": True},
+        estimate_s=150,
+        gpu_memory_gib=24,
+        peer="trl_lora30_cap24",
+    ),
+    Case(
         "lora30_cap24_ckpt24",
         "train",
         30,
