@@ -109,3 +109,32 @@ def test_compiled_layers_offload_and_compute_the_same():
     assert loss_c == loss
     for name, grad in grads.items():
         torch.testing.assert_close(grads_c[name], grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("setting", [True, 2])
+def test_backward_fetches_the_next_layers_input_ahead_within_one_step(setting):
+    """Unpacking a layer's input starts the copy back of the layer before it (the one backward reaches next): every
+    checkpointed layer but the first is fetched ahead, and a second step's first layer never waits on the first
+    step's last (the chain ends with each forward); the gradients stay those of checkpointing alone."""
+    net = tiny_llama()
+    n = checkpoint_layers(net, setting, offload=True)
+    hooks = net.model.layers[0]._gradient_checkpointing_func.keywords["hooks"]
+    x = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    for step in (1, 2):
+        net(input_ids=x, labels=x).loss.backward()
+        assert (hooks.packed, hooks.fetched_ahead) == (step * n, step * (n - 1))
+    _, grads, _ = loss_and_grads(setting, offloaded=False)
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * grads[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_a_forward_without_backward_leaves_no_chain():
+    """A forward whose graph is dropped (no backward) holds nothing: the next forward's first input has no
+    predecessor to fetch, and the dropped inputs' host copies are freed with their graph."""
+    net = tiny_llama()
+    n = checkpoint_layers(net, True, offload=True)
+    hooks = net.model.layers[0]._gradient_checkpointing_func.keywords["hooks"]
+    x = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    net(input_ids=x, labels=x).loss  # noqa: B018 - the graph is dropped here
+    net(input_ids=x, labels=x).loss.backward()
+    assert (hooks.packed, hooks.fetched_ahead) == (2 * n, n - 1)

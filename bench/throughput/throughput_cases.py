@@ -272,6 +272,18 @@ CASES = [
         peer="trl30_ckpt",
     ),
     Case(
+        "full30_inbwd_cap24_auto",
+        "train",
+        30,
+        "(b) as full30_inbwd_cap24 with train.strategy auto: the plan keeps the checkpointed layers' inputs in host "
+        "memory (train.offload_activations), copied on a stream of their own",
+        {**IN_BACKWARD, "strategy": "auto"},
+        LONG_ROWS,
+        estimate_s=150,
+        gpu_memory_gib=24,
+        peer="trl30_ckpt",
+    ),
+    Case(
         "full30_inbwd_1536_cap24",
         "train",
         30,
