@@ -207,6 +207,8 @@ def train_result(work: Path, case: Case, rc) -> dict:
                 "optimizer_states",
                 "optimizer_step",
                 "compile",
+                "gradient_checkpointing",
+                "offload_activations",
             )
         },
         wall_s=s["wall_time_s"],
