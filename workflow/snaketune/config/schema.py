@@ -312,8 +312,8 @@ class TrainConfig:
     """With gradient checkpointing: each checkpointed layer's input waits in pinned host memory until backward
     recomputes the layer (snaketune.model.offload), so that long rows hold one layer's input on the GPU instead of
     every layer's (a*hidden bytes per token each: 8 KiB for the 7B, 3.75 GiB for 30 layers of a 16,384-token row).
-    The same losses and gradients; one copy each way per layer and step. `strategy: auto` turns it on where
-    nothing fits without it."""
+    The same losses and gradients; one copy each way per layer and step, on a copy stream of its own, the next
+    layer's input fetched back ahead. `strategy: auto` turns it on where nothing fits without it."""
     strategy: str = setting("as_configured", choices=STRATEGIES)
     """`as_configured`: `deepspeed` and `gradient_checkpointing` as given; `auto`: the fastest ZeRO stage, offload,
     checkpointing (how many layers), micro-batch and activation offload that fits the GPUs (snaketune.plan.search;

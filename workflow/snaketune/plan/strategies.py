@@ -57,8 +57,10 @@ estimate: the counted model's largest under-estimate of a measured allocator pea
 the allocator (1.72 measured with the kernels loaded later) a pick then leaves 0.5-1.0 GiB of the card unused."""
 OFFLOAD_ACTIVATIONS_SPEED = 0.8
 """Relative speed of train.offload_activations (each checkpointed layer's input to host memory and back, one copy
-each way per layer and step, not overlapped with the layer's compute): an assumption, not measured; the plan offers
-it only where no setup without it fits (long rows), so it orders nothing that fits without it."""
+each way per layer and step, on a copy stream of their own, the next layer's input fetched back ahead): measured
+0.85 for the 7B's full fine-tune at one 2,048-token row per step, the step in backward (6,288 against 7,433
+tokens/s on an H100, bench/RESULTS.md, issue #50); 0.8 for rows of other lengths and LoRA, unmeasured. The plan
+offers it only where no setup without it fits (long rows), so it orders nothing that fits without it."""
 
 
 def checkpointed_speed(lora: bool, layers: int, checkpointed: int) -> float:
