@@ -755,8 +755,8 @@ def tok(tok_dir):
 
 HEAVY_FIRST = (
     "test_rerun_clean.py",
-    "test_default_run.py",
     "test_faults.py",
+    "test_default_run.py",
     "test_hub_workflow.py",
     "test_workflow.py",
     "test_real_model.py",
@@ -776,9 +776,8 @@ HEAVY_FIRST = (
 """The files with the longest runs, longest first (`make test`'s slowest durations, CI 2026-12-06; test_reproducibility.py
 later since its dry runs fork in-process): the two workers of
 `make test` (pytest-xdist, --dist loadfile with --no-loadscope-reorder) take files in collection order, so the long
-ones start first and short ones fill the end. The first two files start together: the first (test_rerun_clean.py, whose
-experiments start from it) makes the shared tiny run while the second, which does not read it, makes its own run;
-the tiny run is there before its other users start, so no worker waits for it.
+ones start first and short ones fill the end. The first two files start together; the second (test_faults.py, through
+its `reference`) makes the shared tiny run while the first trains its own experiments, before most of its users start.
 xdist's default order (files with the most tests first) started the two dry-run walks over the schema first, one of
 them idle for the 100 s the other spent making the tiny run, and left the long runs for the end."""
 

@@ -6,16 +6,15 @@ deterministic on CPU, so "the same" is exact: data files byte for byte, every lo
 the evaluation's and the report's figures equal. Only what records a run rather than its result may differ: times,
 throughput, run keys, the experiment's name and `resumed_from_step`. Two designs share the cost:
 
-- Kinds that change one experiment's sections (model, tokenize, train, preference): one base run trains a chain
-  of experiments (CHAIN), each with the config of the one before it and one kind's change more, and the changed
-  run gives each experiment the next one's config. The base run starts from a copy of the shared tiny run
-  (conftest.tiny_run), whose `default` is the chain's first experiment (the tiny config), and makes the others from
-  nothing. So every kind's rerun has a clean twin that the base run made from nothing before the change (its
-  outputs copied aside: the changed run remakes most of them), and the last experiment of the chain keeps its
-  config and must rerun nothing. A kind's change is made to the tiny config plus the changes before it in the
-  chain. An added experiment (the tiny config's, whose twin is the tiny run's `default`) is new in the changed
-  run. preference.max_length's experiment takes the config of one whose tokenized pairs exist: its reference must
-  rerun all the same (it once did not: common_preference.smk's reference_dir says why).
+- Kinds that change one experiment's sections (model, tokenize, train, preference): one base run from nothing
+  trains chains of experiments (CHAINS), each with the config of the one before it and one kind's change more,
+  and the changed run gives each experiment the next one's config. So every kind's rerun has a clean twin that
+  the base run made from nothing before the change (its outputs copied aside: the changed run remakes most of
+  them), and the last experiment of a chain keeps its config and must rerun nothing. A kind's change is made to
+  the tiny config plus the changes before it in its chain. An added experiment (the tiny config's, whose twin is
+  the base run's `default`) is new in the changed run. preference.max_length's experiment takes the config of one
+  whose tokenized pairs exist: its reference must rerun all the same (it once did not: common_preference.smk's
+  reference_dir says why).
 - Kinds that change what every experiment shares (dataset, eval, a rule file, a DeepSpeed file): the tiny run
   is copied, changed and rerun, and beside it a fresh copy of the workflow with the change runs from nothing,
   two Snakemake runs at a time. Each carries more kinds that need a run of their own otherwise (RIDERS): the
@@ -107,20 +106,11 @@ NO_EXPORT = ("dataset.paths",)
 PLANS = ("results/plan/default.json", "results/plan/dpo/default.json", "results/plan/eval/default.json")
 """The memory plans: no stage reads them (workflow/rules/common_plan.smk), so a run that stops at the evaluation
 asks for them by name (the clean run would not make them, the rerun would keep stale ones)."""
-CHAIN = (
-    "preference.pairs",
-    "preference.beta",
-    "preference.max_length",
-    "preference.train.learning_rate",
-    "train.learning_rate",
-    "tokenize.packing",
-    "model.tokenizer",
-    "train.deepspeed (ZeRO-2 -> ZeRO-3)",
+CHAINS = (
+    ("preference.pairs", "preference.beta", "train.deepspeed (ZeRO-2 -> ZeRO-3)", "preference.max_length"),
+    ("preference.train.learning_rate", "train.learning_rate", "tokenize.packing", "model.tokenizer"),
 )
-"""The experiment kinds in one chain (the module's docstring says how the runs use them). One chain, not two: a
-second chain's first experiment would be the tiny config again, a second training, reference and DPO of `default`'s
-config in the base run. ZeRO-3 last: only the chain's last experiment trains with it in the base run, and one in the
-changed run."""
+"""The experiment kinds in chains (the module's docstring says how the runs use them)."""
 ADDED_NAME = "added"
 RUN = ("--cores", "2", "--resources", "gpu=2")
 RECORD_FIELDS = {"experiment", "wall_time_s", "run_key", "resumed_from_step", "time_s", "tokens_per_s_per_gpu",
@@ -135,7 +125,7 @@ def test_every_change_kind_is_covered():
     no_op = [kind for kind, (_, stages) in CASES.items() if not stages]
     covered = [*EXPERIMENT_KINDS, ADDED, *SHARED_KINDS, *FILE_KINDS, *STAGE_KINDS, *CODE_KINDS, *no_op]
     assert sorted([*covered, *BENCHMARK_ONLY]) == sorted(CASES)
-    assert sorted(CHAIN) == sorted(EXPERIMENT_KINDS)
+    assert sorted(kind for chain in CHAINS for kind in chain) == sorted(EXPERIMENT_KINDS)
     assert sorted(kind for riders in RIDERS.values() for kind in riders) == sorted(
         [*STAGE_KINDS, *CODE_KINDS, *FILE_KINDS]
     )
@@ -244,7 +234,7 @@ def mtimes(workdir: Path) -> dict[str, float]:
     return {str(p): p.stat().st_mtime_ns for p in (workdir / "results").rglob("*") if p.is_file()}
 
 
-# ---- kinds that change one experiment: one base run of a chain of experiments, one run of the changes ------
+# ---- kinds that change one experiment: one base run of chains of experiments, one run of the changes -------
 
 
 def _merge(base: dict, change: dict) -> dict:
@@ -256,26 +246,27 @@ def _merge(base: dict, change: dict) -> dict:
     return out
 
 
-def _chain() -> tuple[dict, dict, dict]:
+def _chains() -> tuple[dict, dict, dict]:
     """The base run's experiments and the changed run's (name -> overrides), and for each kind its experiment and
     the one with the config it is changed to (its clean twin: the base run's, or one the changed run adds)."""
     base, changed, twins = {}, {}, {}
-    configs = [{}]
-    for kind in CHAIN:
-        configs.append(_merge(configs[-1], EXPERIMENT_KINDS[kind]))
-    # config/config.yaml always brings `default`: the tiny config, the first of the chain.
-    names = ["default" if j == 0 else f"a{j}" for j in range(len(configs))]
-    for j, name in enumerate(names):
-        base[name] = configs[j]
-        changed[name] = configs[min(j + 1, len(CHAIN))]
-    for j, kind in enumerate(CHAIN):
-        twins[kind] = (names[j], names[j + 1])
+    for c, chain in enumerate(CHAINS):
+        configs = [{}]
+        for kind in chain:
+            configs.append(_merge(configs[-1], EXPERIMENT_KINDS[kind]))
+        # config/config.yaml always brings `default`: the tiny config, the first of the first chain.
+        names = ["default" if (c, j) == (0, 0) else f"{'ab'[c]}{j}" for j in range(len(configs))]
+        for j, name in enumerate(names):
+            base[name] = configs[j]
+            changed[name] = configs[min(j + 1, len(chain))]
+        for j, kind in enumerate(chain):
+            twins[kind] = (names[j], names[j + 1])
     changed[ADDED_NAME] = {}
     twins[ADDED] = (ADDED_NAME, "default")
     return base, changed, twins
 
 
-BASE, CHANGED, TWINS = _chain()
+BASE, CHANGED, TWINS = _chains()
 
 
 def _dpo_targets(names) -> list[str]:
@@ -285,11 +276,11 @@ def _dpo_targets(names) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def experiments(tmp_path_factory, tiny_run, tiny_data) -> dict:
+def experiments(tmp_path_factory, tiny_data) -> dict:
     root = tmp_path_factory.mktemp("rerun_experiments")
-    # The tiny run made `default` (the tiny config, the chain's first) from nothing: the base run adds the others.
-    workdir = clone_run(tiny_run, root / "wf")
+    workdir = copy_workflow(root / "wf")
     shutil.copytree(tiny_data.tokenizer_dir, workdir / OTHER_TOKENIZER)  # the model.tokenizer experiment's
+    shutil.copy2(TINY_CONFIG, workdir / "tiny.yaml")
     (workdir / "base.yaml").write_text(json.dumps({"experiments": BASE}))
     snakemake(workdir, *_dpo_targets(BASE), *RUN, "--configfile", "tiny.yaml", "base.yaml", timeout=1500)
     # The clean twins' outputs as the base run left them (the changed run remakes most of them), in the layout of
@@ -326,10 +317,10 @@ def test_rerun_of_an_experiment_equals_its_clean_twin(experiments, kind):
 
 
 def test_an_unchanged_experiment_reruns_nothing(experiments):
-    """The last experiment of the chain keeps its config: the changed run rewrote none of its files."""
+    """The last experiment of a chain keeps its config: the changed run rewrote none of its files."""
     res = experiments["workdir"] / "results"
     unchanged = [name for name in BASE if CHANGED[name] == BASE[name]]
-    assert len(unchanged) == 1  # the chain's last
+    assert len(unchanged) == len(CHAINS)
     for name in unchanged:
         rewritten = [
             p
