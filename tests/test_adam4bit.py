@@ -196,3 +196,35 @@ def test_the_steps_follow_fp32_adams_in_size(domain, monkeypatch):
         _kernel_step(p, g, m, v, step, one, sq, seed=step, lr=0.0)
 
     check_step_sizes(domain, step_size_ratios(step, DEVICE, seed=0))
+
+
+@pytest.mark.parametrize("domain", states4bit.V_DOMAINS)
+def test_v_codes_read_from_the_exponent_are_the_compares_codes(domain, monkeypatch):
+    """snaketune's v map (2^(k - 15)) takes its codes from x's exponent bits (adam4bit._pow2_codes) instead of 15
+    compares: the same codes bit for bit, with the same random draws, over v spanning 2^-40 .. 1 of the block's max
+    (below the first code, on exact powers of 2 and between them), in v and in its fourth root."""
+    monkeypatch.setattr(states4bit, "V_ROUNDED_IN", domain)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    g = torch.randn(SHAPE, device=DEVICE, generator=gen) * 2.0 ** torch.randint(
+        -20, 1, SHAPE, device=DEVICE, generator=gen
+    )
+    g[:, ::7] = 2.0 ** torch.randint(
+        -20, 1, (SHAPE[0], len(range(0, SHAPE[1], 7))), device=DEVICE, generator=gen
+    )
+    g[:, 5] = 0.0
+    one = torch.tensor(1.0, device=DEVICE)
+    results = []
+    v_map = adam4bit._v_map
+    for pow2 in (True, False):
+        if not pow2:  # the compares, as for any other map
+            monkeypatch.setattr(adam4bit, "_v_map", lambda qmap, root4: (v_map(qmap, root4)[0], False))
+        p = torch.ones(SHAPE, device=DEVICE)
+        m = states4bit.zeros(SHAPE, True, 128, DEVICE)
+        v = states4bit.zeros(SHAPE, False, 128, DEVICE)
+        for step in (1, 2):
+            _kernel_step(p, g * step, m, v, step, one, torch.zeros((), device=DEVICE), seed=step)
+        results.append((v.codes.clone(), v.scale.clone(), m.codes.clone(), p.clone()))
+    (codes, scale, m_codes, p), (codes_ref, scale_ref, m_codes_ref, p_ref) = results
+    assert len(set(codes.flatten().tolist())) > 100  # many byte values: codes across the map
+    assert torch.equal(codes, codes_ref) and torch.equal(scale, scale_ref)
+    assert torch.equal(m_codes, m_codes_ref) and torch.equal(p, p_ref)

@@ -24,18 +24,30 @@ from snaketune.train import adam4bit
 
 SIGNATURE = {
     "p_ptr": "*bf16", "g_ptr": "*bf16", "m_codes": "*u8", "m_scale": "*fp32", "v_codes": "*u8", "v_scale": "*fp32",
-    "m_qmap": "*fp32", "v_qmap": "*fp32", "partial_ptr": "*fp32", "divisor_ptr": "*fp32", "n_blocks": "i32",
-    "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32", "decay": "fp32", "step_size": "fp32",
-    "bc2_sqrt": "fp32", "seed": "i32",
+    "m_qmap": "*fp32", "v_qmap": "*fp32", "v_table": "*fp32", "partial_ptr": "*fp32", "divisor_ptr": "*fp32",
+    "n_blocks": "i32", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32", "decay": "fp32",
+    "step_size": "fp32", "bc2_sqrt": "fp32", "seed": "i32",
 }  # fmt: skip
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def cost(fn, constants: dict, arch: int) -> tuple[int, str]:
+def cost(fn, constants: dict, arch: int, warps: int) -> tuple[int, str]:
     """(SASS instructions, registers per thread) of the kernel `fn` with these constexprs, bf16 weights."""
-    signature = {**SIGNATURE, **{name: "constexpr" for name in constants}}
+    names = fn.arg_names
+    constants = {k: v for k, v in constants.items() if k in names}
+    signature = {n: "constexpr" if n in constants else SIGNATURE[n] for n in names}
+    # What a launch specializes on the 7B's tensors: 16-byte aligned pointers, a block count divisible by 16
+    # (without it the loads are not vectorized)
+    aligned = {
+        (i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constants and n != "seed"
+    }
+    aligned = {
+        k: v for k, v in aligned.items() if signature[names[k[0]]][0] == "*" or names[k[0]] == "n_blocks"
+    }
     kernel = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constants), target=GPUTarget("cuda", arch, 32)
+        ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": warps},
     )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -48,26 +60,42 @@ def cost(fn, constants: dict, arch: int) -> tuple[int, str]:
     return instructions, ",".join(re.findall(r"REG:(\d+)", usage))
 
 
+def _constants(module, rounding_sr: bool) -> tuple[dict, int, int]:
+    """The constexprs a revision's kernel takes (its own ROWS and warps), and (elements per program, warps)."""
+    rows, block = module.ROWS, module.BLOCK
+    warps = getattr(module, "WARPS", 4)
+    constants = {
+        "STOCHASTIC": True, "STATES_SR": rounding_sr, "V_ROOT4": rounding_sr, "V_POW2": rounding_sr, "ROWS": rows,
+        "HALF": block // 2,
+        "BLOCK": block, "PHILOX_ROUNDS": getattr(module, "PHILOX_ROUNDS", 10), "V_LINEAR": True,
+    }  # fmt: skip
+    return constants, rows * block, warps
+
+
+def _row(label: str, module, arch: int) -> None:
+    for sr in (True, False):
+        constants, elements, warps = _constants(module, sr)
+        n, regs = cost(module._adamw4bit, constants, arch, warps)
+        per_thread = elements / (32 * warps)
+        what = f"{'stochastic' if sr else 'nearest'} rounding"
+        print(f"| {label}: {what} | {elements} / {warps} | {n} | {n / per_thread:.1f} | {regs} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", type=int, default=90, help="SM version: 90 (H100/H200), 89 (RTX 4090)")
     parser.add_argument("--ref", nargs="*", default=[], help="adam4bit.py files of other revisions")
     args = parser.parse_args()
-    shape = {"STOCHASTIC": True, "ROWS": adam4bit.ROWS, "HALF": adam4bit.BLOCK // 2}
-    print(f"| kernel (sm_{args.arch}) | SASS instructions | registers per thread |\n|---|---|---|")
-    for sr in (True, False):
-        n, regs = cost(adam4bit._adamw4bit, {**shape, "STATES_SR": sr}, args.arch)
-        what = f"{'stochastic' if sr else 'nearest'} rounding"
-        print(f"| this revision: {what} | {n} | {regs} |")
+    print(
+        f"| kernel (sm_{args.arch}) | elements per program / warps | SASS instructions | per element of a thread "
+        "| registers per thread |\n|---|---|---|---|---|"
+    )
+    _row("this revision", adam4bit, args.arch)
     for path in args.ref:
         spec = importlib.util.spec_from_file_location(Path(path).stem, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        params = module._adamw4bit.arg_names
-        # V_LINEAR: revisions that had a formula for the codes of torchao's linear map
-        extra = {name: True for name in ("STATES_SR", "V_LINEAR") if name in params}
-        n, regs = cost(module._adamw4bit, {**shape, **extra}, args.arch)
-        print(f"| {path} ({', '.join(f'{k}={v}' for k, v in extra.items()) or 'nearest'}) | {n} | {regs} |")
+        _row(path, module, args.arch)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
 """GPU time of the step in backward's 4-bit AdamW update (snaketune.train.adam4bit) over the tensors of the
 deepseek-llm-7b architecture (30 layers), and the bandwidth that implies (8 B per parameter moved: bf16 weight read and
 written, bf16 gradient read, 4-bit m and v read and written, their scales); then the host's time per call, on a tensor
-small enough that the GPU keeps up (the step in backward makes 273 such calls per 7B step, inside backward). On a
-CUDA GPU:
+small enough that the GPU keeps up (the step in backward makes 273 such calls per 7B step, inside backward). With
+--before FILE, a kernel of another revision (`git show REV:workflow/snaketune/train/adam4bit.py > FILE`) is timed
+the same way in the same process; with --sweep, this kernel at other program sizes (adam4bit.ROWS, WARPS,
+PHILOX_ROUNDS), with snaketune's rounding and map only. On a CUDA GPU:
 
-    python -m bench adam4bit_speed
+    python -m bench adam4bit_speed [--before FILE] [--sweep]
 """
 
 from __future__ import annotations
+
+import argparse
+import importlib.util
 
 import torch
 from torchao.optim.subclass_4bit import OptimState4bit
@@ -27,16 +32,42 @@ SHAPES = {  # shape: tensors of it in the model
 V_MAPS = {"snaketune's (states4bit.V_CODES)": states4bit.V_CODES, "torchao's linear": None}
 
 
+SWEEP = ((4, 4, 10), (8, 4, 10), (8, 4, 7), (16, 4, 7), (16, 8, 10), (8, 2, 10))
+"""(ROWS, WARPS, PHILOX_ROUNDS) tried by --sweep."""
+
+
 def main() -> None:
-    for rounding in states4bit.ROUNDINGS:  # the states' rounding to their codes (snaketune.train.states4bit)
-        for name, codes in V_MAPS.items():
-            states4bit.ROUNDING = rounding
-            print(f"m and v rounded to their codes: {rounding}; v's map: {name}")
-            gpu_times(torch.device("cuda"), codes)
-    host_times(torch.device("cuda"))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--before", help="adam4bit.py of another revision, timed beside this one")
+    parser.add_argument("--sweep", action="store_true", help="this kernel at each of SWEEP's program sizes")
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    kernels = {"this revision": adam4bit}
+    if args.before:
+        spec = importlib.util.spec_from_file_location("adam4bit_before", args.before)
+        kernels[f"before ({args.before})"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    for label, kernel in kernels.items():
+        for (
+            rounding
+        ) in states4bit.ROUNDINGS:  # the states' rounding to their codes (snaketune.train.states4bit)
+            for name, codes in V_MAPS.items():
+                states4bit.ROUNDING = rounding
+                print(f"{label}: m and v rounded to their codes: {rounding}; v's map: {name}")
+                gpu_times(dev, codes, kernel)
+        states4bit.ROUNDING = "stochastic"
+    if args.sweep:
+        default = (adam4bit.ROWS, adam4bit.WARPS, adam4bit.PHILOX_ROUNDS)
+        for adam4bit.ROWS, adam4bit.WARPS, adam4bit.PHILOX_ROUNDS in SWEEP:
+            print(
+                f"sweep: ROWS {adam4bit.ROWS}, WARPS {adam4bit.WARPS}, PHILOX_ROUNDS {adam4bit.PHILOX_ROUNDS}"
+            )
+            gpu_times(dev, states4bit.V_CODES, adam4bit)
+        adam4bit.ROWS, adam4bit.WARPS, adam4bit.PHILOX_ROUNDS = default
+    host_times(dev)
 
 
-def gpu_times(dev: torch.device, v_codes: tuple[float, ...] | None) -> None:
+def gpu_times(dev: torch.device, v_codes: tuple[float, ...] | None, kernel=adam4bit) -> None:
     total_ms, params = 0.0, 0
     sq, divisor = torch.zeros((), device=dev), torch.ones((), device=dev)
     for shape, count in SHAPES.items():
@@ -45,7 +76,7 @@ def gpu_times(dev: torch.device, v_codes: tuple[float, ...] | None) -> None:
         m, v = states4bit.zeros(shape, True, 128, dev), states4bit.zeros(shape, False, 128, dev, v_codes)
 
         def step(i, p=p, g=g, m=m, v=v):
-            adam4bit.update(
+            kernel.update(
                 p, g, m, v, sq_out=sq, divisor=divisor, step=i + 1, lr=1e-5, betas=(0.9, 0.95), eps=1e-8,
                 weight_decay=0.0, seed=i,
             )  # fmt: skip
@@ -85,9 +116,9 @@ def host_times(dev: torch.device, calls: int = 2000) -> None:
 
     def launch(i):
         adam4bit._adamw4bit[(8,)](
-            p, g, m.codes, m.scale, v.codes, v.scale, m.qmap, v.qmap, partial, divisor, 32,
-            1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, STATES_SR=True, V_ROOT4=True, ROWS=adam4bit.ROWS,
-            HALF=adam4bit.BLOCK // 2,
+            p, g, m.codes, m.scale, v.codes, v.scale, m.qmap, v.qmap, v.qmap, partial, divisor, 32,
+            1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, STATES_SR=True, V_ROOT4=True, V_POW2=False,
+            ROWS=adam4bit.ROWS, BLOCK=adam4bit.BLOCK, PHILOX_ROUNDS=adam4bit.PHILOX_ROUNDS, num_warps=adam4bit.WARPS,
         )  # fmt: skip
 
     parts = {

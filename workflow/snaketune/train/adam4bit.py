@@ -24,6 +24,8 @@ Triton's launch) is what bounds the 7B's step now, 273 tensors a step.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -34,36 +36,53 @@ from snaketune.train import states4bit
 BLOCK = sizes.TORCHAO_BLOCK["4bit"]
 """Elements per quantization block (torchao's AdamW4bit default)."""
 ROWS = 4
-"""Quantization blocks per Triton program: 512 elements, 4 per thread of 4 warps (more per program spills registers)."""
+"""Quantization blocks per Triton program (512 elements)."""
+WARPS = 4
+"""Warps per program: 4 elements per thread at ROWS 4."""
+PHILOX_ROUNDS = 10
+"""Rounds of Triton's Philox4x32 per draw (its default, 10; Salmon et al. 2011 found 7 already pass BigCrush)."""
 
 
 @triton.jit
-def _quantize(x, qmap_ptr, rand, STATES_SR: tl.constexpr, ROOT4: tl.constexpr):
-    """The 4-bit code of x (normalized by its block's absmax) in the sorted 16-entry map. STATES_SR (the default,
-    snaketune's choice): rounded stochastically between the two entries around x, up with probability (x - below) /
-    (above - below) from 8 random bits, so the dequantized state is x in expectation; with ROOT4 (v, where
-    states4bit.V_ROUNDED_IN says fourth_root) the same in x^(1/4), so that x^(1/4) is unbiased instead
-    (snaketune.train.states4bit: why). x below the first entry takes the first, beyond the last the last. Else
-    torchao's quantize_4bit_with_qmap: the nearest entry (a tie rounded up), by compares against the midpoints as
-    scalars. (Codes in closed form for a known map, k/16 or 2^(k - 15), took 17-24% more GPU time than these compares
-    on an H200: bench/RESULTS.md, issue #26.)"""
+def _quantize(x, table_ptr, rand, STATES_SR: tl.constexpr):
+    """The 4-bit code of x (normalized by its block's absmax, in the domain of `table_ptr`'s 16 sorted entries).
+    STATES_SR (the default, snaketune's choice): rounded stochastically between the two entries around x, up with
+    probability (x - below) / (above - below) from 8 random bits, so that x is the state's value in expectation. v
+    rounds in its fourth root (states4bit.V_ROUNDED_IN): the caller passes x^(1/4) and the map's fourth roots (the
+    same codes: the root is monotone), so that x^(1/4) is unbiased instead (snaketune.train.states4bit: why). x below
+    the first entry takes the first, beyond the last the last. Else torchao's quantize_4bit_with_qmap: the nearest
+    entry (a tie rounded up), by compares against the midpoints as scalars."""
     codes = tl.zeros(x.shape, dtype=tl.int32)
     if STATES_SR:
         for k in tl.static_range(1, 16):  # the last entry at or below x (the first where x is below it)
-            codes += (x >= tl.load(qmap_ptr + k)).to(tl.int32)
-        below = tl.load(qmap_ptr + codes)  # 16 entries: gathers from L1
-        above = tl.load(qmap_ptr + tl.minimum(codes + 1, 15))
-        u = ((rand & 255).to(tl.float32) + 0.5) * (1.0 / 256.0)
-        if ROOT4:  # v >= 0 and the map's entries > 0
-            x = tl.sqrt(tl.sqrt(x))
-            below = tl.sqrt(tl.sqrt(below))
-            above = tl.sqrt(tl.sqrt(above))
-        # x below the first entry: x - below < 0, never up; at or above the last: above == below
-        codes += ((x - below) > u * (above - below)).to(tl.int32)
+            codes += (x >= tl.load(table_ptr + k)).to(tl.int32)
+        codes = _round_up(x, codes, table_ptr, rand)
     else:
         for k in tl.static_range(15):
-            codes += (x >= (tl.load(qmap_ptr + k) + tl.load(qmap_ptr + k + 1)) * 0.5).to(tl.int32)
+            codes += (x >= (tl.load(table_ptr + k) + tl.load(table_ptr + k + 1)) * 0.5).to(tl.int32)
     return codes
+
+
+@triton.jit
+def _round_up(x, codes, table_ptr, rand):
+    """`codes` (the entry at or below x) plus one with probability (x - below) / (above - below), from 8 random
+    bits; x below the first entry: x - below < 0, never up; at or above the last: above == below."""
+    below = tl.load(table_ptr + codes)  # 16 entries: gathers from L1
+    above = tl.load(table_ptr + tl.minimum(codes + 1, 15))
+    u = ((rand & 255).to(tl.float32) + 0.5) * (1.0 / 256.0)
+    return codes + ((x - below) > u * (above - below)).to(tl.int32)
+
+
+@triton.jit
+def _pow2_codes(x):
+    """The entry at or below x >= 0 in snaketune's v map, 2^(k - 15) for k = 0..15 (states4bit.V_CODES), read from
+    x's exponent bits: a few integer operations where the compares take 30 per element, and exact (x = 2^e takes
+    code e + 15, as the compares give). Below 2^-15 (zero and subnormals included) the first, 1 the last. (An
+    earlier formula, floor(log2 x), timed 15-19% slower than the compares on an H200 and was not bit-equal to them
+    (bench/RESULTS.md, issue #26); that bench read each state's map from the device in every call, which this
+    module does once per map tensor, in _v_map.)"""
+    exponent = (x.to(tl.int32, bitcast=True) >> 23) - 127
+    return tl.minimum(tl.maximum(exponent + 15, 0), 15)
 
 
 @triton.jit
@@ -89,6 +108,7 @@ def _adamw4bit(
     v_scale,
     m_qmap,
     v_qmap,
+    v_table,
     partial_ptr,
     divisor_ptr,
     n_blocks,
@@ -103,24 +123,32 @@ def _adamw4bit(
     STOCHASTIC: tl.constexpr,
     STATES_SR: tl.constexpr,
     V_ROOT4: tl.constexpr,
+    V_POW2: tl.constexpr,
     ROWS: tl.constexpr,
-    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PHILOX_ROUNDS: tl.constexpr,
 ):
+    """ROWS quantization blocks of one tensor. Weights and gradients are loaded and stored contiguously (wide
+    loads), then split into the even and odd elements that share a byte of codes (element 2i in its high nibble).
+    `v_table`: the map v rounds to, `v_qmap` itself or its fourth roots where v rounds in its fourth root (update())."""
+    HALF: tl.constexpr = BLOCK // 2
     pid = tl.program_id(0)  # int32 offsets: update() refuses tensors of 2^31 elements or more
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_blocks
+    elem = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [ROWS, BLOCK]
+    elem_mask = row_mask[:, None] & (elem >= 0)
     byte = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [ROWS, HALF]: one byte, two elements
     mask = row_mask[:, None] & (byte >= 0)
-    even = byte * 2
-    odd = even + 1
-    g0 = tl.load(g_ptr + even, mask=mask, other=0.0).to(tl.float32)
-    g1 = tl.load(g_ptr + odd, mask=mask, other=0.0).to(tl.float32)
+    g0, g1 = tl.split(
+        tl.reshape(tl.load(g_ptr + elem, mask=elem_mask, other=0.0).to(tl.float32), (ROWS, HALF, 2))
+    )
     tl.store(partial_ptr + pid, tl.sum(tl.sum(g0 * g0 + g1 * g1, axis=1), axis=0))
-    divisor = tl.load(divisor_ptr)
-    g0 = g0 / divisor
-    g1 = g1 / divisor
-    p0 = tl.load(p_ptr + even, mask=mask, other=0.0).to(tl.float32)
-    p1 = tl.load(p_ptr + odd, mask=mask, other=0.0).to(tl.float32)
+    inv_divisor = 1.0 / tl.load(divisor_ptr)
+    g0 = g0 * inv_divisor
+    g1 = g1 * inv_divisor
+    p0, p1 = tl.split(
+        tl.reshape(tl.load(p_ptr + elem, mask=elem_mask, other=0.0).to(tl.float32), (ROWS, HALF, 2))
+    )
     mc = tl.load(m_codes + byte, mask=mask, other=0).to(tl.int32)
     vc = tl.load(v_codes + byte, mask=mask, other=0).to(tl.int32)
     ms = tl.load(m_scale + rows, mask=row_mask, other=0.0)[:, None]
@@ -135,27 +163,45 @@ def _adamw4bit(
     m1 = m1 + (1.0 - beta1) * (g1 - m1)
     v0 = v0 + (1.0 - beta2) * (g0 * g0 - v0)
     v1 = v1 + (1.0 - beta2) * (g1 * g1 - v1)
-    p0 = p0 - step_size * m0 / (tl.sqrt(v0) / bc2_sqrt + eps)
-    p1 = p1 - step_size * m1 / (tl.sqrt(v1) / bc2_sqrt + eps)
+    inv_bc2 = 1.0 / bc2_sqrt
+    p0 = p0 - step_size * m0 / (tl.sqrt(v0) * inv_bc2 + eps)
+    p1 = p1 - step_size * m1 / (tl.sqrt(v1) * inv_bc2 + eps)
     m_abs = tl.maximum(tl.maximum(tl.max(tl.abs(m0), axis=1), tl.max(tl.abs(m1), axis=1)), 1e-12)
     v_abs = tl.maximum(tl.maximum(tl.max(tl.abs(v0), axis=1), tl.max(tl.abs(v1), axis=1)), 1e-12)
-    # one 32-bit draw per element: bits 0-15 round the weight, 16-23 its m, 24-31 its v
-    r0 = tl.randint(seed, even).to(tl.uint32)
-    r1 = tl.randint(seed, odd).to(tl.uint32)
-    mq = (_quantize(m0 / m_abs[:, None], m_qmap, r0 >> 16, STATES_SR, False) << 4) | _quantize(
-        m1 / m_abs[:, None], m_qmap, r1 >> 16, STATES_SR, False
+    m_inv = (1.0 / m_abs)[:, None]
+    v_inv = (1.0 / v_abs)[:, None]
+    x0 = v0 * v_inv
+    x1 = v1 * v_inv
+    # one Philox draw per byte, two of its four 32-bit words, one per element: bits 0-15 round the weight, 16-23
+    # its m, 24-31 its v
+    r0, r1, _, _ = tl.randint4x(seed, byte, PHILOX_ROUNDS)
+    r0 = r0.to(tl.uint32)
+    r1 = r1.to(tl.uint32)
+    mq = (_quantize(m0 * m_inv, m_qmap, r0 >> 16, STATES_SR) << 4) | _quantize(
+        m1 * m_inv, m_qmap, r1 >> 16, STATES_SR
     )
-    vq = (_quantize(v0 / v_abs[:, None], v_qmap, r0 >> 24, STATES_SR, V_ROOT4) << 4) | _quantize(
-        v1 / v_abs[:, None], v_qmap, r1 >> 24, STATES_SR, V_ROOT4
-    )
+    if (
+        V_POW2
+    ):  # snaketune's map (update()): the codes from the exponent, in v or (the same) in its fourth root
+        c0 = _pow2_codes(x0)
+        c1 = _pow2_codes(x1)
+        if V_ROOT4:
+            x0 = tl.sqrt(tl.sqrt(x0))
+            x1 = tl.sqrt(tl.sqrt(x1))
+        vq = (_round_up(x0, c0, v_table, r0 >> 24) << 4) | _round_up(x1, c1, v_table, r1 >> 24)
+    else:
+        if V_ROOT4:
+            x0 = tl.sqrt(tl.sqrt(x0))
+            x1 = tl.sqrt(tl.sqrt(x1))
+        vq = (_quantize(x0, v_table, r0 >> 24, STATES_SR) << 4) | _quantize(x1, v_table, r1 >> 24, STATES_SR)
     tl.store(m_codes + byte, mq.to(tl.uint8), mask=mask)
     tl.store(v_codes + byte, vq.to(tl.uint8), mask=mask)
     tl.store(m_scale + rows, m_abs, mask=row_mask)
     tl.store(v_scale + rows, v_abs, mask=row_mask)
     p0 = _round_bf16(p0, r0, STOCHASTIC)
     p1 = _round_bf16(p1, r1, STOCHASTIC)
-    tl.store(p_ptr + even, p0.to(p_ptr.dtype.element_ty), mask=mask)
-    tl.store(p_ptr + odd, p1.to(p_ptr.dtype.element_ty), mask=mask)
+    p = tl.reshape(tl.join(p0, p1), (ROWS, BLOCK))
+    tl.store(p_ptr + elem, p.to(p_ptr.dtype.element_ty), mask=elem_mask)
 
 
 def supports(p: torch.Tensor, exp_avg: torch.Tensor) -> bool:
@@ -197,6 +243,9 @@ def update(
     n_blocks = p.numel() // BLOCK
     programs = (n_blocks + ROWS - 1) // ROWS
     partial = _scratch(programs, p.device)
+    stochastic = states4bit.ROUNDING == "stochastic"
+    root4 = stochastic and states4bit.V_ROUNDED_IN == "fourth_root"
+    v_table, pow2 = _v_map(exp_avg_sq.qmap, root4)
     _adamw4bit[(programs,)](
         p,
         grad,
@@ -206,6 +255,7 @@ def update(
         exp_avg_sq.scale,
         exp_avg.qmap,
         exp_avg_sq.qmap,
+        v_table,
         partial,
         divisor,
         n_blocks,
@@ -218,13 +268,32 @@ def update(
         (1 - beta2**step) ** 0.5,
         seed,
         STOCHASTIC=p.dtype == torch.bfloat16,
-        STATES_SR=states4bit.ROUNDING == "stochastic",
-        V_ROOT4=states4bit.V_ROUNDED_IN == "fourth_root",
+        STATES_SR=stochastic,
+        V_ROOT4=root4,
+        V_POW2=pow2 and stochastic,
         ROWS=ROWS,
-        HALF=BLOCK // 2,
+        BLOCK=BLOCK,
+        PHILOX_ROUNDS=PHILOX_ROUNDS,
+        num_warps=WARPS,
     )
     # One launch, no read-modify-write: the host's time per tensor bounds the 7B's step (module docstring).
     torch.sum(partial, dim=0, out=sq_out)
+
+
+_V_MAPS: dict[tuple[int, bool], tuple[weakref.ref, torch.Tensor, bool]] = {}
+
+
+def _v_map(qmap: torch.Tensor, root4: bool) -> tuple[torch.Tensor, bool]:
+    """(the table v's codes round to: its map, or the map's fourth roots where v rounds in its fourth root (the
+    kernel compares x^(1/4) against them: two square roots per element instead of six); whether the map is
+    snaketune's, 2^(k - 15), whose codes the kernel reads from the exponent). Found once per map tensor while it
+    lives (each state holds its own 16 entries; a state saved with torchao's map keeps it)."""
+    key = (id(qmap), root4)
+    held = _V_MAPS.get(key)
+    if held is None or held[0]() is not qmap:
+        pow2 = torch.equal(qmap.cpu(), torch.tensor(states4bit.V_CODES, dtype=qmap.dtype))
+        held = _V_MAPS[key] = (weakref.ref(qmap), qmap.sqrt().sqrt() if root4 else qmap, pow2)
+    return held[1], held[2]
 
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
