@@ -68,6 +68,7 @@ def _constants(module, rounding_sr: bool) -> tuple[dict, int, int]:
         "STOCHASTIC": True, "STATES_SR": rounding_sr, "V_ROOT4": rounding_sr, "V_POW2": rounding_sr, "ROWS": rows,
         "HALF": block // 2,
         "BLOCK": block, "PHILOX_ROUNDS": getattr(module, "PHILOX_ROUNDS", 10), "V_LINEAR": True,
+        "BINARY": getattr(module, "SEARCH", "compares") == "binary",
     }  # fmt: skip
     return constants, rows * block, warps
 

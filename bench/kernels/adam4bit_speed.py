@@ -32,8 +32,18 @@ SHAPES = {  # shape: tensors of it in the model
 V_MAPS = {"snaketune's (states4bit.V_CODES)": states4bit.V_CODES, "torchao's linear": None}
 
 
-SWEEP = ((4, 4, 10), (8, 4, 10), (8, 4, 7), (16, 4, 7), (16, 8, 10), (8, 2, 10))
-"""(ROWS, WARPS, PHILOX_ROUNDS) tried by --sweep."""
+SWEEP = (
+    (4, 4, 10, "compares"),
+    (8, 4, 10, "compares"),
+    (8, 4, 7, "compares"),
+    (16, 8, 10, "compares"),
+    (8, 2, 10, "compares"),
+    (4, 4, 10, "binary"),
+    (8, 4, 10, "binary"),
+    (8, 4, 7, "binary"),
+    (16, 4, 7, "binary"),
+)
+"""(ROWS, WARPS, PHILOX_ROUNDS, SEARCH) tried by --sweep."""
 
 
 def main() -> None:
@@ -118,7 +128,8 @@ def host_times(dev: torch.device, calls: int = 2000) -> None:
         adam4bit._adamw4bit[(8,)](
             p, g, m.codes, m.scale, v.codes, v.scale, m.qmap, v.qmap, v.qmap, partial, divisor, 32,
             1e-5, 0.9, 0.95, 1e-8, 0.0, 1e-5, 0.5, i, STOCHASTIC=True, STATES_SR=True, V_ROOT4=True, V_POW2=False,
-            ROWS=adam4bit.ROWS, BLOCK=adam4bit.BLOCK, PHILOX_ROUNDS=adam4bit.PHILOX_ROUNDS, num_warps=adam4bit.WARPS,
+            ROWS=adam4bit.ROWS, BLOCK=adam4bit.BLOCK, PHILOX_ROUNDS=adam4bit.PHILOX_ROUNDS, BINARY=False,
+            num_warps=adam4bit.WARPS,
         )  # fmt: skip
 
     parts = {

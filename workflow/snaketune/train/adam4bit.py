@@ -41,10 +41,13 @@ WARPS = 4
 """Warps per program: 4 elements per thread at ROWS 4."""
 PHILOX_ROUNDS = 10
 """Rounds of Triton's Philox4x32 per draw (its default, 10; Salmon et al. 2011 found 7 already pass BigCrush)."""
+SEARCH = "compares"
+"""How a rounded-stochastically state finds the entry at or below it in its map (m always; v in a map other than
+snaketune's): `compares` against all 15 entries, or `binary`, 4 compares against gathered entries."""
 
 
 @triton.jit
-def _quantize(x, table_ptr, rand, STATES_SR: tl.constexpr):
+def _quantize(x, table_ptr, rand, STATES_SR: tl.constexpr, BINARY: tl.constexpr):
     """The 4-bit code of x (normalized by its block's absmax, in the domain of `table_ptr`'s 16 sorted entries).
     STATES_SR (the default, snaketune's choice): rounded stochastically between the two entries around x, up with
     probability (x - below) / (above - below) from 8 random bits, so that x is the state's value in expectation. v
@@ -54,8 +57,14 @@ def _quantize(x, table_ptr, rand, STATES_SR: tl.constexpr):
     entry (a tie rounded up), by compares against the midpoints as scalars."""
     codes = tl.zeros(x.shape, dtype=tl.int32)
     if STATES_SR:
-        for k in tl.static_range(1, 16):  # the last entry at or below x (the first where x is below it)
-            codes += (x >= tl.load(table_ptr + k)).to(tl.int32)
+        if BINARY:  # 4 compares, 3 of them against gathered entries
+            codes += 8 * (x >= tl.load(table_ptr + 8)).to(tl.int32)
+            codes += 4 * (x >= tl.load(table_ptr + codes + 4)).to(tl.int32)
+            codes += 2 * (x >= tl.load(table_ptr + codes + 2)).to(tl.int32)
+            codes += (x >= tl.load(table_ptr + codes + 1)).to(tl.int32)
+        else:
+            for k in tl.static_range(1, 16):  # the last entry at or below x (the first where x is below it)
+                codes += (x >= tl.load(table_ptr + k)).to(tl.int32)
         codes = _round_up(x, codes, table_ptr, rand)
     else:
         for k in tl.static_range(15):
@@ -127,6 +136,7 @@ def _adamw4bit(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     PHILOX_ROUNDS: tl.constexpr,
+    BINARY: tl.constexpr,
 ):
     """ROWS quantization blocks of one tensor. Weights and gradients are loaded and stored contiguously (wide
     loads), then split into the even and odd elements that share a byte of codes (element 2i in its high nibble).
@@ -177,12 +187,10 @@ def _adamw4bit(
     r0, r1, _, _ = tl.randint4x(seed, byte, PHILOX_ROUNDS)
     r0 = r0.to(tl.uint32)
     r1 = r1.to(tl.uint32)
-    mq = (_quantize(m0 * m_inv, m_qmap, r0 >> 16, STATES_SR) << 4) | _quantize(
-        m1 * m_inv, m_qmap, r1 >> 16, STATES_SR
-    )
-    if (
-        V_POW2
-    ):  # snaketune's map (update()): the codes from the exponent, in v or (the same) in its fourth root
+    mq0 = _quantize(m0 * m_inv, m_qmap, r0 >> 16, STATES_SR, BINARY)
+    mq = (mq0 << 4) | _quantize(m1 * m_inv, m_qmap, r1 >> 16, STATES_SR, BINARY)
+    # snaketune's map (update()): the codes from the exponent, in v or (the same) in its fourth root
+    if V_POW2:
         c0 = _pow2_codes(x0)
         c1 = _pow2_codes(x1)
         if V_ROOT4:
@@ -193,7 +201,9 @@ def _adamw4bit(
         if V_ROOT4:
             x0 = tl.sqrt(tl.sqrt(x0))
             x1 = tl.sqrt(tl.sqrt(x1))
-        vq = (_quantize(x0, v_table, r0 >> 24, STATES_SR) << 4) | _quantize(x1, v_table, r1 >> 24, STATES_SR)
+        vq = (_quantize(x0, v_table, r0 >> 24, STATES_SR, BINARY) << 4) | _quantize(
+            x1, v_table, r1 >> 24, STATES_SR, BINARY
+        )
     tl.store(m_codes + byte, mq.to(tl.uint8), mask=mask)
     tl.store(v_codes + byte, vq.to(tl.uint8), mask=mask)
     tl.store(m_scale + rows, m_abs, mask=row_mask)
@@ -274,6 +284,7 @@ def update(
         ROWS=ROWS,
         BLOCK=BLOCK,
         PHILOX_ROUNDS=PHILOX_ROUNDS,
+        BINARY=SEARCH == "binary",
         num_warps=WARPS,
     )
     # One launch, no read-modify-write: the host's time per tensor bounds the 7B's step (module docstring).
