@@ -37,13 +37,6 @@ def _pack(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
     return tensor.device, host
 
 
-def _unpack(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
-    device, host = packed
-    if device.type == "cpu":
-        return host
-    return host.to(device, non_blocking=True)
-
-
 class _Saved:
     """One offloaded input: its host copy, the copy back once started (`back`, ready at `event`), and the input
     packed just before it in the same forward (a weak reference: the one backward reaches next)."""
