@@ -35,15 +35,18 @@ from snaketune.train import states4bit
 
 BLOCK = sizes.TORCHAO_BLOCK["4bit"]
 """Elements per quantization block (torchao's AdamW4bit default)."""
-ROWS = 4
-"""Quantization blocks per Triton program (512 elements)."""
+ROWS = 8
+"""Quantization blocks per Triton program (1,024 elements: 8 per thread of 4 warps). Chosen by the static count of
+sm_90 instructions per element (bench/kernels/adam4bit_sass.py: 268 at ROWS 4, 189 at ROWS 8 with 96 registers per
+thread, 16 needs 240 registers); bench/kernels/adam4bit_speed.py --sweep times the others on a GPU."""
 WARPS = 4
-"""Warps per program: 4 elements per thread at ROWS 4."""
+"""Warps per program."""
 PHILOX_ROUNDS = 10
 """Rounds of Triton's Philox4x32 per draw (its default, 10; Salmon et al. 2011 found 7 already pass BigCrush)."""
-SEARCH = "compares"
+SEARCH = "binary"
 """How a rounded-stochastically state finds the entry at or below it in its map (m always; v in a map other than
-snaketune's): `compares` against all 15 entries, or `binary`, 4 compares against gathered entries."""
+snaketune's): `binary`, 4 compares, 3 against gathered entries (32 instructions per element fewer than `compares`
+against all 15 entries: bench/kernels/adam4bit_sass.py)."""
 
 
 @triton.jit
