@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -19,6 +21,7 @@ from snaketune.config.choices import ConfigError
 from snaketune.data.builtin import eval_examples, expected_answer
 from snaketune.evaluation.evaluate import EVAL_EXAMPLES_SEED
 from snaketune.export import modelfile
+from snaketune.keys import PACKAGE_DIR
 from snaketune.report.benchmark import benchmark_section, benchmark_summary, change
 
 # ---- the local tasks through the harness ---------------------------------------------------------------
@@ -102,6 +105,46 @@ def test_few_shot_examples_are_earlier_turns_of_other_questions(tmp_path):
         assert chat[1]["content"] == expected_answer(chat[0]["content"])
         assert chat[-1]["content"] not in (chat[0]["content"], chat[2]["content"])
     assert result["example"]["prompt"].startswith("CHAT")  # the rendered prompt is recorded
+
+
+TORCH_FREE_RUN = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {package_root!r})
+from lm_eval.api.model import LM
+from snaketune.benchmark.run import evaluate_task
+from snaketune.config.benchmark import BenchmarkConfig
+
+class Yes(LM):  # answers every request alike, as a GGUF file's model does: without torch
+    tokenizer_name = "yes"
+    def loglikelihood(self, requests, disable_tqdm=False):
+        return [(0.0, True) for _ in requests]
+    def generate_until(self, requests, disable_tqdm=False):
+        return [" yes" for _ in requests]
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        raise NotImplementedError
+    def apply_chat_template(self, chat_history, add_generation_prompt=True):
+        return json.dumps(chat_history)
+    def chat_template(self, chat_template=False):
+        return "yes"
+
+for task in {tasks!r}:
+    assert evaluate_task(Yes(), BenchmarkConfig(limit=2).task_spec(task), Path({scratch!r}))["n"] == 2
+print(json.dumps([m for m in ("torch", "transformers.modeling_utils", "torch._dynamo") if m in sys.modules]))
+"""
+
+
+def test_a_model_without_torch_is_scored_without_importing_torch(tmp_path):
+    """A GGUF file's benchmark job (llama.cpp, numpy) scores every local task without importing torch, which
+    costs such a job about 1.5 s on two cores: the harness seeds torch only where a model has loaded it, and its
+    environment report (which imports torch and runs pip) is left out. tests/test_reproducibility.py checks the
+    jobs of a run as they ran (provenance's imported_torch)."""
+    code = TORCH_FREE_RUN.format(
+        package_root=str(PACKAGE_DIR.parent), tasks=list(local_tasks.LOCAL_TASKS), scratch=str(tmp_path)
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == [], "scoring a torch-free model imported these"
 
 
 def test_the_local_tasks_ask_the_evaluate_stages_questions():

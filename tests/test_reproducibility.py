@@ -156,9 +156,10 @@ def test_every_job_has_a_record(workdir):
                 assert entry["type"] == "directory" and entry["files"], path
     # The stages of the Snakefile's world ran without torch (tests/test_layout.py checks their imports); the
     # evaluation scores models with it in its own process (the launchers of train, reference and dpo need it only
-    # on a machine with GPUs: their ranks do the work).
+    # on a machine with GPUs: their ranks do the work); the GGUF files are scored by llama.cpp, without it
+    # (tests/test_benchmark.py: the harness's path).
     light = {"download", "conversations", "train_tokenizer", "tokenize", "preferences", "tokenize_pairs", "plan",
-             "plan_dpo", "plan_eval", "report"}  # fmt: skip
+             "plan_dpo", "plan_eval", "report", "benchmark_gguf"}  # fmt: skip
     for name, rec in records.items():
         assert not (rec["rule"] in light and rec["imported_torch"]), name
     assert records["evaluate/default"]["imported_torch"]

@@ -15,6 +15,7 @@ import contextlib
 import importlib.metadata
 import logging
 import math
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -32,7 +33,8 @@ log = logging.getLogger("snaketune.benchmark.run")
 BOOTSTRAP_ITERS = 1000
 """The harness's bootstrap for the standard error of metrics that are not means (accuracies are: closed form)."""
 SEEDS = {"random_seed": 0, "numpy_random_seed": 1234, "torch_random_seed": 1234, "fewshot_random_seed": 1234}
-"""The harness's own defaults, passed explicitly and recorded: they pick the few-shot examples."""
+"""The harness's own defaults, passed explicitly and recorded: they pick the few-shot examples. torch's is set where
+a model runs on torch (the harness's `hf` model); llama.cpp's GGUF files never draw from it (evaluate_task)."""
 
 
 def versions() -> dict[str, str]:
@@ -163,8 +165,26 @@ def scores(out: dict, name: str) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _without_environment_report() -> Iterator[None]:
+    """simple_evaluate without its last step, the harness's environment report (lm_eval.loggers.utils.add_env_info:
+    torch.utils.collect_env, which imports torch and runs `pip list` and compiler versions in subprocesses, about
+    0.6 s a job on two cores). No result file keeps it: each records versions() instead."""
+    import lm_eval.evaluator
+
+    report = lm_eval.evaluator.add_env_info  # an AttributeError here: the pinned harness changed
+    lm_eval.evaluator.add_env_info = lambda results: None
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.add_env_info = report
+
+
 def evaluate_task(lm, task: dict, scratch: Path) -> dict:
-    """Run one task (a config.BenchmarkConfig.task_spec) on `lm` with the harness; its scores."""
+    """Run one task (a config.BenchmarkConfig.task_spec) on `lm` with the harness; its scores.
+
+    The harness seeds torch only where torch is loaded: a model that runs on torch has loaded it by now, and seeding
+    it would cost a job on a GGUF file (llama.cpp, numpy) torch's import, about 1.5 s on two cores."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -172,18 +192,20 @@ def evaluate_task(lm, task: dict, scratch: Path) -> dict:
     # The harness's own task index takes ~12 s to build (every task file it ships): the local tasks skip it.
     manager = TaskManager(include_defaults=not local)
     what = local_tasks.materialize(task["name"], scratch) if local else task["name"]
-    out = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=[what],
-        num_fewshot=task["num_fewshot"],
-        limit=task["limit"],
-        apply_chat_template=task["chat_template"],
-        fewshot_as_multiturn=task["fewshot_as_multiturn"],
-        log_samples=True,
-        bootstrap_iters=BOOTSTRAP_ITERS,
-        task_manager=manager,
-        **SEEDS,
-    )
+    seeds = {**SEEDS, "torch_random_seed": SEEDS["torch_random_seed"] if "torch" in sys.modules else None}
+    with _without_environment_report():
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[what],
+            num_fewshot=task["num_fewshot"],
+            limit=task["limit"],
+            apply_chat_template=task["chat_template"],
+            fewshot_as_multiturn=task["fewshot_as_multiturn"],
+            log_samples=True,
+            bootstrap_iters=BOOTSTRAP_ITERS,
+            task_manager=manager,
+            **seeds,
+        )
     return scores(out, task["name"])
 
 
