@@ -67,13 +67,14 @@ def main() -> None:
                 gpu_times(dev, codes, kernel)
         states4bit.ROUNDING = "stochastic"
     if args.sweep:
-        default = (adam4bit.ROWS, adam4bit.WARPS, adam4bit.PHILOX_ROUNDS)
-        for adam4bit.ROWS, adam4bit.WARPS, adam4bit.PHILOX_ROUNDS in SWEEP:
+        default = (adam4bit.ROWS, adam4bit.WARPS, adam4bit.PHILOX_ROUNDS, adam4bit.SEARCH)
+        for adam4bit.ROWS, adam4bit.WARPS, adam4bit.PHILOX_ROUNDS, adam4bit.SEARCH in SWEEP:
             print(
-                f"sweep: ROWS {adam4bit.ROWS}, WARPS {adam4bit.WARPS}, PHILOX_ROUNDS {adam4bit.PHILOX_ROUNDS}"
+                f"sweep: ROWS {adam4bit.ROWS}, WARPS {adam4bit.WARPS}, PHILOX_ROUNDS {adam4bit.PHILOX_ROUNDS}, "
+                f"SEARCH {adam4bit.SEARCH}"
             )
             gpu_times(dev, states4bit.V_CODES, adam4bit)
-        adam4bit.ROWS, adam4bit.WARPS, adam4bit.PHILOX_ROUNDS = default
+        adam4bit.ROWS, adam4bit.WARPS, adam4bit.PHILOX_ROUNDS, adam4bit.SEARCH = default
     host_times(dev)
 
 
