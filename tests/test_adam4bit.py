@@ -17,6 +17,8 @@ import torch
 
 pytest.importorskip("triton")  # GPU-only: torch's CUDA build brings it, the CPU build none (Makefile)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from torchao.optim.adam import single_param_adam  # noqa: E402
 from torchao.optim.subclass_4bit import OptimState4bit  # noqa: E402
 
@@ -228,3 +230,22 @@ def test_v_codes_read_from_the_exponent_are_the_compares_codes(domain, monkeypat
     assert len(set(codes.flatten().tolist())) > 100  # many byte values: codes across the map
     assert torch.equal(codes, codes_ref) and torch.equal(scale, scale_ref)
     assert torch.equal(m_codes, m_codes_ref) and torch.equal(p, p_ref)
+
+
+@triton.jit
+def _round_up_kernel(x_ptr, table_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    codes = tl.full((N,), 15, tl.int32)
+    rand = tl.full((N,), 0, tl.uint32) + (i * 37).to(tl.uint32)  # u across (0, 1)
+    tl.store(out_ptr + i, adam4bit._round_up(tl.load(x_ptr + i), codes, table_ptr, rand))
+
+
+def test_a_value_an_ulp_above_the_last_entry_keeps_the_last_code():
+    """The block's max, times the reciprocal of the max, can come out an ulp above 1 on a GPU: it keeps code 15
+    (before: 16 for every draw, which spilled into the byte's other nibble)."""
+    table = torch.tensor(states4bit.V_CODES, device=DEVICE)
+    x = torch.full((8,), 1.0, device=DEVICE)
+    x[:4] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()  # 1 + 2^-23
+    out = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    _round_up_kernel[(1,)](x, table, out, N=8)
+    assert out.tolist() == [15] * 8

@@ -127,3 +127,13 @@ def test_bf16_weights_round_stochastically_without_bias():
     bias = (p.float() - exact).mean() / ulp
     assert abs(bias) < 0.02, bias
     assert (p != p2).any()
+
+
+@pytest.mark.parametrize("fourth_root", [False, True])
+def test_a_value_an_ulp_above_the_last_entry_keeps_the_last_code(fourth_root):
+    """x a float's ulp beyond the map's last entry (a block max times its reciprocal can round there) stays at code
+    15 for every draw, never 16 (which would spill into the byte's other nibble)."""
+    qmap = torch.tensor(states4bit.V_CODES)
+    x = torch.full((256,), torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item())
+    codes = states4bit.quantize(x, qmap, torch.arange(256, dtype=torch.int32), fourth_root)
+    assert codes.tolist() == [15] * 256

@@ -78,11 +78,14 @@ def _quantize(x, table_ptr, rand, STATES_SR: tl.constexpr, BINARY: tl.constexpr)
 @triton.jit
 def _round_up(x, codes, table_ptr, rand):
     """`codes` (the entry at or below x) plus one with probability (x - below) / (above - below), from 8 random
-    bits; x below the first entry: x - below < 0, never up; at or above the last: above == below."""
+    bits; x below the first entry: x - below < 0, never up. At most the last code: the block's largest element
+    comes in as its value times the reciprocal of the block's max, which the GPU can round an ulp above the last
+    entry (1); code 16 would spill into the byte's other nibble (it did on an H100: the block max's m turned to
+    -0.89 of itself, tests/test_adam4bit.py)."""
     below = tl.load(table_ptr + codes)  # 16 entries: gathers from L1
     above = tl.load(table_ptr + tl.minimum(codes + 1, 15))
     u = ((rand & 255).to(tl.float32) + 0.5) * (1.0 / 256.0)
-    return codes + ((x - below) > u * (above - below)).to(tl.int32)
+    return tl.minimum(codes + ((x - below) > u * (above - below)).to(tl.int32), 15)
 
 
 @triton.jit

@@ -84,7 +84,8 @@ def quantize(
     if fourth_root:  # v >= 0 and the map's entries > 0
         x, low, high = x.sqrt().sqrt(), low.sqrt().sqrt(), high.sqrt().sqrt()
     u = ((rand & 255).to(torch.float32) + 0.5) * (1.0 / 256.0)
-    return below + ((x - low) > u * (high - low))
+    # at most the last code: x an ulp beyond the last entry would round "up" to 16 (adam4bit._round_up: why)
+    return (below + ((x - low) > u * (high - low))).clamp_(max=15)
 
 
 def _unpack(codes: torch.Tensor) -> torch.Tensor:
