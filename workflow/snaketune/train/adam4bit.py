@@ -15,11 +15,15 @@ Why not torchao's compiled update: measured on one H200 (bench/RESULTS.md, issue
 hook (a compiled-function guard check, tensor-subclass slicing, the norm's three launches) took 449 of an 816 ms
 profiled step: the GPU was idle most of it. Here a tensor costs one pass over its bytes (the bf16 weight and
 gradient read, the weight written, the 4-bit m and v and their scales read and written, ~8 B per parameter), nothing
-materialized in fp32: 90 ms of GPU time for the 7B's 6.9B parameters (610 GB/s, an eighth of the H200's 4.8 TB/s;
-what bounds it was not profiled), and the step went from 3,425 to 5,861 tokens/s. The squared gradient norm (for the
-next step's clipping and the log) comes from the same pass: each program's sum, added up in a fixed order by one
-torch.sum into the tensor's slot of the step's norms. The host's time per tensor (53 us on the H200, 35 of them
-Triton's launch) is what bounds the 7B's step now, 273 tensors a step.
+materialized in fp32, and the step went from 3,425 to 5,861 tokens/s. The squared gradient norm (for the next
+step's clipping and the log) comes from the same pass: each program's sum, added up in a fixed order by one torch.sum
+into the tensor's slot of the step's norms.
+
+What bounds the pass is instruction issue, not memory: the first version took 90 ms per 7B step (610 GB/s) at 332
+sm_90 instructions per element (bench/kernels/adam4bit_sass.py), about what 132 SMs issue in that time. This one
+takes 189 (wide loads split into a byte's two elements, one Philox draw per byte, v's codes from the exponent, a
+binary search for m's, per-row reciprocals, 8 blocks a program): 65.5 ms on an H100 against 90.8 for the first in the
+same call (bench/RESULTS.md, issue #50).
 """
 
 from __future__ import annotations
