@@ -117,6 +117,44 @@ def _round_bf16(x, rand, STOCHASTIC: tl.constexpr):
     return x
 
 
+@triton.jit
+def _pairs(ptr, elem, elem_mask, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """A [ROWS, 2 x HALF] tile loaded contiguously (wide loads) as fp32, split into the even and odd elements (the
+    two of a code byte)."""
+    tile = tl.load(ptr + elem, mask=elem_mask, other=0.0).to(tl.float32)
+    return tl.split(tl.reshape(tile, (ROWS, HALF, 2)))
+
+
+@triton.jit
+def _block_max(a, b):
+    """Each row's (quantization block's) largest |value| over its even (a) and odd (b) elements, at least 1e-12."""
+    return tl.maximum(tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1)), 1e-12)
+
+
+@triton.jit
+def _store_state(codes_ptr, scale_ptr, codes, absmax, byte, mask, rows, row_mask):
+    tl.store(codes_ptr + byte, codes.to(tl.uint8), mask=mask)
+    tl.store(scale_ptr + rows, absmax, mask=row_mask)
+
+
+@triton.jit
+def _dequantize(codes_ptr, scale_ptr, qmap_ptr, byte, mask, rows, row_mask):
+    """A 4-bit state's values for the two elements of each byte (element 2i in the high nibble)."""
+    codes = tl.load(codes_ptr + byte, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    return tl.load(qmap_ptr + (codes >> 4)) * scale, tl.load(qmap_ptr + (codes & 15)) * scale
+
+
+@triton.jit
+def _adamw(p, g, m, v, lr, beta1, beta2, eps, decay, step_size, inv_bc2):
+    """torchao's single_param_adam, elementwise: decoupled weight decay, lerp of m and v, bias correction
+    (step_size = lr / (1 - beta1^t), inv_bc2 = 1 / sqrt(1 - beta2^t)). The new weight, m and v."""
+    p = p - lr * decay * p
+    m = m + (1.0 - beta1) * (g - m)
+    v = v + (1.0 - beta2) * (g * g - v)
+    return p - step_size * m / (tl.sqrt(v) * inv_bc2 + eps), m, v
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _adamw4bit(
     p_ptr,
@@ -148,8 +186,7 @@ def _adamw4bit(
     PHILOX_ROUNDS: tl.constexpr,
     BINARY: tl.constexpr,
 ):
-    """ROWS quantization blocks of one tensor. Weights and gradients are loaded and stored contiguously (wide
-    loads), then split into the even and odd elements that share a byte of codes (element 2i in its high nibble).
+    """ROWS quantization blocks of one tensor, their even and odd elements (a code byte's two) side by side.
     `v_table`: the map v rounds to, `v_qmap` itself or its fourth roots where v rounds in its fourth root (update())."""
     HALF: tl.constexpr = BLOCK // 2
     pid = tl.program_id(0)  # int32 offsets: update() refuses tensors of 2^31 elements or more
@@ -159,48 +196,25 @@ def _adamw4bit(
     elem_mask = row_mask[:, None] & (elem >= 0)
     byte = rows[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [ROWS, HALF]: one byte, two elements
     mask = row_mask[:, None] & (byte >= 0)
-    g0, g1 = tl.split(
-        tl.reshape(tl.load(g_ptr + elem, mask=elem_mask, other=0.0).to(tl.float32), (ROWS, HALF, 2))
-    )
+    g0, g1 = _pairs(g_ptr, elem, elem_mask, ROWS, HALF)
     tl.store(partial_ptr + pid, tl.sum(tl.sum(g0 * g0 + g1 * g1, axis=1), axis=0))
     inv_divisor = 1.0 / tl.load(divisor_ptr)
-    g0 = g0 * inv_divisor
-    g1 = g1 * inv_divisor
-    p0, p1 = tl.split(
-        tl.reshape(tl.load(p_ptr + elem, mask=elem_mask, other=0.0).to(tl.float32), (ROWS, HALF, 2))
-    )
-    mc = tl.load(m_codes + byte, mask=mask, other=0).to(tl.int32)
-    vc = tl.load(v_codes + byte, mask=mask, other=0).to(tl.int32)
-    ms = tl.load(m_scale + rows, mask=row_mask, other=0.0)[:, None]
-    vs = tl.load(v_scale + rows, mask=row_mask, other=0.0)[:, None]
-    m0 = tl.load(m_qmap + (mc >> 4)) * ms
-    m1 = tl.load(m_qmap + (mc & 15)) * ms
-    v0 = tl.load(v_qmap + (vc >> 4)) * vs
-    v1 = tl.load(v_qmap + (vc & 15)) * vs
-    p0 = p0 - lr * decay * p0
-    p1 = p1 - lr * decay * p1
-    m0 = m0 + (1.0 - beta1) * (g0 - m0)
-    m1 = m1 + (1.0 - beta1) * (g1 - m1)
-    v0 = v0 + (1.0 - beta2) * (g0 * g0 - v0)
-    v1 = v1 + (1.0 - beta2) * (g1 * g1 - v1)
+    g0, g1 = g0 * inv_divisor, g1 * inv_divisor
+    p0, p1 = _pairs(p_ptr, elem, elem_mask, ROWS, HALF)
+    m0, m1 = _dequantize(m_codes, m_scale, m_qmap, byte, mask, rows, row_mask)
+    v0, v1 = _dequantize(v_codes, v_scale, v_qmap, byte, mask, rows, row_mask)
     inv_bc2 = 1.0 / bc2_sqrt
-    p0 = p0 - step_size * m0 / (tl.sqrt(v0) * inv_bc2 + eps)
-    p1 = p1 - step_size * m1 / (tl.sqrt(v1) * inv_bc2 + eps)
-    m_abs = tl.maximum(tl.maximum(tl.max(tl.abs(m0), axis=1), tl.max(tl.abs(m1), axis=1)), 1e-12)
-    v_abs = tl.maximum(tl.maximum(tl.max(tl.abs(v0), axis=1), tl.max(tl.abs(v1), axis=1)), 1e-12)
+    p0, m0, v0 = _adamw(p0, g0, m0, v0, lr, beta1, beta2, eps, decay, step_size, inv_bc2)
+    p1, m1, v1 = _adamw(p1, g1, m1, v1, lr, beta1, beta2, eps, decay, step_size, inv_bc2)
+    m_abs = _block_max(m0, m1)
+    v_abs = _block_max(v0, v1)
     m_inv = (1.0 / m_abs)[:, None]
-    v_inv = (1.0 / v_abs)[:, None]
-    x0 = v0 * v_inv
-    x1 = v1 * v_inv
-    # one Philox draw per byte, two of its four 32-bit words, one per element: bits 0-15 round the weight, 16-23
-    # its m, 24-31 its v
+    x0, x1 = v0 * (1.0 / v_abs)[:, None], v1 * (1.0 / v_abs)[:, None]
+    # one Philox draw per byte, a word per element: bits 0-15 round the weight, 16-23 its m, 24-31 its v
     r0, r1, _, _ = tl.randint4x(seed, byte, PHILOX_ROUNDS)
-    r0 = r0.to(tl.uint32)
-    r1 = r1.to(tl.uint32)
     mq0 = _quantize(m0 * m_inv, m_qmap, r0 >> 16, STATES_SR, BINARY)
     mq = (mq0 << 4) | _quantize(m1 * m_inv, m_qmap, r1 >> 16, STATES_SR, BINARY)
-    # snaketune's map (update()): the codes from the exponent, in v or (the same) in its fourth root
-    if V_POW2:
+    if V_POW2:  # snaketune's map (update()): codes from the exponent, in v or (the same) its fourth root
         c0 = _pow2_codes(x0)
         c1 = _pow2_codes(x1)
         if V_ROOT4:
@@ -214,13 +228,9 @@ def _adamw4bit(
         vq = (_quantize(x0, v_table, r0 >> 24, STATES_SR, BINARY) << 4) | _quantize(
             x1, v_table, r1 >> 24, STATES_SR, BINARY
         )
-    tl.store(m_codes + byte, mq.to(tl.uint8), mask=mask)
-    tl.store(v_codes + byte, vq.to(tl.uint8), mask=mask)
-    tl.store(m_scale + rows, m_abs, mask=row_mask)
-    tl.store(v_scale + rows, v_abs, mask=row_mask)
-    p0 = _round_bf16(p0, r0, STOCHASTIC)
-    p1 = _round_bf16(p1, r1, STOCHASTIC)
-    p = tl.reshape(tl.join(p0, p1), (ROWS, BLOCK))
+    _store_state(m_codes, m_scale, mq, m_abs, byte, mask, rows, row_mask)
+    _store_state(v_codes, v_scale, vq, v_abs, byte, mask, rows, row_mask)
+    p = tl.reshape(tl.join(_round_bf16(p0, r0, STOCHASTIC), _round_bf16(p1, r1, STOCHASTIC)), (ROWS, BLOCK))
     tl.store(p_ptr + elem, p.to(p_ptr.dtype.element_ty), mask=elem_mask)
 
 
