@@ -21,9 +21,9 @@ into the tensor's slot of the step's norms.
 
 What bounds the pass is instruction issue, not memory: the first version took 90 ms per 7B step (610 GB/s) at 332
 sm_90 instructions per element (bench/kernels/adam4bit_sass.py), about what 132 SMs issue in that time. This one
-takes 189 (wide loads split into a byte's two elements, one Philox draw per byte, v's codes from the exponent, a
-binary search for m's, per-row reciprocals, 8 blocks a program): 65.5 ms on an H100 against 90.8 for the first in the
-same call (bench/RESULTS.md, issue #50).
+takes 191 (wide loads split into a byte's two elements, one Philox draw per byte, v's codes from the exponent, a
+binary search for m's, per-row reciprocals, 8 blocks a program). At 189, before _round_up's clamp, it took 65.5 ms on
+an H100 against 90.8 for the first in the same call (bench/RESULTS.md, issue #50).
 """
 
 from __future__ import annotations
