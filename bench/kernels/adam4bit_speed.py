@@ -3,8 +3,8 @@ deepseek-llm-7b architecture (30 layers), and the bandwidth that implies (8 B pe
 written, bf16 gradient read, 4-bit m and v read and written, their scales); then the host's time per call, on a tensor
 small enough that the GPU keeps up (the step in backward makes 273 such calls per 7B step, inside backward). With
 --before FILE, a kernel of another revision (`git show REV:workflow/snaketune/train/adam4bit.py > FILE`) is timed
-the same way in the same process; with --sweep, this kernel at other program sizes (adam4bit.ROWS, WARPS,
-PHILOX_ROUNDS), with snaketune's rounding and map only. On a CUDA GPU:
+the same way in the same process; with --sweep, this kernel at other program sizes and searches (adam4bit.ROWS,
+WARPS, PHILOX_ROUNDS, SEARCH), with snaketune's rounding and map only. On a CUDA GPU:
 
     python -m bench adam4bit_speed [--before FILE] [--sweep]
 """
@@ -58,9 +58,8 @@ def main() -> None:
         kernels[f"before ({args.before})"] = module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     for label, kernel in kernels.items():
-        for (
-            rounding
-        ) in states4bit.ROUNDINGS:  # the states' rounding to their codes (snaketune.train.states4bit)
+        # the states' rounding to their codes (snaketune.train.states4bit)
+        for rounding in states4bit.ROUNDINGS:
             for name, codes in V_MAPS.items():
                 states4bit.ROUNDING = rounding
                 print(f"{label}: m and v rounded to their codes: {rounding}; v's map: {name}")
