@@ -209,22 +209,19 @@ def _adamw4bit(
     m_abs = _block_max(m0, m1)
     v_abs = _block_max(v0, v1)
     m_inv = (1.0 / m_abs)[:, None]
-    x0, x1 = v0 * (1.0 / v_abs)[:, None], v1 * (1.0 / v_abs)[:, None]
+    v_inv = (1.0 / v_abs)[:, None]
+    x0, x1 = v0 * v_inv, v1 * v_inv
     # one Philox draw per byte, a word per element: bits 0-15 round the weight, 16-23 its m, 24-31 its v
     r0, r1, _, _ = tl.randint4x(seed, byte, PHILOX_ROUNDS)
     mq0 = _quantize(m0 * m_inv, m_qmap, r0 >> 16, STATES_SR, BINARY)
     mq = (mq0 << 4) | _quantize(m1 * m_inv, m_qmap, r1 >> 16, STATES_SR, BINARY)
-    if V_POW2:  # snaketune's map (update()): codes from the exponent, in v or (the same) its fourth root
-        c0 = _pow2_codes(x0)
-        c1 = _pow2_codes(x1)
-        if V_ROOT4:
-            x0 = tl.sqrt(tl.sqrt(x0))
-            x1 = tl.sqrt(tl.sqrt(x1))
+    if V_POW2:  # snaketune's map (update()): codes from v's exponent, the same in its fourth root
+        c0, c1 = _pow2_codes(x0), _pow2_codes(x1)
+    if V_ROOT4:
+        x0, x1 = tl.sqrt(tl.sqrt(x0)), tl.sqrt(tl.sqrt(x1))
+    if V_POW2:
         vq = (_round_up(x0, c0, v_table, r0 >> 24) << 4) | _round_up(x1, c1, v_table, r1 >> 24)
     else:
-        if V_ROOT4:
-            x0 = tl.sqrt(tl.sqrt(x0))
-            x1 = tl.sqrt(tl.sqrt(x1))
         vq = (_quantize(x0, v_table, r0 >> 24, STATES_SR, BINARY) << 4) | _quantize(
             x1, v_table, r1 >> 24, STATES_SR, BINARY
         )
