@@ -308,7 +308,7 @@ def update(
     torch.sum(partial, dim=0, out=sq_out)
 
 
-_V_MAPS: dict[tuple[int, bool], tuple[weakref.ref, torch.Tensor, bool]] = {}
+_V_MAPS: dict[tuple[int, bool], tuple[weakref.ref, torch.Tensor | None, bool]] = {}
 
 
 def _v_map(qmap: torch.Tensor, root4: bool) -> tuple[torch.Tensor, bool]:
@@ -319,9 +319,12 @@ def _v_map(qmap: torch.Tensor, root4: bool) -> tuple[torch.Tensor, bool]:
     key = (id(qmap), root4)
     held = _V_MAPS.get(key)
     if held is None or held[0]() is not qmap:
+        for dead in [k for k, (ref, _, _) in _V_MAPS.items() if ref() is None]:
+            del _V_MAPS[dead]  # maps of states that are gone
         pow2 = torch.equal(qmap.cpu(), torch.tensor(states4bit.V_CODES, dtype=qmap.dtype))
-        held = _V_MAPS[key] = (weakref.ref(qmap), qmap.sqrt().sqrt() if root4 else qmap, pow2)
-    return held[1], held[2]
+        # the roots, or nothing: holding the map itself would keep it alive
+        held = _V_MAPS[key] = (weakref.ref(qmap), qmap.sqrt().sqrt() if root4 else None, pow2)
+    return (qmap if held[1] is None else held[1]), held[2]
 
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
