@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import tarfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -147,13 +149,26 @@ def test_a_missing_converter_says_how_to_install_it(tmp_path, monkeypatch):
 
 
 def test_a_failing_conversion_names_the_model_and_the_log(tmp_path):
+    """The converter runs in the caller's process and leaves it as it was: its error in the log, PyPI's gguf still
+    the one `import gguf` gives, the path, arguments and logging as before."""
+    import logging
+
+    import gguf
+
     (tmp_path / "model").mkdir()
     (tmp_path / "model/config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
+    path, argv, handlers = list(sys.path), list(sys.argv), list(logging.getLogger().handlers)
     with pytest.raises(
         llama_cpp.ToolchainError, match=r"converter failed on .*model \(exit 1\); see .*export.log"
     ):
         llama_cpp.convert(tmp_path / "model", tmp_path / "out.gguf", "bf16", tmp_path / "export.log")
-    assert "NoSuchForCausalLM" in (tmp_path / "export.log").read_text()
+    log = (tmp_path / "export.log").read_text()
+    assert "ERROR:hf-to-gguf:Model NoSuchForCausalLM is not supported" in log, log
+    assert (sys.path, sys.argv, logging.getLogger().handlers) == (path, argv, handlers)
+    assert sys.modules["gguf"] is gguf and "conversion" not in sys.modules
+    assert Path(gguf.__file__).parent.parent.name == "site-packages", (
+        gguf.__file__
+    )  # PyPI's, not the converter's
 
 
 def test_validation_segments_are_conversations_with_their_targets():

@@ -7,8 +7,8 @@ source distribution, which vendors llama.cpp. Installing it builds libllama (the
 source archive into the environment (`python -m snaketune.export.llama_cpp install <sdist>`; the Makefile does it).
 Nothing is downloaded when the stage runs.
 
-The converter runs in a subprocess with its own vendored gguf-py first on the path (PyPI's gguf 0.19.0, which
-transformers reads GGUF files with, is older than the converter needs). It names the tokenizer's pre-tokenizer
+The converter runs in the export's process with its own vendored gguf-py first on the path (PyPI's gguf 0.19.0,
+which transformers reads GGUF files with, is older than the converter needs), dropped again once it has run. It names the tokenizer's pre-tokenizer
 (the regex that splits text before BPE) by hashing what the tokenizer makes of a test text, and refuses one it
 does not know. A tokenizer trained here (the builtin one) splits exactly as GPT-2 does (a byte-level pre-tokenizer
 with GPT-2's regex): for that one, and only that one, the name llama.cpp gives GPT-2's split ("gpt-2") is used.
@@ -19,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import runpy
-import subprocess
 import sys
 import tarfile
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,36 +145,62 @@ def pre_tokenizer_fallback(tokenizer_json: str | Path) -> str:
 
 
 def convert(model_dir: str | Path, out_file: str | Path, outtype: str, log_file: str | Path) -> None:
-    """llama.cpp's converter: the hub-format model directory as one GGUF file of `outtype` (f32, bf16 or f16)."""
+    """llama.cpp's converter: the hub-format model directory as one GGUF file of `outtype` (f32, bf16 or f16).
+
+    It runs in this process (`_converter`), which has torch imported already: a process of its own spent about 4 s
+    of a tiny model's 10 s export importing torch again. Its output goes to `log_file`."""
     conv = converter_dir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "snaketune.export.llama_cpp",
-        "convert",
-        str(conv),
-        pre_tokenizer_fallback(Path(model_dir) / "tokenizer.json"),
-        str(model_dir),
-        "--outtype",
-        outtype,
-        "--outfile",
-        str(out_file),
-    ]
-    package_root = str(Path(__file__).resolve().parents[2])  # snaketune's parent, for `-m` in a conda env too
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
-    }
+    args = [str(model_dir), "--outtype", outtype, "--outfile", str(out_file)]
+    fallback = pre_tokenizer_fallback(Path(model_dir) / "tokenizer.json")
     with open(log_file, "a") as log:
-        log.write(f"$ {' '.join(cmd)}\n")
+        log.write(f"$ {conv / 'convert_hf_to_gguf.py'} {' '.join(args)} (in process)\n")
         log.flush()
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
-    if proc.returncode != 0:
+        try:
+            with _converter(conv, log):
+                _run_converter(conv, fallback, args)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except Exception:  # noqa: BLE001 - any failure of the converter is the export's ToolchainError
+            log.write(traceback.format_exc())
+            code = 1
+    if code != 0:
         tail = Path(log_file).read_text().splitlines()[-5:]
         raise ToolchainError(
-            f"llama.cpp's converter failed on {model_dir} (exit {proc.returncode}); "
-            f"see {log_file}:\n" + "\n".join(tail)
+            f"llama.cpp's converter failed on {model_dir} (exit {code}); see {log_file}:\n" + "\n".join(tail)
         )
+
+
+CONVERTER_MODULES = ("gguf", "conversion")
+"""The converter's own packages (from its directory): imported for a conversion and dropped after it, so that
+`import gguf` elsewhere in the process still finds PyPI's gguf (requirements.txt), which is older."""
+
+
+@contextlib.contextmanager
+def _converter(conv: Path, log) -> Iterator[None]:
+    """The converter's packages first on the path, its logging and printing into `log`, and the process as it was
+    afterwards: sys.path, sys.argv, the modules it imported, the root logger's handlers and level."""
+    ours = lambda name: name.split(".")[0] in CONVERTER_MODULES  # noqa: E731
+    before = {name: m for name, m in sys.modules.items() if ours(name)}
+    for name in before:
+        del sys.modules[name]
+    path, argv = list(sys.path), list(sys.argv)
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    handler = logging.StreamHandler(log)
+    handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))  # what its own logging.basicConfig writes
+    root.handlers, root.level = [handler], logging.INFO
+    sys.path[:0] = [str(conv), str(conv / "gguf-py")]
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            yield
+    finally:
+        handler.flush()
+        root.handlers, root.level = handlers, level
+        sys.path[:], sys.argv[:] = path, argv
+        for name in [name for name in sys.modules if ours(name)]:
+            del sys.modules[name]
+        sys.modules.update(before)
 
 
 @contextlib.contextmanager
@@ -235,9 +262,9 @@ def gguf_metadata(path: str | Path) -> dict:
     }
 
 
-def _convert_main(conv: str, fallback: str, args: list[str]) -> None:
-    """The converter, run as its own script, with the GPT-2 split named for a tokenizer it cannot identify."""
-    sys.path[:0] = [conv, str(Path(conv) / "gguf-py")]
+def _run_converter(conv: Path, fallback: str, args: list[str]) -> None:
+    """convert_hf_to_gguf.py as its own script would run (inside `_converter`), with the GPT-2 split named for a
+    tokenizer it cannot identify."""
     import conversion.base as base  # the converter's own package (llama.cpp's conversion/)
 
     identify = base.TextModel.get_vocab_base_pre
@@ -252,15 +279,13 @@ def _convert_main(conv: str, fallback: str, args: list[str]) -> None:
             return fallback
 
     base.TextModel.get_vocab_base_pre = get_vocab_base_pre
-    script = str(Path(conv) / "convert_hf_to_gguf.py")
+    script = str(conv / "convert_hf_to_gguf.py")
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["convert"]:
-        _convert_main(sys.argv[2], sys.argv[3], sys.argv[4:])
-    elif sys.argv[1:2] == ["install"] and len(sys.argv) in (3, 4):
+    if sys.argv[1:2] == ["install"] and len(sys.argv) in (3, 4):
         print(install_converter(*sys.argv[2:]))
     else:
         sys.exit("usage: python -m snaketune.export.llama_cpp install <llama_cpp_python sdist> [destination]")
