@@ -4,11 +4,13 @@ data's ranked siblings, evaluated on held-out pairs. What the README and the rep
 from __future__ import annotations
 
 import json
+import zipfile
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
-from conftest import NOTHING_TO_DO, copy_workflow, snakemake
+from conftest import NOTHING_TO_DO, SHORT_TIMEOUT_S, copy_workflow, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -81,6 +83,31 @@ def test_the_default_runs_every_stage_once(default_run):
     assert stats["pairs"]["train"] > 300 and sum(stats["groups_dropped"].values()) > 0
     dry = snakemake(workdir, "-n", "--cores", "2", "--resources", "gpu=3")
     assert NOTHING_TO_DO in dry.output and dry.planned_rules == [], dry.output[-3000:]
+
+
+def test_a_second_invocation_does_nothing(default_run):
+    """`make run` again runs no job, and fewer granted GPUs change nothing the rules depend on."""
+    workdir, _ = default_run
+    summary = workdir / "results/dpo/default/summary.json"
+    mtime = summary.stat().st_mtime_ns
+    again = snakemake(workdir, "--cores", "2", "--resources", "gpu=3", timeout=SHORT_TIMEOUT_S)
+    assert NOTHING_TO_DO in again.output and again.finished_rules == [], again.output[-3000:]
+    fewer = snakemake(workdir, "-n", "--cores", "2", "--resources", "gpu=2")
+    assert NOTHING_TO_DO in fewer.output and fewer.planned_rules == [], fewer.output[-3000:]
+    assert summary.stat().st_mtime_ns == mtime
+
+
+def test_snakemakes_report_holds_the_report_and_the_runs_records(default_run, tmp_path):
+    workdir, _ = default_run
+    zip_path = tmp_path / "report.zip"
+    snakemake(workdir, "--report", str(zip_path))
+    with zipfile.ZipFile(zip_path) as z:
+        names = z.namelist()
+    assert "report/report.html" in names, names
+    assert {"metrics.csv", "summary.json", "source.json", "stats.json"} <= {Path(n).name for n in names}
+    html = tmp_path / "report.html"
+    snakemake(workdir, "--report", str(html))
+    assert html.stat().st_size > 0
 
 
 def test_the_report_has_the_benchmark_table_on_the_local_tasks(default_run):
