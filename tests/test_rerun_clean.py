@@ -7,11 +7,11 @@ the evaluation's and the report's figures equal. Only what records a run rather 
 throughput, run keys, the experiment's name and `resumed_from_step`. Two designs share the cost:
 
 - Kinds that change one experiment's sections (model, tokenize, train, preference): one base run from nothing
-  trains chains of experiments (CHAINS), each with the config of the one before it and one kind's change more,
+  trains a chain of experiments (CHAIN), each with the config of the one before it and one kind's change more,
   and the changed run gives each experiment the next one's config. So every kind's rerun has a clean twin that
   the base run made from nothing before the change (its outputs copied aside: the changed run remakes most of
-  them), and the last experiment of a chain keeps its config and must rerun nothing. A kind's change is made to
-  the tiny config plus the changes before it in its chain. An added experiment (the tiny config's, whose twin is
+  them), and the last experiment of the chain keeps its config and must rerun nothing. A kind's change is made to
+  the tiny config plus the changes before it in the chain. An added experiment (the tiny config's, whose twin is
   the base run's `default`) is new in the changed run. preference.max_length's experiment takes the config of one
   whose tokenized pairs exist: its reference must rerun all the same (it once did not: common_preference.smk's
   reference_dir says why).
@@ -106,11 +106,20 @@ NO_EXPORT = ("dataset.paths",)
 PLANS = ("results/plan/default.json", "results/plan/dpo/default.json", "results/plan/eval/default.json")
 """The memory plans: no stage reads them (workflow/rules/common_plan.smk), so a run that stops at the evaluation
 asks for them by name (the clean run would not make them, the rerun would keep stale ones)."""
-CHAINS = (
-    ("preference.pairs", "preference.beta", "train.deepspeed (ZeRO-2 -> ZeRO-3)", "preference.max_length"),
-    ("preference.train.learning_rate", "train.learning_rate", "tokenize.packing", "model.tokenizer"),
+CHAIN = (
+    "preference.pairs",
+    "preference.beta",
+    "preference.max_length",
+    "preference.train.learning_rate",
+    "train.learning_rate",
+    "tokenize.packing",
+    "model.tokenizer",
+    "train.deepspeed (ZeRO-2 -> ZeRO-3)",
 )
-"""The experiment kinds in chains (the module's docstring says how the runs use them)."""
+"""The experiment kinds in one chain (the module's docstring says how the runs use them). One chain, not two: a
+second chain's first experiment would be the tiny config again, a second training, reference and DPO of `default`'s
+config in the base run. ZeRO-3 last: only the chain's last experiment trains with it in the base run, and one in the
+changed run."""
 ADDED_NAME = "added"
 RUN = ("--cores", "2", "--resources", "gpu=2")
 RECORD_FIELDS = {"experiment", "wall_time_s", "run_key", "resumed_from_step", "time_s", "tokens_per_s_per_gpu",
@@ -125,7 +134,7 @@ def test_every_change_kind_is_covered():
     no_op = [kind for kind, (_, stages) in CASES.items() if not stages]
     covered = [*EXPERIMENT_KINDS, ADDED, *SHARED_KINDS, *FILE_KINDS, *STAGE_KINDS, *CODE_KINDS, *no_op]
     assert sorted([*covered, *BENCHMARK_ONLY]) == sorted(CASES)
-    assert sorted(kind for chain in CHAINS for kind in chain) == sorted(EXPERIMENT_KINDS)
+    assert sorted(CHAIN) == sorted(EXPERIMENT_KINDS)
     assert sorted(kind for riders in RIDERS.values() for kind in riders) == sorted(
         [*STAGE_KINDS, *CODE_KINDS, *FILE_KINDS]
     )
@@ -234,7 +243,7 @@ def mtimes(workdir: Path) -> dict[str, float]:
     return {str(p): p.stat().st_mtime_ns for p in (workdir / "results").rglob("*") if p.is_file()}
 
 
-# ---- kinds that change one experiment: one base run of chains of experiments, one run of the changes -------
+# ---- kinds that change one experiment: one base run of a chain of experiments, one run of the changes ------
 
 
 def _merge(base: dict, change: dict) -> dict:
@@ -246,27 +255,26 @@ def _merge(base: dict, change: dict) -> dict:
     return out
 
 
-def _chains() -> tuple[dict, dict, dict]:
+def _chain() -> tuple[dict, dict, dict]:
     """The base run's experiments and the changed run's (name -> overrides), and for each kind its experiment and
     the one with the config it is changed to (its clean twin: the base run's, or one the changed run adds)."""
     base, changed, twins = {}, {}, {}
-    for c, chain in enumerate(CHAINS):
-        configs = [{}]
-        for kind in chain:
-            configs.append(_merge(configs[-1], EXPERIMENT_KINDS[kind]))
-        # config/config.yaml always brings `default`: the tiny config, the first of the first chain.
-        names = ["default" if (c, j) == (0, 0) else f"{'ab'[c]}{j}" for j in range(len(configs))]
-        for j, name in enumerate(names):
-            base[name] = configs[j]
-            changed[name] = configs[min(j + 1, len(chain))]
-        for j, kind in enumerate(chain):
-            twins[kind] = (names[j], names[j + 1])
+    configs = [{}]
+    for kind in CHAIN:
+        configs.append(_merge(configs[-1], EXPERIMENT_KINDS[kind]))
+    # config/config.yaml always brings `default`: the tiny config, the first of the chain.
+    names = ["default" if j == 0 else f"a{j}" for j in range(len(configs))]
+    for j, name in enumerate(names):
+        base[name] = configs[j]
+        changed[name] = configs[min(j + 1, len(CHAIN))]
+    for j, kind in enumerate(CHAIN):
+        twins[kind] = (names[j], names[j + 1])
     changed[ADDED_NAME] = {}
     twins[ADDED] = (ADDED_NAME, "default")
     return base, changed, twins
 
 
-BASE, CHANGED, TWINS = _chains()
+BASE, CHANGED, TWINS = _chain()
 
 
 def _dpo_targets(names) -> list[str]:
@@ -317,10 +325,10 @@ def test_rerun_of_an_experiment_equals_its_clean_twin(experiments, kind):
 
 
 def test_an_unchanged_experiment_reruns_nothing(experiments):
-    """The last experiment of a chain keeps its config: the changed run rewrote none of its files."""
+    """The last experiment of the chain keeps its config: the changed run rewrote none of its files."""
     res = experiments["workdir"] / "results"
     unchanged = [name for name in BASE if CHANGED[name] == BASE[name]]
-    assert len(unchanged) == len(CHAINS)
+    assert len(unchanged) == 1  # the chain's last
     for name in unchanged:
         rewritten = [
             p

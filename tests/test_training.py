@@ -447,29 +447,32 @@ def test_train_seed_draws_the_lora_adapters(tiny_data):
     assert not any(torch.equal(first[n], other[n]) for n in lora_a)
 
 
-def _start_check(rank: int, world: int, port: int, differ: bool, out) -> None:
+def _start_check(rank: int, world: int, port: int, out) -> None:
+    """Rank `rank`'s start checks: weights the same on every rank, then one bias element off on rank 1."""
     import torch.distributed as dist
 
     from snaketune.train.engine import check_same_start
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    net = torch.nn.Linear(4, 4)
-    torch.nn.init.constant_(net.weight, 1.0)
-    torch.nn.init.constant_(net.bias, 0.0)
-    if differ and rank == 1:
-        net.bias.data[2] = 1e-6
     try:
-        check_same_start(net, torch.device("cpu"))
-        out.put((rank, "same"))
-    except RuntimeError as e:
-        out.put((rank, str(e)))
+        for differ in (False, True):
+            net = torch.nn.Linear(4, 4)
+            torch.nn.init.constant_(net.weight, 1.0)
+            torch.nn.init.constant_(net.bias, 0.0)
+            if differ and rank == 1:
+                net.bias.data[2] = 1e-6
+            try:
+                check_same_start(net, torch.device("cpu"))
+                out.put((differ, rank, "same"))
+            except RuntimeError as e:
+                out.put((differ, rank, str(e)))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("differ", [False, True])
-def test_ranks_are_checked_to_start_from_the_same_weights(differ):
+def test_ranks_are_checked_to_start_from_the_same_weights():
+    """Two ranks (spawned processes, one pair for both cases: each spawn imports this module's world, 6 s of CPU)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -479,16 +482,14 @@ def test_ranks_are_checked_to_start_from_the_same_weights(differ):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_start_check, args=(r, 2, port, differ, out)) for r in range(2)]
+    procs = [ctx.Process(target=_start_check, args=(r, 2, port, out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
+    results = {(differ, rank): r for differ, rank, r in (out.get(timeout=120) for _ in range(2 * len(procs)))}
     for p in procs:
         p.join(timeout=60)
-    if differ:
-        assert all(
-            "ranks start from different trainable weights (1 tensors differ, first bias)" in r
-            for r in results.values()
-        )
-    else:
-        assert results == {0: "same", 1: "same"}
+    assert {rank: results[False, rank] for rank in range(2)} == {0: "same", 1: "same"}
+    assert all(
+        "ranks start from different trainable weights (1 tensors differ, first bias)" in results[True, rank]
+        for rank in range(2)
+    ), results
