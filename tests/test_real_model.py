@@ -25,11 +25,14 @@ GGUF = Path(SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gg
 PROMPT = "What is the capital of France?"
 PROMPTS = [PROMPT, "Name the largest planet of the solar system."]
 REAL = {
-    "dataset": {"builtin_trees": 24},  # a tiny set the model overfits: the loss must fall step after step
+    "dataset": {
+        "builtin_trees": 24
+    },  # a tiny set the model overfits: the loss falls from the first step to the last
     "tokenize": {"max_length": 128, "chat_template": "model"},
     "train": {
         "learning_rate": 1.0e-4,
         "max_steps": 6,
+        "global_batch_size": 2,  # one micro-batch a step: a 135M model's steps are most of the run's CPU time
         "warmup_steps": 1,
         "eval_every": 6,
         "checkpoint_every": 0,
