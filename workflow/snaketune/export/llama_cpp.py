@@ -8,10 +8,11 @@ source archive into the environment (`python -m snaketune.export.llama_cpp insta
 Nothing is downloaded when the stage runs.
 
 The converter runs in the export's process with its own vendored gguf-py first on the path (PyPI's gguf 0.19.0,
-which transformers reads GGUF files with, is older than the converter needs), dropped again once it has run. It names the tokenizer's pre-tokenizer
-(the regex that splits text before BPE) by hashing what the tokenizer makes of a test text, and refuses one it
-does not know. A tokenizer trained here (the builtin one) splits exactly as GPT-2 does (a byte-level pre-tokenizer
-with GPT-2's regex): for that one, and only that one, the name llama.cpp gives GPT-2's split ("gpt-2") is used.
+which transformers reads GGUF files with, is older than the converter needs), dropped again once it has run. It
+names the tokenizer's pre-tokenizer (the regex that splits text before BPE) by hashing what the tokenizer makes of
+a test text, and refuses one it does not know. A tokenizer trained here (the builtin one) splits exactly as GPT-2
+does (a byte-level pre-tokenizer with GPT-2's regex): for that one, and only that one, the name llama.cpp gives
+GPT-2's split ("gpt-2") is used.
 """
 
 from __future__ import annotations
