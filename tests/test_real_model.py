@@ -25,9 +25,8 @@ GGUF = Path(SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gg
 PROMPT = "What is the capital of France?"
 PROMPTS = [PROMPT, "Name the largest planet of the solar system."]
 REAL = {
-    "dataset": {
-        "builtin_trees": 24
-    },  # a tiny set the model overfits: the loss falls from the first step to the last
+    # A tiny set the model overfits: the loss falls from the first step to the last.
+    "dataset": {"builtin_trees": 24},
     "tokenize": {"max_length": 128, "chat_template": "model"},
     "train": {
         "learning_rate": 1.0e-4,
