@@ -166,9 +166,8 @@ def test_a_failing_conversion_names_the_model_and_the_log(tmp_path):
     assert "ERROR:hf-to-gguf:Model NoSuchForCausalLM is not supported" in log, log
     assert (sys.path, sys.argv, logging.getLogger().handlers) == (path, argv, handlers)
     assert sys.modules["gguf"] is gguf and "conversion" not in sys.modules
-    assert Path(gguf.__file__).parent.parent.name == "site-packages", (
-        gguf.__file__
-    )  # PyPI's, not the converter's
+    # PyPI's gguf, not the converter's
+    assert Path(gguf.__file__).parent.parent.name == "site-packages", gguf.__file__
 
 
 def test_validation_segments_are_conversations_with_their_targets():
