@@ -23,6 +23,7 @@ LAYERS = (
         "snaketune.cuda_driver",
         "snaketune.gpus",
         "snaketune.device_memory",
+        "snaketune.host_heap",
     ),  # infrastructure every stage uses
     ("snaketune.config",),  # allowed values, dataclasses, loading, DeepSpeed files
     ("snaketune.keys", "snaketune.provenance", "snaketune.hub"),  # cache names, job records, pinned revisions
@@ -44,6 +45,7 @@ NO_TORCH = (
     "snaketune.cuda_driver",
     "snaketune.gpus",
     "snaketune.device_memory",
+    "snaketune.host_heap",
     "snaketune.config",
     "snaketune.keys",
     "snaketune.hub",

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from snaketune import host_heap
 from snaketune.config.schema import ModelConfig
 from snaketune.model import attention, batching
 from snaketune.model.build import LossModel, keep_4bit_layout, load_model, nf4_config
@@ -33,6 +34,8 @@ def pick_device(device: str | None = None) -> tuple[torch.device, torch.dtype]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type == "cpu":
+        host_heap.keep_freed_memory()  # the batches' logits in the heap's pages (snaketune.host_heap)
     return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
 
 

@@ -19,7 +19,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from snaketune import device_memory
+from snaketune import device_memory, host_heap
 
 log = logging.getLogger("snaketune.train")
 
@@ -107,6 +107,7 @@ def rank_device(local_rank: int, *, in_backward: bool, verbose: bool) -> RankDev
     the process stays within gpu_memory_gib, the card's memory; the CPU where there is no GPU. `verbose`: log what
     was set (rank 0)."""
     if not torch.cuda.is_available():
+        host_heap.keep_freed_memory()  # every step's tensors in the heap's pages (snaketune.host_heap)
         return RankDevice(torch.device("cpu"), {}, device_memory.PeakSampler(None))
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
