@@ -38,6 +38,7 @@ from snaketune.train import checkpoint, engine, profiling, ranks, saving
 from snaketune.train.metrics import (
     MetricsWriter,
     Throughput,
+    alloc_retries,
     device_name,
     measured_matmul_flops,
     peak_flops,
@@ -347,6 +348,7 @@ class Trainer:
         """The metrics of a logged step: the window's (summed over the ranks), then a new window."""
         sums = self._all_reduce(window.sums)
         grad_norm = self.engine.get_global_grad_norm() if self.ds_grad_norm else grad_norm
+        retries = alloc_retries(self.device)
         last = {
             **self.window_metrics(sums, window.count),
             "train/lr": lr,
@@ -356,6 +358,9 @@ class Trainer:
             "memory/max_allocated_gib": self._max_over_ranks(peak_memory_gib(self.device)),
             # What nvidia-smi shows for the process (NVML, sampled), the figure gpu_memory_gib bounds.
             "memory/device_peak_gib": self._max_over_ranks(self.placed.peak.peak_gib or 0.0) or None,
+            # The caching allocator's retries so far, the most of any rank (each frees its cache after a device-wide
+            # synchronization: the steps where it grows stall); none on CPU.
+            "memory/alloc_retries": None if retries is None else int(self._max_over_ranks(retries)),
         }
         window.sums, window.count = {}, 0.0
         if evaluate:
