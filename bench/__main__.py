@@ -181,6 +181,9 @@ CASES = [
          "CPU (2 cores: ~4 min the first time)", _script("overhead/bookkeeping.py")),
     Case("verify", "overhead", "`snakemake verify`'s hash of the outputs against their records: GB/s by file "
          "count and threads (a 14 GiB file by default)", "CPU", _script("overhead/verify.py")),
+    Case("host_heap", "overhead", "a CPU step's page faults and kernel time with malloc as it comes and with "
+         "snaketune.host_heap's settings (the loss at DeepSeek's vocabulary)", "CPU (seconds)",
+         _script("overhead/host_heap.py")),
     Case("startup", "overhead", "where a GPU stage's fixed start-up goes: import times, the train stage's "
          "phases (SmolLM2, 4 steps)", GPU, _script("overhead/startup.sh"), ("ROWS", "SMOL|GGUF")),
     Case("tests", "", "the test suite's checks, e.g. `-m gpu` (kernels, the fast path) on a GPU; pytest's "
