@@ -42,7 +42,9 @@ print(json.dumps(out))
 
 
 def side(kept: bool, args) -> list[tuple[int, float, float]]:
-    code = STEPS.format(workflow=str(WORKFLOW), kept=kept, vocab=args.vocab, tokens=args.tokens, steps=args.steps)
+    code = STEPS.format(
+        workflow=str(WORKFLOW), kept=kept, vocab=args.vocab, tokens=args.tokens, steps=args.steps
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return [tuple(step) for step in json.loads(proc.stdout.splitlines()[-1])]
 
@@ -63,7 +65,9 @@ def main() -> None:
             f"| {name} | {statistics.mean(s[0] for s in after):,.0f} | {statistics.mean(s[1] for s in after):.3f} | "
             f"{statistics.mean(s[2] for s in after):.3f} |"
         )
-    print(f"\n{args.tokens} tokens x {args.vocab:,} entries, steps {args.settle + 1}-{args.steps}, mean per step:\n")
+    print(
+        f"\n{args.tokens} tokens x {args.vocab:,} entries, steps {args.settle + 1}-{args.steps}, mean per step:\n"
+    )
     print("| malloc | minor page faults | system s | user s |\n|---|---:|---:|---:|")
     print("\n".join(rows))
 
