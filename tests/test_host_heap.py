@@ -21,7 +21,7 @@ import torch
 faults = []
 for _ in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    # a step's large tensors: 100 MB allocated, written and freed, as a CPU step's logits are
+    # a step's large tensors: two blocks of 100 MB allocated, written and freed, as a CPU step's logits are
     x = torch.empty(25_000_000, dtype=torch.float32).fill_(1.0)
     y = x * 2
     del x, y

@@ -6,9 +6,10 @@ much again. glibc's malloc serves a block above its mmap threshold (128 KiB, rai
 most 32 MiB) with a fresh mmap and unmaps it on free, so every step faults in new pages the kernel has to zero: the
 CPU ranks of the user's-scale tests spent a third of their CPU time in the kernel. `keep_freed_memory` raises the
 mmap and trim thresholds (mallopt), so that large blocks come from the heap and what is freed stays there for the
-next step. Measured on a 2-core VM (2026-12-07): the loss of 512 tokens at 102,400 entries, forward and backward,
-faulted 208,000 pages a step before and none from the fifth step on; tests/test_hub_workflow.py's run (CPU ranks,
-102,400-row model) took 183 s instead of 221, with 49 s of system time instead of 112.
+next step. Measured on a 2-core VM (bench/RESULTS.md, "CPU ranks that keep their freed memory"): the loss of 512
+tokens at 102,400 entries, forward and backward, faulted 205,873 pages and spent 0.351 s in the kernel a step before,
+and none from the seventh step on (`python -m bench host_heap`); tests/test_hub_workflow.py's run (CPU ranks,
+102,400-row model) took 200 s instead of 221, with 57 s of kernel time instead of 112.
 
 The cost: a process's resident memory stays at its peak rather than shrinking between steps. So only processes
 whose compute runs on the CPU ask for it (a CPU rank, evaluation or benchmark on the CPU); a GPU process's host
