@@ -349,18 +349,22 @@ class Trainer:
         sums = self._all_reduce(window.sums)
         grad_norm = self.engine.get_global_grad_norm() if self.ds_grad_norm else grad_norm
         retries = alloc_retries(self.device)
+        # One collective and one device-to-host sync for the three maxima over the ranks, not one each.
+        peak, device_peak, most_retries = self._max_over_ranks(
+            peak_memory_gib(self.device), self.placed.peak.peak_gib or 0.0, retries or 0
+        )
         last = {
             **self.window_metrics(sums, window.count),
             "train/lr": lr,
             "train/grad_norm": _float(grad_norm),
             "train/tokens_seen": self.tokens_seen,
             **meter.read(),
-            "memory/max_allocated_gib": self._max_over_ranks(peak_memory_gib(self.device)),
+            "memory/max_allocated_gib": peak,
             # What nvidia-smi shows for the process (NVML, sampled), the figure gpu_memory_gib bounds.
-            "memory/device_peak_gib": self._max_over_ranks(self.placed.peak.peak_gib or 0.0) or None,
+            "memory/device_peak_gib": device_peak or None,
             # The caching allocator's retries so far, the most of any rank (each frees its cache after a device-wide
             # synchronization: the steps where it grows stall); none on CPU.
-            "memory/alloc_retries": None if retries is None else int(self._max_over_ranks(retries)),
+            "memory/alloc_retries": None if retries is None else int(most_retries),
         }
         window.sums, window.count = {}, 0.0
         if evaluate:
@@ -397,10 +401,11 @@ class Trainer:
     def pad_id(self) -> int:
         return batching.pad_id(self.tokenizer)
 
-    def _max_over_ranks(self, value: float) -> float:
-        t = torch.tensor([value], device=self.device, dtype=torch.float64)
+    def _max_over_ranks(self, *values: float) -> list[float]:
+        """Each value's maximum over the ranks, in one all-reduce."""
+        t = torch.tensor(values, device=self.device, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
+        return t.tolist()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
